@@ -1,0 +1,154 @@
+"""Reference attention over the ragged paged cache equals dense masked SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_kvpress_ext.attention import paged_decode_attention, paged_prefill_attention, varlen_causal_attention
+from vllm_kvpress_ext.cache import KeepPlan, PagedKVCache
+
+
+def _dense_reference(
+    query: torch.Tensor, keys: list[list[torch.Tensor]], values: list[list[torch.Tensor]], scale: float
+) -> torch.Tensor:
+    """Per (request, KV head): SDPA of the group's query heads over that head's own keys, padded and masked."""
+    batch, num_q_heads, head_dim = query.shape
+    num_kv_heads = len(keys[0])
+    group = num_q_heads // num_kv_heads
+    max_len = max(k.shape[0] for row in keys for k in row)
+    out = torch.empty_like(query)
+    for b in range(batch):
+        for h in range(num_kv_heads):
+            n = keys[b][h].shape[0]
+            k = torch.zeros(max_len, head_dim)
+            v = torch.zeros(max_len, head_dim)
+            k[:n], v[:n] = keys[b][h], values[b][h]
+            mask = (torch.arange(max_len) < n).view(1, 1, max_len)
+            q = query[b, h * group : (h + 1) * group].unsqueeze(1)  # [G, 1, d]
+            o = F.scaled_dot_product_attention(
+                q, k.expand(group, -1, -1), v.expand(group, -1, -1), attn_mask=mask, scale=scale
+            )
+            out[b, h * group : (h + 1) * group] = o[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_attention_matches_dense_sdpa(head_dim: int, group: int) -> None:
+    torch.manual_seed(group * 1000 + head_dim)
+    layers, kv_heads, page_size, requests = 2, 2, 16, 3
+    cache = PagedKVCache(
+        layers, kv_heads, head_dim, num_pages=256, page_size=page_size, max_requests=4, dtype=torch.float32
+    )
+    kept_k: dict[tuple[int, int, int], torch.Tensor] = {}
+    kept_v: dict[tuple[int, int, int], torch.Tensor] = {}
+    rows = []
+    for r in range(requests):
+        rid = f"req{r}"
+        row = cache.add_request(rid)
+        rows.append(row)
+        n = int(torch.randint(20, 90, ()))
+        slots = cache.append_slots([row], torch.arange(n).view(1, -1))
+        k = torch.randn(*slots.shape, head_dim)
+        v = torch.randn(*slots.shape, head_dim)
+        cache.write(slots, k, v)
+        # A different random subset per head gives ragged lengths (some heads keep a single entry).
+        mask = torch.rand(layers, kv_heads, n) < torch.rand(layers, kv_heads, 1)
+        mask[..., 0] = True
+        cache.apply_keep_plan(rid, KeepPlan.from_mask(mask))
+        for layer in range(layers):
+            for h in range(kv_heads):
+                kept_k[r, layer, h] = k[layer, 0, h][mask[layer, h]]
+                kept_v[r, layer, h] = v[layer, 0, h][mask[layer, h]]
+    assert len({int(x) for x in cache.seq_lens[0, rows].flatten()}) > 1, "lengths should be ragged"
+    scale = head_dim**-0.5
+    order = [2, 0, 1]  # batch order differs from row order
+    for layer in range(layers):
+        query = torch.randn(len(order), kv_heads * group, head_dim)
+        out = paged_decode_attention(
+            query,
+            cache.pool.kv,
+            cache.pool.positions,
+            cache.block_tables[layer],
+            cache.seq_lens[layer],
+            torch.tensor([rows[r] for r in order]),
+            scale,
+        )
+        expected = _dense_reference(
+            query,
+            [[kept_k[r, layer, h] for h in range(kv_heads)] for r in order],
+            [[kept_v[r, layer, h] for h in range(kv_heads)] for r in order],
+            scale,
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_reads_ring_and_global() -> None:
+    torch.manual_seed(1)
+    head_dim, group, window = 32, 2, 16
+    cache = PagedKVCache(1, 2, head_dim, num_pages=64, page_size=8, max_requests=2, dtype=torch.float32)
+    row = cache.add_request("r")
+    n = 40
+    slots = cache.append_slots([row], torch.arange(n).view(1, -1))
+    k, v = torch.randn(*slots.shape, head_dim), torch.randn(*slots.shape, head_dim)
+    cache.write(slots, k, v)
+    admitted = torch.rand(1, 2, n) < 0.4
+    cache.start_ring("r", window, admitted)
+    query = torch.randn(1, 2 * group, head_dim)
+    out = paged_decode_attention(
+        query,
+        cache.pool.kv,
+        cache.pool.positions,
+        cache.block_tables[0],
+        cache.seq_lens[0],
+        torch.tensor([row]),
+        head_dim**-0.5,
+        cache.ring_tables[0],
+        cache.ring_lens(),
+    )
+    keep = admitted[0].clone()
+    keep[:, n - window :] = True
+    expected = _dense_reference(
+        query, [[k[0, 0, h][keep[h]] for h in range(2)]], [[v[0, 0, h][keep[h]] for h in range(2)]], head_dim**-0.5
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_attention_matches_causal_sdpa(group: int) -> None:
+    torch.manual_seed(2)
+    head_dim, kv_heads, n, chunk = 64, 2, 45, 17
+    cache = PagedKVCache(1, kv_heads, head_dim, num_pages=64, page_size=16, max_requests=1, dtype=torch.float32)
+    row = cache.add_request("r")
+    q = torch.randn(n, kv_heads * group, head_dim)
+    k, v = torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim)
+    outs = []
+    for start in range(0, n, chunk):  # chunked prefill: each chunk attends to the cached prefix
+        end = min(n, start + chunk)
+        slots = cache.append_slots([row], torch.arange(start, end).view(1, -1))
+        cache.write(slots[0, 0].T, k[start:end], v[start:end])
+        outs.append(
+            paged_prefill_attention(
+                q[start:end],
+                torch.arange(start, end),
+                cache.pool.kv,
+                cache.pool.positions,
+                cache.block_tables[0, row],
+                cache.seq_lens[0, row],
+                head_dim**-0.5,
+            )
+        )
+    expected = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(group, 1).transpose(0, 1),
+        v.repeat_interleave(group, 1).transpose(0, 1),
+        is_causal=True,
+    ).transpose(0, 1)
+    torch.testing.assert_close(torch.cat(outs), expected, atol=1e-5, rtol=1e-5)
+    packed = varlen_causal_attention(
+        torch.cat([q, q[:10]]), torch.cat([k, k[:10]]), torch.cat([v, v[:10]]), [0, n, n + 10], head_dim**-0.5
+    )
+    torch.testing.assert_close(packed[:n], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[n:], expected[:10], atol=1e-5, rtol=1e-5)

@@ -1,0 +1,13 @@
+"""Attention ops over the ragged per-head paged cache.
+
+`reference` holds the pure-torch oracles; accelerated kernels dispatch from here on CUDA tensors.
+"""
+
+from vllm_kvpress_ext.attention.reference import (
+    gather_paged,
+    paged_decode_attention,
+    paged_prefill_attention,
+    varlen_causal_attention,
+)
+
+__all__ = ["gather_paged", "paged_decode_attention", "paged_prefill_attention", "varlen_causal_attention"]

@@ -1,0 +1,1 @@
+"""Benchmarks that print tables: cache bookkeeping and compaction (`kvpress bench cache`)."""

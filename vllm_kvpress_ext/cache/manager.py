@@ -1,0 +1,571 @@
+"""Per-request, per-(layer, KV head) ragged page lists over one shared page pool.
+
+Layout of the bookkeeping (R = `max_requests` rows, one per running request):
+
+- global region: `block_tables[L, R, H, P]` page ids (-1 = none) and `seq_lens[L, R, H]` entries.
+  Entry e of (l, r, h) lives at slot `block_tables[l, r, h, e // page_size] * page_size + e % page_size`.
+- local ring (optional, per request): `ring_tables[L, R, H, W / page_size]` pages holding the last
+  W tokens, token t at ring slot `t % W`; `ring_count[r]` tokens have passed through it, and
+  `ring_flags[L, R, H, W]` say whether the token in a slot is admitted to the global region
+  when it is overwritten (lazy promotion).
+
+Kernels take `block_tables[l]` ([R, H, P]) and `seq_lens[l]` ([R, H]) for one layer and treat
+each (request, head) as its own sequence. Every mutation is a handful of vectorised tensor ops
+over all (layer, request, head) triples at once: there is no Python loop over layers, heads or
+requests, which keeps decode-step bookkeeping well under a millisecond for large batches.
+
+Bookkeeping tensors live on the CPU; when the pool lives on an accelerator, `device_block_tables`
+and `device_seq_lens` mirror them and receive the same scatter updates (no full re-upload).
+
+Every operation validates and counts the pages it needs *before* changing anything, so a
+`PoolExhaustedError` or `InvalidPlanError` leaves the cache exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvpress_ext.cache.plan import InvalidPlanError, KeepPlan
+from vllm_kvpress_ext.cache.pool import PagePool, PoolExhaustedError
+
+
+def _ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
+    return torch.div(x + d - 1, d, rounding_mode="floor")
+
+
+def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten the ranges [starts[i], starts[i] + counts[i]) into (group index, value) pairs."""
+    total = int(counts.sum())
+    group = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    offsets = torch.arange(total) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return group, starts[group] + offsets
+
+
+class RequestCapacityError(RuntimeError):
+    """All request rows of the cache are taken."""
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """What one request holds. `bytes` counts whole pages (partial last pages included)."""
+
+    pages: int
+    bytes: int
+    tokens: int
+    global_tokens: torch.Tensor  # int64 [L, H]
+    ring_tokens: int  # per (layer, head)
+
+
+class PagedKVCache:
+    """Ragged per-head paged KV cache for many requests, with optional local rings."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int = 16,
+        max_requests: int = 64,
+        dtype: torch.dtype = torch.float16,
+        device: str | torch.device = "cpu",
+        initial_pages_per_head: int = 8,
+    ) -> None:
+        if num_layers <= 0 or num_kv_heads <= 0:
+            raise ValueError("num_layers and num_kv_heads must be positive")
+        if max_requests <= 0:
+            raise ValueError(f"max_requests must be positive, got {max_requests}")
+        self.pool = PagePool(num_pages, page_size, head_dim, dtype, device)
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.page_size = page_size
+        self.max_requests = max_requests
+        self.device = self.pool.device
+        shape = (num_layers, max_requests, num_kv_heads)
+        self.block_tables = torch.full((*shape, max(1, initial_pages_per_head)), -1, dtype=torch.int32)
+        self.seq_lens = torch.zeros(shape, dtype=torch.int32)
+        self.ring_window = torch.zeros(max_requests, dtype=torch.int64)
+        self.ring_count = torch.zeros(max_requests, dtype=torch.int64)
+        self.ring_tables = torch.full((*shape, 0), -1, dtype=torch.int32)
+        self.ring_flags = torch.zeros((*shape, 0), dtype=torch.bool)
+        self._mirror = self.device.type != "cpu"
+        self.device_block_tables = self.block_tables.to(self.device) if self._mirror else self.block_tables
+        self.device_seq_lens = self.seq_lens.to(self.device) if self._mirror else self.seq_lens
+        self.device_ring_tables = self.ring_tables.to(self.device) if self._mirror else self.ring_tables
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+        self._row_of: dict[Hashable, int] = {}
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: Hashable) -> int:
+        """Reserve a row for a new request and return it."""
+        if request_id in self._row_of:
+            raise ValueError(f"request {request_id!r} is already in the cache")
+        if not self._free_rows:
+            raise RequestCapacityError(f"all {self.max_requests} request rows are in use")
+        row = self._free_rows.pop()
+        self._row_of[request_id] = row
+        return row
+
+    def row_of(self, request_id: Hashable) -> int:
+        try:
+            return self._row_of[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} is not in the cache") from None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._row_of)
+
+    def free_request(self, request_id: Hashable) -> None:
+        """Return every page of the request to the pool and release its row."""
+        row = self.row_of(request_id)
+        pages = self.block_tables[:, row]
+        ring_pages = self.ring_tables[:, row]
+        self.pool.free(torch.cat([pages[pages >= 0], ring_pages[ring_pages >= 0]]).to(torch.int64))
+        self._reset_row(row)
+        self.ring_window[row] = 0
+        self.ring_count[row] = 0
+        del self._row_of[request_id]
+        self._free_rows.append(row)
+
+    def _reset_row(self, row: int) -> None:
+        self.block_tables[:, row] = -1
+        self.seq_lens[:, row] = 0
+        self.ring_tables[:, row] = -1
+        self.ring_flags[:, row] = False
+        if self._mirror:
+            self.device_block_tables[:, row] = -1
+            self.device_seq_lens[:, row] = 0
+            self.device_ring_tables[:, row] = -1
+
+    # ------------------------------------------------------------------ appending
+
+    def pages_needed_to_append(self, rows: torch.Tensor, num_tokens: int) -> int:
+        """Pages an `append_slots(rows, ...)` of `num_tokens` tokens per row would allocate."""
+        rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        counts = self._append_counts(rows, num_tokens)
+        lens = self.seq_lens[:, rows].to(torch.int64)
+        return int((_ceil_div(lens + counts, self.page_size) - _ceil_div(lens, self.page_size)).sum())
+
+    def _append_counts(self, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Entries each (l, b, h) adds to its *global* region: `num_tokens`, or for ring rows the promotions."""
+        counts = torch.full((self.num_layers, rows.numel(), self.num_kv_heads), num_tokens, dtype=torch.int64)
+        ring_rows = (self.ring_window[rows] > 0).nonzero().reshape(-1)
+        if ring_rows.numel():
+            r = rows[ring_rows]
+            window = self.ring_window[r]
+            slot = self.ring_count[r] % window
+            full = self.ring_count[r] >= window
+            flags = (
+                self.ring_flags[:, r, :, :]
+                .gather(-1, slot.view(1, -1, 1, 1).expand(self.num_layers, -1, self.num_kv_heads, 1))
+                .squeeze(-1)
+            )
+            counts[:, ring_rows] = (flags & full.view(1, -1, 1)).to(torch.int64)
+        return counts
+
+    def append_slots(self, rows: torch.Tensor | list[int], positions: torch.Tensor) -> torch.Tensor:
+        """Reserve slots for `n` new tokens in every (layer, KV head) of each row.
+
+        `positions[B, n]` are the tokens' positions in their sequences (stored with the entries).
+        Returns flat slot ids `[L, B, H, n]` (int64, on the pool's device) to pass to `write`.
+        Rows with a local ring take one token at a time (decode); their token goes to ring slot
+        `t % W`, and the token it replaces is first copied to the global region if admitted.
+        Raises PoolExhaustedError (cache unchanged) when the pages do not fit.
+        """
+        rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(rows.numel(), -1)
+        num_tokens = positions.shape[1]
+        is_ring = self.ring_window[rows] > 0
+        if bool(is_ring.any()) and num_tokens != 1:
+            raise ValueError("requests with a local ring append one token per step")
+        if torch.unique(rows).numel() != rows.numel():
+            raise ValueError("a request row appears twice in one append")
+        layers, batch, heads = self.num_layers, rows.numel(), self.num_kv_heads
+        counts = self._append_counts(rows, num_tokens)
+        starts = self._grow(rows, counts)  # [L, B, H] first new global entry
+        ps = self.page_size
+
+        # Global entries: token j of (l, b, h) is entry starts + j.
+        entries = starts.unsqueeze(-1) + torch.arange(num_tokens)  # [L, B, H, n]
+        l_idx = torch.arange(layers).view(-1, 1, 1, 1)
+        r_idx = rows.view(1, -1, 1, 1)
+        h_idx = torch.arange(heads).view(1, 1, -1, 1)
+        safe_entries = torch.where(counts.unsqueeze(-1) > 0, entries, torch.zeros_like(entries))
+        pages = self.block_tables[l_idx, r_idx, h_idx, torch.div(safe_entries, ps, rounding_mode="floor")]
+        slots = pages.to(torch.int64) * ps + safe_entries % ps
+
+        if bool(is_ring.any()):
+            ring_b = is_ring.nonzero().reshape(-1)
+            r = rows[ring_b]
+            ring_slot = self.ring_count[r] % self.ring_window[r]  # [Br]
+            ring_pages = self.ring_tables[:, r, :, :].gather(
+                -1, torch.div(ring_slot, ps, rounding_mode="floor").view(1, -1, 1, 1).expand(layers, -1, heads, 1)
+            )
+            ring_slots = ring_pages.to(torch.int64) * ps + (ring_slot % ps).view(1, -1, 1, 1)  # [L, Br, H, 1]
+            promote = counts[:, ring_b].bool()  # [L, Br, H]
+            if bool(promote.any()):
+                src = ring_slots[..., 0][promote].to(self.device)
+                dst = slots[:, ring_b, :, 0][promote].to(self.device)
+                self._copy_slots(src, dst)
+            slots[:, ring_b] = ring_slots
+            # The new token is not admitted until `admit` says otherwise.
+            self._clear_flags(r, ring_slot)
+            self.ring_count[r] += 1
+
+        device_slots = slots.to(self.device)
+        token_pos = positions.view(1, batch, 1, num_tokens).expand(layers, batch, heads, num_tokens)
+        self.pool.positions.view(-1)[device_slots.reshape(-1)] = token_pos.reshape(-1).to(
+            device=self.device, dtype=torch.int32
+        )
+        return device_slots
+
+    def _clear_flags(self, rows: torch.Tensor, ring_slot: torch.Tensor) -> None:
+        layers, heads = self.num_layers, self.num_kv_heads
+        self.ring_flags[
+            torch.arange(layers).view(-1, 1, 1),
+            rows.view(1, -1, 1),
+            torch.arange(heads).view(1, 1, -1),
+            ring_slot.view(1, -1, 1),
+        ] = False
+
+    def _grow(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Add `counts[L, B, H]` global entries to each (l, rows[b], h); return their first entry index."""
+        ps = self.page_size
+        lens = self.seq_lens[:, rows].to(torch.int64)
+        new_lens = lens + counts
+        have = _ceil_div(lens, ps)
+        need = _ceil_div(new_lens, ps)
+        delta = (need - have).reshape(-1)
+        total = int(delta.sum())
+        if total > self.pool.num_free:
+            raise PoolExhaustedError(total, self.pool.num_free)
+        if total:
+            self._ensure_table_width(int(need.max()))
+            pages = self.pool.allocate(total)
+            group, page_index = _ranges(have.reshape(-1), delta)
+            _layers, batch, heads = lens.shape
+            l_idx = group // (batch * heads)
+            r_idx = rows[(group // heads) % batch]
+            h_idx = group % heads
+            self._write_table(l_idx, r_idx, h_idx, page_index, pages.to(torch.int32))
+        self._write_lens(rows, new_lens)
+        return lens
+
+    def _ensure_table_width(self, width: int) -> None:
+        current = self.block_tables.shape[-1]
+        if width <= current:
+            return
+        new_width = max(width, 2 * current)
+        pad = (0, new_width - current)
+        self.block_tables = torch.nn.functional.pad(self.block_tables, pad, value=-1)
+        if self._mirror:
+            self.device_block_tables = torch.nn.functional.pad(self.device_block_tables, pad, value=-1)
+        else:
+            self.device_block_tables = self.block_tables
+
+    def _write_table(
+        self, l_idx: torch.Tensor, r_idx: torch.Tensor, h_idx: torch.Tensor, p_idx: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        self.block_tables[l_idx, r_idx, h_idx, p_idx] = values
+        if self._mirror:
+            dev = self.device
+            self.device_block_tables[l_idx.to(dev), r_idx.to(dev), h_idx.to(dev), p_idx.to(dev)] = values.to(dev)
+
+    def _write_lens(self, rows: torch.Tensor, lens: torch.Tensor) -> None:
+        self.seq_lens[:, rows] = lens.to(torch.int32)
+        if self._mirror:
+            self.device_seq_lens[:, rows.to(self.device)] = lens.to(device=self.device, dtype=torch.int32)
+
+    # ------------------------------------------------------------------ data
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store `keys`/`values` (`[..., head_dim]`) at flat `slots` (`[...]`, from `append_slots`)."""
+        if keys.shape != values.shape or keys.shape[:-1] != slots.shape:
+            raise ValueError(
+                f"write shapes disagree: slots {tuple(slots.shape)}, keys {tuple(keys.shape)}, "
+                f"values {tuple(values.shape)}"
+            )
+        flat = slots.reshape(-1)
+        pages = torch.div(flat, self.page_size, rounding_mode="floor")
+        offsets = flat % self.page_size
+        kv = self.pool.kv
+        kv[pages, 0, offsets] = keys.reshape(-1, self.head_dim).to(kv.dtype)
+        kv[pages, 1, offsets] = values.reshape(-1, self.head_dim).to(kv.dtype)
+
+    def _copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy K, V and positions from flat slots `src` to `dst` (reads happen before writes)."""
+        ps = self.page_size
+        src_page, src_off = torch.div(src, ps, rounding_mode="floor"), src % ps
+        dst_page, dst_off = torch.div(dst, ps, rounding_mode="floor"), dst % ps
+        kv = self.pool.kv
+        kv[dst_page, :, dst_off] = kv[src_page, :, src_off]
+        pos = self.pool.positions
+        pos[dst_page, dst_off] = pos[src_page, src_off]
+
+    def admit(self, layer: int, rows: torch.Tensor | list[int], flags: torch.Tensor) -> None:
+        """Set the admission flags `[B, H]` of the token each ring row just appended in `layer`."""
+        rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        window = self.ring_window[rows]
+        if bool((window <= 0).any()):
+            raise ValueError("admission flags only apply to requests with a local ring")
+        if flags.shape != (rows.numel(), self.num_kv_heads):
+            raise ValueError(f"flags must be [B, H] = {(rows.numel(), self.num_kv_heads)}, got {tuple(flags.shape)}")
+        slot = (self.ring_count[rows] - 1) % window
+        self.ring_flags[layer, rows.view(-1, 1), torch.arange(self.num_kv_heads).view(1, -1), slot.view(-1, 1)] = (
+            flags.to(device="cpu", dtype=torch.bool)
+        )
+
+    # ------------------------------------------------------------------ compaction
+
+    def apply_keep_plan(self, request_id: Hashable, plan: KeepPlan) -> int:
+        """Keep only the plan's entries of the request's global region; return the pages freed.
+
+        Kept entries are packed, in order, into the head's first pages; the pages past the new
+        length go back to the pool. No free page is needed, so this works on a full pool.
+        """
+        row = self.row_of(request_id)
+        lens = self.seq_lens[:, row].to(torch.int64)  # [L, H]
+        keep = plan.to_mask(lens)  # validates; raises before any change
+        return self._compact(torch.tensor([row]), keep.unsqueeze(1))
+
+    def _compact(self, rows: torch.Tensor, keep: torch.Tensor) -> int:
+        """Order-preserving compaction of `keep[L, B, H, n]` (n >= every current length)."""
+        lens = self.seq_lens[:, rows].to(torch.int64)
+        new_lens = keep.sum(-1)
+        new_index = keep.cumsum(-1) - 1
+        src_entry = keep.nonzero()  # [M, 4]: l, b, h, e
+        l_idx, b_idx, h_idx, e = src_entry.unbind(-1)
+        dst_e = new_index[l_idx, b_idx, h_idx, e]
+        moving = dst_e != e
+        if bool(moving.any()):
+            r_idx = rows[b_idx[moving]]
+            src = self._slot(l_idx[moving], r_idx, h_idx[moving], e[moving])
+            dst = self._slot(l_idx[moving], r_idx, h_idx[moving], dst_e[moving])
+            self._copy_slots(src.to(self.device), dst.to(self.device))
+        return self._truncate(rows, lens, new_lens)
+
+    def _slot(self, l_idx: torch.Tensor, r_idx: torch.Tensor, h_idx: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        ps = self.page_size
+        page = self.block_tables[l_idx, r_idx, h_idx, torch.div(e, ps, rounding_mode="floor")].to(torch.int64)
+        return page * ps + e % ps
+
+    def _truncate(self, rows: torch.Tensor, lens: torch.Tensor, new_lens: torch.Tensor) -> int:
+        """Shrink lengths `[L, B, H]` to `new_lens` and free the pages past them."""
+        ps = self.page_size
+        have = _ceil_div(lens, ps).reshape(-1)
+        keep_pages = _ceil_div(new_lens, ps).reshape(-1)
+        group, page_index = _ranges(keep_pages, have - keep_pages)
+        _layers, batch, heads = lens.shape
+        l_idx = group // (batch * heads)
+        r_idx = rows[(group // heads) % batch]
+        h_idx = group % heads
+        freed = self.block_tables[l_idx, r_idx, h_idx, page_index].to(torch.int64)
+        self.pool.free(freed)
+        self._write_table(l_idx, r_idx, h_idx, page_index, torch.full_like(freed, -1, dtype=torch.int32))
+        self._write_lens(rows, new_lens)
+        return freed.numel()
+
+    def evict(
+        self,
+        rows: torch.Tensor | list[int],
+        layers: torch.Tensor | list[int],
+        heads: torch.Tensor | list[int],
+        entries: torch.Tensor | list[int],
+    ) -> int:
+        """Drop global entries given as parallel (row, layer, head, entry) lists; return pages freed.
+
+        Meant for decode-time eviction: the surviving entries past each head's new length move
+        into the holes (order is not preserved; stored keys carry RoPE, so attention is unaffected,
+        and stored positions travel with them), then whole trailing pages are freed.
+        """
+        r = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        ls = torch.as_tensor(layers, dtype=torch.int64).reshape(-1)
+        hs = torch.as_tensor(heads, dtype=torch.int64).reshape(-1)
+        es = torch.as_tensor(entries, dtype=torch.int64).reshape(-1)
+        if not (r.numel() == ls.numel() == hs.numel() == es.numel()):
+            raise InvalidPlanError("evict needs rows, layers, heads and entries of equal length")
+        if r.numel() == 0:
+            return 0
+        active = torch.zeros(self.max_requests, dtype=torch.bool)
+        active[list(self._row_of.values())] = True
+        if bool(((r < 0) | (r >= self.max_requests)).any()) or not bool(
+            active[r.clamp(0, self.max_requests - 1)].all()
+        ):
+            raise InvalidPlanError("evict names a request row that is not in use")
+        if bool(((ls < 0) | (ls >= self.num_layers) | (hs < 0) | (hs >= self.num_kv_heads)).any()):
+            raise InvalidPlanError("evict names a layer or head out of range")
+        lens = self.seq_lens[ls, r, hs].to(torch.int64)
+        if bool(((es < 0) | (es >= lens)).any()):
+            bad = int(((es < 0) | (es >= lens)).nonzero()[0])
+            raise InvalidPlanError(
+                f"evict entry {int(es[bad])} out of range for row {int(r[bad])} layer {int(ls[bad])} "
+                f"head {int(hs[bad])} (length {int(lens[bad])})"
+            )
+        # One integer key per (row, layer, head, entry) to sort and compare.
+        stride_e = int(self.seq_lens.max()) + 1
+        group = (ls * self.max_requests + r) * self.num_kv_heads + hs
+        key = group * stride_e + es
+        key, order = torch.sort(key)
+        if bool((key[1:] == key[:-1]).any()):
+            raise InvalidPlanError("evict names the same entry twice")
+        group, r, ls, hs, es = group[order], r[order], ls[order], hs[order], es[order]
+
+        uniq_group, drop_group, dropped = torch.unique_consecutive(group, return_inverse=True, return_counts=True)
+        g_first = torch.cumsum(dropped, 0) - dropped
+        g_r, g_l, g_h = r[g_first], ls[g_first], hs[g_first]
+        g_len = self.seq_lens[g_l, g_r, g_h].to(torch.int64)
+        g_new = g_len - dropped
+        # Holes: dropped entries below the new length. Sources: kept entries at or above it.
+        hole = es < g_new[drop_group]
+        tail_group, tail_e = _ranges(g_new, dropped)
+        tail_key = uniq_group[tail_group] * stride_e + tail_e
+        tail_kept = ~torch.isin(tail_key, key)
+        src_g, src_e = tail_group[tail_kept], tail_e[tail_kept]
+        dst_g = drop_group[hole]
+        dst_e = es[hole]
+        if src_e.numel():
+            src = self._slot(g_l[src_g], g_r[src_g], g_h[src_g], src_e)
+            dst = self._slot(g_l[dst_g], g_r[dst_g], g_h[dst_g], dst_e)
+            self._copy_slots(src.to(self.device), dst.to(self.device))
+        # Truncate each touched (l, r, h): free pages past the new length.
+        ps = self.page_size
+        have, keep_pages = _ceil_div(g_len, ps), _ceil_div(g_new, ps)
+        pg, page_index = _ranges(keep_pages, have - keep_pages)
+        freed = self.block_tables[g_l[pg], g_r[pg], g_h[pg], page_index].to(torch.int64)
+        self.pool.free(freed)
+        self._write_table(g_l[pg], g_r[pg], g_h[pg], page_index, torch.full_like(freed, -1, dtype=torch.int32))
+        self.seq_lens[g_l, g_r, g_h] = g_new.to(torch.int32)
+        if self._mirror:
+            dev = self.device
+            self.device_seq_lens[g_l.to(dev), g_r.to(dev), g_h.to(dev)] = g_new.to(device=dev, dtype=torch.int32)
+        return freed.numel()
+
+    # ------------------------------------------------------------------ local ring
+
+    def start_ring(self, request_id: Hashable, window: int, admitted: torch.Tensor) -> int:
+        """Turn a freshly prefilled request into local ring + global cache; return pages freed (net).
+
+        `admitted[L, H, n]` flags every prompt token (n = prompt length, all heads uncompressed).
+        The last min(n, W) tokens move into the ring (token t at ring slot t % W) with their flags;
+        older tokens stay in the global region only if admitted. From then on each decode token
+        enters the ring, and the token it overwrites is promoted to the global region only if its
+        flag is set (lazy promotion).
+        """
+        row = self.row_of(request_id)
+        ps = self.page_size
+        if window <= 0 or window % ps:
+            raise ValueError(f"ring window must be a positive multiple of page_size {ps}, got {window}")
+        if int(self.ring_window[row]):
+            raise ValueError(f"request {request_id!r} already has a ring")
+        lens = self.seq_lens[:, row].to(torch.int64)
+        n = int(lens[0, 0])
+        if bool((lens != n).any()):
+            raise InvalidPlanError("start_ring needs an uncompressed request (equal lengths in every head)")
+        if admitted.shape != (self.num_layers, self.num_kv_heads, n) or admitted.dtype != torch.bool:
+            raise InvalidPlanError(
+                f"admitted must be bool [L, H, n] = {(self.num_layers, self.num_kv_heads, n)}, "
+                f"got {admitted.dtype} {tuple(admitted.shape)}"
+            )
+        in_ring = min(n, window)
+        ring_pages_per_head = window // ps
+        keep = admitted.cpu().clone()
+        keep[..., n - in_ring :] = False
+        pages_after_compaction = int(_ceil_div(keep.sum(-1), ps).sum())
+        pages_needed = self.num_layers * self.num_kv_heads * ring_pages_per_head
+        available = self.pool.num_free + int(_ceil_div(lens, ps).sum()) - pages_after_compaction
+        if pages_needed > available:
+            raise PoolExhaustedError(pages_needed, available)
+
+        # Read the ring's tokens before compaction can overwrite them.
+        layers, heads = self.num_layers, self.num_kv_heads
+        e = torch.arange(n - in_ring, n)
+        l_idx = torch.arange(layers).view(-1, 1, 1).expand(layers, heads, in_ring)
+        h_idx = torch.arange(heads).view(1, -1, 1).expand(layers, heads, in_ring)
+        e_idx = e.view(1, 1, -1).expand(layers, heads, in_ring)
+        src = self._slot(l_idx, torch.full_like(l_idx, row), h_idx, e_idx).reshape(-1).to(self.device)
+        src_page, src_off = torch.div(src, ps, rounding_mode="floor"), src % ps
+        ring_kv = self.pool.kv[src_page, :, src_off].clone()
+        ring_pos = self.pool.positions[src_page, src_off].clone()
+
+        self._compact(torch.tensor([row]), keep.unsqueeze(1))
+
+        if self.ring_tables.shape[-1] < ring_pages_per_head:
+            pad = ring_pages_per_head - self.ring_tables.shape[-1]
+            self.ring_tables = torch.nn.functional.pad(self.ring_tables, (0, pad), value=-1)
+            self.ring_flags = torch.nn.functional.pad(self.ring_flags, (0, pad * ps), value=False)
+            self.device_ring_tables = self.ring_tables.to(self.device) if self._mirror else self.ring_tables
+        pages = self.pool.allocate(pages_needed).to(torch.int32).view(layers, heads, ring_pages_per_head)
+        self.ring_tables[:, row, :, :ring_pages_per_head] = pages
+        if self._mirror:
+            self.device_ring_tables[:, row, :, :ring_pages_per_head] = pages.to(self.device)
+        ring_slot = e_idx % window  # [L, H, m]
+        dst_page = pages.to(torch.int64)[l_idx, h_idx, torch.div(ring_slot, ps, rounding_mode="floor")]
+        dst = (dst_page * ps + ring_slot % ps).reshape(-1).to(self.device)
+        dst_page, dst_off = torch.div(dst, ps, rounding_mode="floor"), dst % ps
+        self.pool.kv[dst_page, :, dst_off] = ring_kv
+        self.pool.positions[dst_page, dst_off] = ring_pos
+        row_flags = self.ring_flags[:, row]  # view [L, H, W]
+        row_flags.zero_()
+        row_flags[..., e % window] = admitted[..., n - in_ring :].cpu()
+        self.ring_window[row] = window
+        self.ring_count[row] = n
+        return int(_ceil_div(lens, ps).sum()) - pages_after_compaction - pages_needed
+
+    def ring_lens(self, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        """Valid ring entries per row: min(tokens seen, W); valid ring slots are [0, ring_len)."""
+        rows_t = torch.arange(self.max_requests) if rows is None else torch.as_tensor(rows, dtype=torch.int64)
+        return torch.minimum(self.ring_count[rows_t], self.ring_window[rows_t])
+
+    # ------------------------------------------------------------------ reading back
+
+    def gather(self, request_id: Hashable, layer: int, head: int, region: str = "global") -> tuple[torch.Tensor, ...]:
+        """K `[n, d]`, V `[n, d]` and positions `[n]` of one (layer, head) region, in storage order."""
+        row = self.row_of(request_id)
+        ps = self.page_size
+        if region == "global":
+            n = int(self.seq_lens[layer, row, head])
+            pages = self.block_tables[layer, row, head]
+        elif region == "ring":
+            n = int(self.ring_lens([row])[0])
+            pages = self.ring_tables[layer, row, head]
+        else:
+            raise ValueError(f"region must be 'global' or 'ring', got {region!r}")
+        e = torch.arange(n)
+        page = pages[torch.div(e, ps, rounding_mode="floor")].to(torch.int64).to(self.device)
+        off = (e % ps).to(self.device)
+        kv = self.pool.kv[page, :, off]
+        return kv[:, 0], kv[:, 1], self.pool.positions[page, off]
+
+    # ------------------------------------------------------------------ accounting
+
+    def usage(self, request_id: Hashable) -> CacheUsage:
+        row = self.row_of(request_id)
+        lens = self.seq_lens[:, row].to(torch.int64)
+        ring_pages = int((self.ring_tables[:, row] >= 0).sum())
+        pages = int(_ceil_div(lens, self.page_size).sum()) + ring_pages
+        ring_tokens = int(self.ring_lens([row])[0])
+        tokens = int(lens.sum()) + ring_tokens * self.num_layers * self.num_kv_heads
+        return CacheUsage(
+            pages=pages,
+            bytes=pages * self.pool.bytes_per_page,
+            tokens=tokens,
+            global_tokens=lens,
+            ring_tokens=ring_tokens,
+        )
+
+    def pages_per_head(self, request_id: Hashable) -> torch.Tensor:
+        """Pages held per (layer, head) `[L, H]`, ring included."""
+        row = self.row_of(request_id)
+        return _ceil_div(self.seq_lens[:, row].to(torch.int64), self.page_size) + (self.ring_tables[:, row] >= 0).sum(
+            -1
+        )
+
+    def pages_for_prompt(self, num_tokens: int) -> int:
+        """Pages a fresh request needs to hold `num_tokens` uncompressed tokens in every layer and head."""
+        return self.num_layers * self.num_kv_heads * -(-num_tokens // self.page_size)

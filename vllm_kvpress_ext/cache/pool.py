@@ -1,0 +1,117 @@
+"""One page pool shared by every layer and KV head.
+
+A page holds `page_size` tokens of a single (layer, KV head): keys and values side by side,
+`kv[num_pages, 2, page_size, head_dim]`, plus the original token position of every slot
+(`positions[num_pages, page_size]`). Because layers and heads draw from the same free list, a
+policy that keeps 10 tokens in one head and 1000 in another pays for exactly what it keeps.
+
+The free list is an int64 stack: allocating n pages pops n ids, freeing pushes them back, both
+O(n) vectorised tensor ops with no Python loop. An `in_use` bitmap catches double frees and
+foreign ids before anything changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class PoolExhaustedError(RuntimeError):
+    """Raised when an allocation asks for more pages than are free. Nothing was allocated."""
+
+    def __init__(self, requested: int, free: int) -> None:
+        super().__init__(f"KV page pool exhausted: {requested} pages requested, {free} free")
+        self.requested = requested
+        self.free = free
+
+
+class PagePool:
+    """Storage and free list for `num_pages` KV pages.
+
+    The free list and bitmap live on the CPU (bookkeeping); K/V storage lives on `device`.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int = 16,
+        head_dim: int = 128,
+        dtype: torch.dtype = torch.float16,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        if head_dim <= 0:
+            raise ValueError(f"head_dim must be positive, got {head_dim}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"unsupported KV dtype {dtype}; choose one of {SUPPORTED_DTYPES}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.kv = torch.zeros(num_pages, 2, page_size, head_dim, dtype=dtype, device=self.device)
+        self.positions = torch.full((num_pages, page_size), -1, dtype=torch.int32, device=self.device)
+        # Pages are handed out from the top of the stack; the initial order makes fresh pools
+        # allocate 0, 1, 2, ... which keeps tests readable.
+        self._free_stack = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64)
+        self._num_free = num_pages
+        self._in_use = torch.zeros(num_pages, dtype=torch.bool)
+
+    @staticmethod
+    def bytes_per_page_for(page_size: int, head_dim: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * page_size * head_dim * element
+
+    @classmethod
+    def pages_for_memory(cls, kv_bytes: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
+        """How many pages fit in `kv_bytes` of K/V storage."""
+        return kv_bytes // cls.bytes_per_page_for(page_size, head_dim, dtype)
+
+    @property
+    def bytes_per_page(self) -> int:
+        """K and V bytes of one page (the position side-table is bookkeeping, not counted)."""
+        return self.bytes_per_page_for(self.page_size, self.head_dim, self.dtype)
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self._num_free
+
+    def allocate(self, count: int) -> torch.Tensor:
+        """Pop `count` free page ids (int64, CPU). Raises PoolExhaustedError without side effects."""
+        if count < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({count})")
+        if count > self._num_free:
+            raise PoolExhaustedError(count, self._num_free)
+        top = self._num_free
+        pages = self._free_stack[top - count : top].clone()
+        self._num_free = top - count
+        self._in_use[pages] = True
+        return pages
+
+    def free(self, pages: torch.Tensor) -> None:
+        """Return pages to the pool. Every id must be in use and appear once; otherwise nothing changes."""
+        pages = pages.to(device="cpu", dtype=torch.int64).reshape(-1)
+        count = pages.numel()
+        if count == 0:
+            return
+        if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
+            raise ValueError(f"page id out of range [0, {self.num_pages})")
+        if not bool(self._in_use[pages].all()):
+            raise ValueError("freeing a page that is not in use (double free or foreign id)")
+        if torch.unique(pages).numel() != count:
+            raise ValueError("the same page id is freed twice in one call")
+        self._in_use[pages] = False
+        self._free_stack[self._num_free : self._num_free + count] = pages
+        self._num_free += count
+
+    def in_use_mask(self) -> torch.Tensor:
+        """A copy of the in-use bitmap (for invariant checks)."""
+        return self._in_use.clone()

@@ -1,0 +1,1 @@
+"""Embedded continuous-batching engine over the paged per-head cache (not built yet)."""

@@ -1,0 +1,1 @@
+"""Compression policies, one per file, and their registry (not built yet)."""

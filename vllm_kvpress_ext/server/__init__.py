@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server driving the embedded engine (not built yet)."""

@@ -1,0 +1,1 @@
+"""vLLM integration through the `vllm.general_plugins` entry point (not built yet)."""
