@@ -1,0 +1,132 @@
+"""Test helpers for `vllm_kvpress_ext.models`: tiny random HF models and a dense reference context.
+
+`DenseContext` is the simplest correct `AttentionContext`: no cache, each sequence of the varlen
+batch attends causally to itself only. It records what every layer handed it, so tests can check
+the tensors the model exposes to compression policies.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+TINY: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+}
+
+# Each family exercises a different part of the model: llama3 RoPE + GQA + untied head; Llama 2 style
+# linear RoPE + MHA + tied embeddings + attention/MLP biases; Mistral; Qwen2 q/k/v bias + tied;
+# Qwen3 q/k norm with head_dim (24) != hidden / heads (16).
+FAMILIES: dict[str, tuple[type, type, dict[str, Any]]] = {
+    "llama3": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": False, "eos_token_id": [2, 3]},
+    ),
+    "llama2_linear_tied": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {
+            "num_key_value_heads": 4,
+            "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+            "mlp_bias": True,
+        },
+    ),
+    "mistral": (
+        MistralConfig,
+        MistralForCausalLM,
+        {"tie_word_embeddings": False, "rope_parameters": {"rope_theta": 1e6}},
+    ),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 24, "tie_word_embeddings": False}),
+}
+
+
+def tiny_hf_model(family: str, seed: int = 0) -> PreTrainedModel:
+    """A tiny HF model of `family` whose every parameter (norms and biases too) is random.
+
+    HF initialises norms to 1 and biases to 0, which would let a loader that skipped them pass;
+    randomising everything makes each tensor matter.
+    """
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = config_cls(**{**TINY, **extra})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def hf_logits(model: PreTrainedModel, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+    """Reference logits [L, vocab] of one sequence."""
+    with torch.no_grad():
+        kwargs = {} if position_ids is None else {"position_ids": position_ids[None]}
+        return model(input_ids=input_ids[None], **kwargs).logits[0].float()
+
+
+@dataclass
+class Captured:
+    """What one layer passed to `attend`."""
+
+    hidden: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    k_pre_rope: Tensor
+
+
+class DenseContext:
+    """Cache-less reference attention over a varlen batch split by sequence lengths."""
+
+    def __init__(self, seq_lens: list[int]) -> None:
+        self.cu_seqlens = [0, *itertools.accumulate(seq_lens)]
+        self.captured: dict[int, Captured] = {}
+
+    def attend(self, layer_idx: int, hidden: Tensor, q: Tensor, k: Tensor, v: Tensor, k_pre_rope: Tensor) -> Tensor:
+        self.captured[layer_idx] = Captured(hidden, q, k, v, k_pre_rope)
+        assert q.shape[0] == self.cu_seqlens[-1], "batch size does not match the sequence lengths"
+        group = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        for start, end in itertools.pairwise(self.cu_seqlens):
+            qs = q[start:end].transpose(0, 1)  # [Hq, L, d]
+            ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)  # query head h -> KV head h // group
+            vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
+            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
+        return out
