@@ -1,0 +1,119 @@
+"""The engine's `AttentionContext`: writes each layer's new K/V into the paged cache and attends.
+
+One context serves one engine step, which is either a prefill step (chunks of one or more
+requests, each attending to its cached prefix and itself) or a decode step (one token for each
+of a batch of requests, attending over their ragged per-head caches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vllm_kvpress_ext.attention import paged_decode_attention, paged_prefill_attention
+from vllm_kvpress_ext.cache import PagedKVCache
+from vllm_kvpress_ext.engine.capture import PrefillCapture
+
+
+@dataclass
+class PrefillSegment:
+    """Tokens [start, end) of one request in a prefill step, at [offset, offset + end - start) of the batch."""
+
+    row: int
+    start: int
+    end: int
+    offset: int
+    slots: torch.Tensor  # [L, 1, H, n] from `append_slots`
+    capture: PrefillCapture | None = None
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q `[n, Hq, d]`, k/v `[n, Hkv, d]` -> `[n, Hq, d]`: a fresh sequence needs no cache read."""
+    group = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(group, dim=1).transpose(0, 1),
+        v.repeat_interleave(group, dim=1).transpose(0, 1),
+        is_causal=True,
+        scale=scale,
+    )
+    return out.transpose(0, 1)
+
+
+class PrefillContext:
+    def __init__(self, cache: PagedKVCache, segments: list[PrefillSegment], positions: torch.Tensor, scale: float):
+        self.cache = cache
+        self.segments = segments
+        self.positions = positions
+        self.scale = scale
+
+    def attend(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pre_rope: torch.Tensor,
+    ) -> torch.Tensor:
+        cache = self.cache
+        out = torch.empty_like(q)
+        for seg in self.segments:
+            sl = slice(seg.offset, seg.offset + seg.length)
+            cache.write(seg.slots[layer_idx, 0].transpose(0, 1), k[sl], v[sl])
+            if seg.start == 0:
+                out[sl] = _causal_self_attention(q[sl], k[sl], v[sl], self.scale)
+            else:
+                out[sl] = paged_prefill_attention(
+                    q[sl],
+                    self.positions[sl],
+                    cache.pool.kv,
+                    cache.pool.positions,
+                    cache.device_block_tables[layer_idx, seg.row],
+                    cache.device_seq_lens[layer_idx, seg.row],
+                    self.scale,
+                )
+            if seg.capture is not None:
+                seg.capture.record(layer_idx, self.positions[sl], hidden[sl], q[sl], k[sl], k_pre_rope[sl])
+        return out
+
+
+class DecodeContext:
+    def __init__(self, cache: PagedKVCache, rows: torch.Tensor, slots: torch.Tensor, scale: float):
+        self.cache = cache
+        self.rows = rows
+        self.device_rows = rows.to(cache.device)
+        self.slots = slots  # [L, B, H, 1]
+        self.scale = scale
+        self.has_ring = bool((cache.ring_window[rows] > 0).any())
+
+    def attend(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pre_rope: torch.Tensor,
+    ) -> torch.Tensor:
+        cache = self.cache
+        cache.write(self.slots[layer_idx, :, :, 0], k, v)
+        ring_tables = cache.device_ring_tables[layer_idx] if self.has_ring else None
+        ring_lens = cache.ring_lens().to(cache.device) if self.has_ring else None
+        return paged_decode_attention(
+            q,
+            cache.pool.kv,
+            cache.pool.positions,
+            cache.device_block_tables[layer_idx],
+            cache.device_seq_lens[layer_idx],
+            self.device_rows,
+            self.scale,
+            ring_tables,
+            ring_lens,
+        )

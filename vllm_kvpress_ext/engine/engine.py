@@ -1,0 +1,280 @@
+"""`LLMEngine`: requests in, one scheduled step at a time, outputs out.
+
+The step API (`add_request`, `step`, `abort`) is what the HTTP server drives; `LLM` wraps it for
+offline batch generation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_kvpress_ext.cache import PagedKVCache, PagePool
+from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
+from vllm_kvpress_ext.engine.capture import PrefillCapture
+from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestStatus
+from vllm_kvpress_ext.engine.sampler import sample
+from vllm_kvpress_ext.engine.sampling_params import SamplingParams
+from vllm_kvpress_ext.engine.scheduler import ScheduledChunk, Scheduler
+from vllm_kvpress_ext.models import load_model
+from vllm_kvpress_ext.models.loader import resolve_dtype
+
+DEFAULT_KV_MEMORY = 1 << 30
+
+
+class RequestRejectedError(ValueError):
+    """The request can never run on this engine (too long for the model or for the whole pool)."""
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    """The model directory's tokenizer, or None when it ships none (token-id-only use)."""
+    if not any((model_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: torch.dtype | str = "auto",
+        device: str | torch.device = "cpu",
+        num_pages: int | None = None,
+        kv_memory: int | None = None,
+        page_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        kv_dtype: torch.dtype | str | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.model = load_model(self.model_dir, dtype=dtype, device=self.device)
+        self.config = self.model.config
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        cache_dtype = self.dtype if kv_dtype is None else resolve_dtype(kv_dtype)
+        if num_pages is not None and kv_memory is not None:
+            raise ValueError("give num_pages or kv_memory, not both")
+        if num_pages is None:
+            budget = DEFAULT_KV_MEMORY if kv_memory is None else kv_memory
+            num_pages = PagePool.pages_for_memory(budget, page_size, self.config.head_dim, cache_dtype)
+        self.cache = PagedKVCache(
+            self.config.num_hidden_layers,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            num_pages=num_pages,
+            page_size=page_size,
+            max_requests=max_num_seqs,
+            dtype=cache_dtype,
+            device=self.device,
+        )
+        self.max_model_len = min(
+            max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
+        )
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.scale = self.config.head_dim**-0.5
+        self._ids = itertools.count()
+        self.eos_token_ids = set(self.config.eos_token_ids)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        compress_after: int | None = None,
+        policy: Any = None,
+    ) -> str:
+        params = params or SamplingParams()
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not token_ids:
+            raise RequestRejectedError("the prompt is empty")
+        vocab = self.config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise RequestRejectedError(f"prompt token ids must lie in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestRejectedError(
+                f"prompt has {len(token_ids)} tokens; the model's limit is {self.max_model_len} (prompt + output)"
+            )
+        if compress_after is not None and not 0 < compress_after <= len(token_ids):
+            raise RequestRejectedError(f"compress_after must lie in [1, {len(token_ids)}], got {compress_after}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params, compress_after=compress_after, policy=policy)
+        peak = self.cache.pages_for_prompt(request.prefill_target)
+        if peak > self.cache.pool.num_pages:
+            raise RequestRejectedError(
+                f"prompt needs {peak} KV pages before compression but the whole pool has {self.cache.pool.num_pages}"
+            )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer; pass token ids instead of text")
+        return list(self.tokenizer.encode(text))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is and return its pages to the pool."""
+        request = self.requests.pop(request_id, None)
+        if request is None or request.finished:
+            return
+        self.scheduler.finish(request)
+        request.finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ------------------------------------------------------------------ stepping
+
+    @torch.no_grad()  # not inference_mode: cache tables grown inside a step are mutated outside it later
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return a snapshot of every request that produced a token or finished."""
+        plan = self.scheduler.schedule()
+        for request in plan.preempted:
+            self._check_fits_alone(request)
+        if plan.prefill:
+            touched = self._run_prefill(plan.prefill)
+        elif plan.decode:
+            touched = self._run_decode(plan.decode)
+        else:
+            touched = []
+        return [self._snapshot(r) for r in touched]
+
+    def _check_fits_alone(self, request: Request) -> None:
+        if self.cache.pages_for_prompt(request.num_tokens + 1) > self.cache.pool.num_pages:
+            self._finish(request, "length")
+
+    def _run_prefill(self, chunks: list[ScheduledChunk]) -> list[Request]:
+        segments: list[PrefillSegment] = []
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for chunk in chunks:
+            req = chunk.request
+            assert req.row is not None
+            pos = torch.arange(chunk.start, chunk.end)
+            slots = self.cache.append_slots([req.row], pos.view(1, -1))
+            capture = self._capture_for(req)
+            segments.append(PrefillSegment(req.row, chunk.start, chunk.end, len(token_ids), slots, capture))
+            token_ids += req.all_token_ids[chunk.start : chunk.end]
+            positions += range(chunk.start, chunk.end)
+        ids = torch.tensor(token_ids, device=self.device)
+        pos_t = torch.tensor(positions, device=self.device)
+        hidden = self.model(ids, pos_t, PrefillContext(self.cache, segments, pos_t, self.scale))
+        sampling = [(c, s) for c, s in zip(chunks, segments, strict=True) if c.end == c.request.num_tokens]
+        touched: list[Request] = []
+        for chunk in chunks:
+            chunk.request.num_processed = chunk.end
+            if chunk.end == chunk.request.prefill_target:
+                self._on_prefill_complete(chunk.request)
+        if sampling:
+            last = torch.tensor([s.offset + s.length - 1 for _, s in sampling], device=self.device)
+            logits = self.model.compute_logits(hidden[last])
+            touched = self._append_tokens([c.request for c, _ in sampling], logits)
+        return touched
+
+    def _run_decode(self, requests: list[Request]) -> list[Request]:
+        rows = torch.tensor([r.row for r in requests])
+        positions = torch.tensor([[r.num_processed] for r in requests])
+        tokens = torch.tensor([r.all_token_ids[r.num_processed] for r in requests], device=self.device)
+        slots = self.cache.append_slots(rows, positions)
+        hidden = self.model(
+            tokens, positions.view(-1).to(self.device), DecodeContext(self.cache, rows, slots, self.scale)
+        )
+        for r in requests:
+            r.num_processed += 1
+        needs_token = [i for i, r in enumerate(requests) if r.num_processed == r.num_tokens]
+        if not needs_token:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(needs_token, device=self.device)])
+        return self._append_tokens([requests[i] for i in needs_token], logits)
+
+    def _capture_for(self, request: Request) -> PrefillCapture | None:
+        return None
+
+    def _on_prefill_complete(self, request: Request) -> None:
+        """Prefill has reached `prefill_target`: the request starts decoding (compression hooks in here)."""
+        request.status = RequestStatus.RUNNING
+        self._update_kv_stats(request)
+
+    def _update_kv_stats(self, request: Request) -> None:
+        usage = self.cache.usage(request.request_id)
+        kv = request.kv
+        kv.tokens_kept = usage.tokens
+        kv.tokens_full = self.config.num_hidden_layers * self.config.num_key_value_heads * request.num_processed
+        kv.kv_bytes = usage.bytes
+        kv.kv_bytes_peak = max(kv.kv_bytes_peak, usage.bytes)
+        heads = self.config.num_key_value_heads
+        kv.kept_per_layer = [int(x) // heads + usage.ring_tokens for x in usage.global_tokens.sum(-1)]
+
+    # ------------------------------------------------------------------ outputs
+
+    def _append_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[Request]:
+        tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        now = time.monotonic()
+        for request, token in zip(requests, tokens, strict=True):
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self._check_stop(request, token)
+        return requests
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            self._finish(request, "stop", token)
+            return
+        if token in params.stop_token_ids:
+            self._finish(request, "stop", token)
+            return
+        if params.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            for stop in params.stop:
+                index = text.find(stop)
+                if index >= 0:
+                    request.text = text[:index]
+                    self._finish(request, "stop", stop)
+                    return
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        if request.row is not None:
+            self._update_kv_stats(request)
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        self.scheduler.finish(request)
+        if self.tokenizer is not None and not isinstance(stop_reason, str):
+            ids = request.output_token_ids
+            if stop_reason is not None:
+                ids = ids[:-1]
+            request.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        self.requests.pop(request.request_id, None)
+
+    def _snapshot(self, request: Request) -> RequestOutput:
+        text = request.text
+        if not request.finished and self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            text=text,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            kv=request.kv,
+            num_preemptions=request.num_preemptions,
+        )

@@ -1,0 +1,64 @@
+"""`LLM`: offline batch generation on the embedded engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from vllm_kvpress_ext.engine.engine import LLMEngine
+from vllm_kvpress_ext.engine.request import RequestOutput
+from vllm_kvpress_ext.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM(model_dir).generate(prompts, SamplingParams(...))`, in the style of vLLM's offline API."""
+
+    def __init__(self, model: str | Path, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(model, **engine_kwargs)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        batch: list[Prompt]
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            batch = [prompts]
+        else:
+            batch = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(batch)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(batch):
+                raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(batch, params, strict=True)]
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[i] for i in ids]
+
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """One chat completion through the model's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer, so it has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        return self.generate([list(ids)], sampling_params)[0]

@@ -1,0 +1,96 @@
+"""A request's life in the engine and what it returns."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_kvpress_ext.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no pages
+    PREFILLING = "prefilling"  # has a cache row; prompt chunks still to run
+    RUNNING = "running"  # decoding (forced prompt tokens first, then sampled ones)
+    FINISHED = "finished"
+
+
+@dataclass
+class KVStats:
+    """What the request held in the cache, from the pool's own accounting."""
+
+    prompt_tokens: int = 0
+    tokens_kept: int = 0  # entries held over all (layer, KV head), ring included
+    tokens_full: int = 0  # what an uncompressed cache would hold for the same tokens
+    kv_bytes: int = 0  # whole pages held x page bytes
+    kv_bytes_peak: int = 0
+    compression_seconds: float = 0.0
+    kept_per_layer: list[int] = field(default_factory=list)  # mean entries per KV head of each layer
+
+    @property
+    def retention(self) -> float:
+        return self.tokens_kept / self.tokens_full if self.tokens_full else 1.0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    compress_after: int | None = None
+    policy: Any = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_processed: int = 0  # tokens of `all_token_ids` whose K/V went through the model
+    row: int | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str = ""
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    kv: KVStats = field(default_factory=KVStats)
+    policy_state: Any = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        self.kv.prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens run as prefill before the policy compresses; the rest go one per decode step."""
+        if self.policy is None or self.compress_after is None:
+            return self.num_tokens
+        return min(self.compress_after, self.num_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A snapshot of a request: tokens so far, text, and (when finished) why it stopped."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    kv: KVStats
+    num_preemptions: int = 0

@@ -1,0 +1,134 @@
+"""Prefill-first continuous batching with admission by free pages and preemption by recompute.
+
+Each step is either a prefill step or a decode step:
+
+- Prefill: chunks of admitted-but-unfinished prompts, then newly admitted requests, up to
+  `max_num_batched_tokens` tokens. A waiting request is admitted only when the pages of its
+  whole prefill (its peak before compression) fit in what is free after the pages already
+  promised to unfinished prefills.
+- Decode: one token for every running request. If the pool cannot take the step, the most
+  recently admitted request is preempted: its pages are freed and it goes back to the front of
+  the queue to be recomputed later (prompt and generated tokens alike), never dropped.
+
+Every page a step needs is counted before the step runs, so the forward pass never meets a full pool.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from vllm_kvpress_ext.cache import PagedKVCache
+from vllm_kvpress_ext.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int
+    end: int
+
+
+@dataclass
+class SchedulerOutput:
+    prefill: list[ScheduledChunk]
+    decode: list[Request]
+    preempted: list[Request]
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []  # PREFILLING or RUNNING, in admission order
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def _pages_promised(self) -> int:
+        """Pages that unfinished prefills will still allocate."""
+        promised = 0
+        for req in self.active:
+            if req.status is RequestStatus.PREFILLING:
+                promised += self.cache.pages_for_prompt(req.prefill_target) - self.cache.pages_for_prompt(
+                    req.num_processed
+                )
+        return promised
+
+    def schedule(self) -> SchedulerOutput:
+        prefill = self._schedule_prefill()
+        if prefill:
+            return SchedulerOutput(prefill=prefill, decode=[], preempted=[])
+        preempted: list[Request] = []
+        while True:
+            running = [r for r in self.active if r.status is RequestStatus.RUNNING]
+            if not running:
+                return SchedulerOutput(prefill=[], decode=[], preempted=preempted)
+            rows = [r.row for r in running]
+            needed = self.cache.pages_needed_to_append(rows, 1)  # type: ignore[arg-type]
+            if needed <= self.cache.pool.num_free:
+                return SchedulerOutput(prefill=[], decode=running, preempted=preempted)
+            preempted.append(self.preempt(self.active[-1]))
+
+    def _schedule_prefill(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        free = self.cache.pool.num_free
+        for req in self.active:
+            if req.status is not RequestStatus.PREFILLING or budget == 0:
+                continue
+            end = min(req.prefill_target, req.num_processed + budget)
+            chunks.append(ScheduledChunk(req, req.num_processed, end))
+            budget -= end - req.num_processed
+        available = free - self._pages_promised()
+        while self.waiting and budget > 0 and len(self.active) < self.max_num_seqs:
+            req = self.waiting[0]
+            peak = self.cache.pages_for_prompt(req.prefill_target)
+            if peak > available:
+                break
+            self.waiting.popleft()
+            req.row = self.cache.add_request(req.request_id)
+            req.status = RequestStatus.PREFILLING
+            req.num_processed = 0
+            self.active.append(req)
+            available -= peak
+            end = min(req.prefill_target, budget)
+            chunks.append(ScheduledChunk(req, 0, end))
+            budget -= end
+        return chunks
+
+    def preempt(self, request: Request) -> Request:
+        """Free the request's pages and queue it for recomputation ahead of everything else."""
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_processed = 0
+        request.num_preemptions += 1
+        request.policy_state = None
+        self.waiting.appendleft(request)
+        return request
+
+    def finish(self, request: Request) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+        else:
+            self._release(request)
+        request.status = RequestStatus.FINISHED
+
+    def _release(self, request: Request) -> None:
+        if request.row is not None:
+            self.cache.free_request(request.request_id)
+            request.row = None
+        if request in self.active:
+            self.active.remove(request)
