@@ -28,6 +28,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_policies(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.bench.report import format_table
+    from vllm_kvpress_ext.policies import create_policy, policy_class, policy_names
+
+    rows = []
+    for name in policy_names():
+        defaults = ", ".join(f"{k}={v}" for k, v in create_policy(name).params().items()) or "-"
+        rows.append([name, policy_class(name).summary, defaults])
+    print(format_table(["policy", "what it does", "defaults"], rows))
+    return 0
+
+
 def _cmd_bench_cache(args: argparse.Namespace) -> int:
     from vllm_kvpress_ext.bench.cache_bench import CacheBenchConfig, run_cache_bench
 
@@ -67,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (default: 512)")
     demo.add_argument("--keep-ratio", type=float, default=0.25, help="mean fraction of tokens kept (default: 0.25)")
     demo.set_defaults(handler=_cmd_demo)
+
+    policies = sub.add_parser(
+        "policies",
+        help="list every registered compression policy with its defaults",
+        description="Every policy is usable by name (e.g. --kv-policy snapkv), by a YAML preset path, or as "
+        "{'name': ..., params} per request.",
+    )
+    policies.set_defaults(handler=_cmd_policies)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")

@@ -38,7 +38,12 @@ def gather_paged(
 
 
 def _grouped_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    probs_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`query[B, Hkv, G, Q, d]` against `keys/values[B, Hkv, N, d]` under `mask[B, Hkv, G or 1, Q, N]`."""
     scores = torch.einsum("bhgqd,bhnd->bhgqn", query.float(), keys.float()) * scale
@@ -46,6 +51,8 @@ def _grouped_attention(
     probs = torch.softmax(scores, dim=-1)
     # A query with nothing to attend to (empty head) yields zeros rather than NaN.
     probs = torch.nan_to_num(probs, nan=0.0)
+    if probs_out is not None:
+        probs_out.append(probs)
     return torch.einsum("bhgqn,bhnd->bhgqd", probs, values.float())
 
 
@@ -59,12 +66,16 @@ def paged_decode_attention(
     scale: float,
     ring_tables: torch.Tensor | None = None,
     ring_lens: torch.Tensor | None = None,
+    probs_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One decode query per request over the ragged paged cache of one layer.
 
     query `[B, Hq, d]`; `block_tables[R, Hkv, P]`, `seq_lens[R, Hkv]` for the layer; `rows[B]`
     selects each query's cache row. With `ring_tables[R, Hkv, Pr]` and `ring_lens[R]`, the local
     ring is attended to as a second segment. Returns `[B, Hq, d]` in the query's dtype.
+    If `probs_out` is a list, the attention probabilities `[B, Hkv, G, N]` over the global
+    entries (in storage order, N = longest head) are appended to it, for policies that score
+    entries by the attention they receive.
     """
     batch, num_q_heads, head_dim = query.shape
     rows = rows.to(block_tables.device, torch.int64)
@@ -80,7 +91,10 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     q = query.view(batch, num_kv_heads, group, 1, head_dim)
     mask = valid.view(batch, num_kv_heads, 1, 1, -1)
-    out = _grouped_attention(q, keys, values, mask, scale)
+    out = _grouped_attention(q, keys, values, mask, scale, probs_out)
+    if probs_out is not None:
+        global_len = int(seq_lens[rows].max()) if rows.numel() else 0
+        probs_out[-1] = probs_out[-1][..., 0, :global_len]
     return out.view(batch, num_q_heads, head_dim).to(query.dtype)
 
 

@@ -69,8 +69,8 @@ def run_cache_bench(config: CacheBenchConfig) -> dict[str, float]:
         initial_pages_per_head=pages_per_head,
     )
     print(f"config: {asdict(c)}")
-    pool_gib = num_pages * cache.pool.bytes_per_page / 2**30
-    print(f"pool: {num_pages} pages x {cache.pool.bytes_per_page} B = {pool_gib:.2f} GiB")
+    pool_mib = num_pages * cache.pool.bytes_per_page / 2**20
+    print(f"pool: {num_pages} pages x {cache.pool.bytes_per_page} B = {pool_mib:,.1f} MiB")
 
     rows = torch.tensor([cache.add_request(i) for i in range(c.num_requests)])
     prefill_positions = torch.arange(c.prompt_len).view(1, -1)

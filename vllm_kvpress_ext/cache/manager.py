@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_kvpress_ext.attention.reference import gather_paged
 from vllm_kvpress_ext.cache.plan import InvalidPlanError, KeepPlan
 from vllm_kvpress_ext.cache.pool import PagePool, PoolExhaustedError
 
@@ -541,6 +542,31 @@ class PagedKVCache:
         off = (e % ps).to(self.device)
         kv = self.pool.kv[page, :, off]
         return kv[:, 0], kv[:, 1], self.pool.positions[page, off]
+
+    def gather_layer(self, request_id: Hashable, layer: int) -> tuple[torch.Tensor, ...]:
+        """Global region of one layer, padded: K, V `[H, N, d]`, positions `[H, N]` (-1 as padding), lengths `[H]`."""
+        row = self.row_of(request_id)
+        lens = self.device_seq_lens[layer, row]
+        keys, values, positions, valid = gather_paged(
+            self.pool.kv, self.pool.positions, self.device_block_tables[layer, row], lens
+        )
+        return keys, values, positions.masked_fill(~valid, -1), lens
+
+    def entry_positions(self, request_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions of every global entry of a request, `[L, H, N]` (-1 as padding), and lengths `[L, H]`."""
+        row = self.row_of(request_id)
+        lens = self.seq_lens[:, row].to(torch.int64)
+        n = int(lens.max()) if lens.numel() else 0
+        e = torch.arange(n)
+        valid = e < lens.unsqueeze(-1)
+        pages = (
+            self.block_tables[:, row]
+            .to(torch.int64)
+            .gather(-1, torch.div(e, self.page_size, rounding_mode="floor").expand(*lens.shape, n))
+        )
+        slots = torch.where(valid, pages * self.page_size + e % self.page_size, torch.zeros_like(pages))
+        positions = self.pool.positions.view(-1)[slots.to(self.device)].cpu().to(torch.int64)
+        return positions.masked_fill(~valid, -1), lens
 
     # ------------------------------------------------------------------ accounting
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from vllm_kvpress_ext.attention import paged_decode_attention, paged_prefill_attention
 from vllm_kvpress_ext.cache import PagedKVCache
-from vllm_kvpress_ext.engine.capture import PrefillCapture
+from vllm_kvpress_ext.policies.capture import PrefillCapture
 
 
 @dataclass
@@ -85,8 +85,10 @@ class PrefillContext:
 
 
 class DecodeContext:
-    def __init__(self, cache: PagedKVCache, rows: torch.Tensor, slots: torch.Tensor, scale: float):
+    def __init__(self, cache: PagedKVCache, rows: torch.Tensor, slots: torch.Tensor, scale: float, want_probs: bool):
         self.cache = cache
+        # Per layer `[B, Hkv, G, N]` attention over each row's global entries, for decode-time policies.
+        self.probs: list[torch.Tensor] | None = [] if want_probs else None
         self.rows = rows
         self.device_rows = rows.to(cache.device)
         self.slots = slots  # [L, B, H, 1]

@@ -15,15 +15,18 @@ import torch
 
 from vllm_kvpress_ext.cache import PagedKVCache, PagePool
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
-from vllm_kvpress_ext.engine.capture import PrefillCapture
 from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestStatus
 from vllm_kvpress_ext.engine.sampler import sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.engine.scheduler import ScheduledChunk, Scheduler
 from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.loader import resolve_dtype
+from vllm_kvpress_ext.policies import KVPolicy, load_policy
+from vllm_kvpress_ext.policies.base import DecodeLayer, DecodeStep, LayerPrefill, RequestPrefill
+from vllm_kvpress_ext.policies.capture import PrefillCapture
 
 DEFAULT_KV_MEMORY = 1 << 30
+PolicySpec = str | Path | dict[str, Any] | KVPolicy
 
 
 class RequestRejectedError(ValueError):
@@ -53,7 +56,9 @@ class LLMEngine:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         kv_dtype: torch.dtype | str | None = None,
+        kv_policy: PolicySpec | None = None,
     ) -> None:
+        self.default_policy = load_policy(kv_policy)
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.model = load_model(self.model_dir, dtype=dtype, device=self.device)
@@ -94,9 +99,18 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         compress_after: int | None = None,
-        policy: Any = None,
+        policy: PolicySpec | None = None,
     ) -> str:
+        """Queue a request; `policy` overrides the engine's default (`"full"` turns compression off).
+
+        `compress_after` (default: the whole prompt) is how many prompt tokens are prefilled before
+        the policy compresses; the rest of the prompt then runs through decode steps from the
+        compressed cache (the strict and question-agnostic evaluation protocols).
+        """
         params = params or SamplingParams()
+        resolved = self.default_policy if policy is None else load_policy(policy)
+        if resolved is not None and not resolved.compresses:
+            resolved = None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not token_ids:
             raise RequestRejectedError("the prompt is empty")
@@ -112,7 +126,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params, compress_after=compress_after, policy=policy)
+        request = Request(request_id, token_ids, params, compress_after=compress_after, policy=resolved)
         peak = self.cache.pages_for_prompt(request.prefill_target)
         if peak > self.cache.pool.num_pages:
             raise RequestRejectedError(
@@ -191,11 +205,13 @@ class LLMEngine:
         positions = torch.tensor([[r.num_processed] for r in requests])
         tokens = torch.tensor([r.all_token_ids[r.num_processed] for r in requests], device=self.device)
         slots = self.cache.append_slots(rows, positions)
-        hidden = self.model(
-            tokens, positions.view(-1).to(self.device), DecodeContext(self.cache, rows, slots, self.scale)
-        )
-        for r in requests:
+        want_probs = any(r.policy is not None and r.policy.wants_decode_attention for r in requests)
+        context = DecodeContext(self.cache, rows, slots, self.scale, want_probs)
+        hidden = self.model(tokens, positions.view(-1).to(self.device), context)
+        for i, r in enumerate(requests):
             r.num_processed += 1
+            if r.policy is not None and r.policy.wants_decode_steps:
+                self._on_decode_step(r, i, context)
         needs_token = [i for i, r in enumerate(requests) if r.num_processed == r.num_tokens]
         if not needs_token:
             return []
@@ -203,12 +219,77 @@ class LLMEngine:
         return self._append_tokens([requests[i] for i in needs_token], logits)
 
     def _capture_for(self, request: Request) -> PrefillCapture | None:
-        return None
+        """The request's capture, created on its first chunk; None (no work at all) without a policy."""
+        if request.policy is None:
+            return None
+        if request.capture is None:
+            spec = request.policy.capture_spec()
+            if spec.empty:
+                return None
+            request.capture = PrefillCapture(spec, self.config.num_hidden_layers)
+        return request.capture
 
     def _on_prefill_complete(self, request: Request) -> None:
-        """Prefill has reached `prefill_target`: the request starts decoding (compression hooks in here)."""
+        """Prefill reached `prefill_target`: the policy scores every layer, plans, and the cache compacts."""
         request.status = RequestStatus.RUNNING
+        policy = request.policy
+        if policy is not None:
+            self._update_kv_stats(request)  # the uncompressed peak
+            start = time.perf_counter()
+            state: dict[str, Any] = {}
+            request.policy_state = state
+            capture = request.capture
+            num_layers = self.config.num_hidden_layers
+            results = []
+            for layer in range(num_layers):
+                keys, values, positions, _ = self.cache.gather_layer(request.request_id, layer)
+                results.append(
+                    policy.on_layer_prefilled(
+                        LayerPrefill(
+                            layer=layer,
+                            num_layers=num_layers,
+                            keys=keys,
+                            values=values,
+                            positions=positions[0],
+                            capture=capture.layers[layer] if capture is not None else None,
+                            model=self.model,
+                            scale=self.scale,
+                        ),
+                        state,
+                    )
+                )
+            summary = RequestPrefill(
+                request_id=request.request_id,
+                num_layers=num_layers,
+                num_kv_heads=self.config.num_key_value_heads,
+                num_q_heads=self.config.num_attention_heads,
+                length=request.num_processed,
+            )
+            plan = policy.plan(summary, results, state)
+            if plan is not None:
+                self.cache.apply_keep_plan(request.request_id, plan)
+            request.capture = None
+            request.kv.compression_seconds += time.perf_counter() - start
         self._update_kv_stats(request)
+
+    def _on_decode_step(self, request: Request, batch_index: int, context: DecodeContext) -> None:
+        """Let the request's policy evict after a decode step (e.g. H2O, bounded StreamingLLM)."""
+        assert request.policy is not None and request.row is not None
+        start = time.perf_counter()
+        positions, lengths = self.cache.entry_positions(request.request_id)
+        layers = []
+        for layer in range(self.config.num_hidden_layers):
+            attention = None
+            if context.probs is not None:
+                n = positions.shape[-1]
+                attention = context.probs[layer][batch_index, :, :, :n].cpu()
+            layers.append(DecodeLayer(positions=positions[layer], lengths=lengths[layer], attention=attention))
+        step = DecodeStep(request.request_id, request.num_processed - 1, layers)
+        eviction = request.policy.on_decode_step(step, request.policy_state)
+        if eviction is not None and eviction.entries.numel():
+            rows = torch.full_like(eviction.entries, request.row)
+            self.cache.evict(rows, eviction.layers, eviction.heads, eviction.entries)
+        request.kv.compression_seconds += time.perf_counter() - start
 
     def _update_kv_stats(self, request: Request) -> None:
         usage = self.cache.usage(request.request_id)

@@ -55,6 +55,7 @@ class Request:
     num_preemptions: int = 0
     kv: KVStats = field(default_factory=KVStats)
     policy_state: Any = None
+    capture: Any = None  # PrefillCapture while a compressing policy's prefill runs
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:

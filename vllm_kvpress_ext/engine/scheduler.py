@@ -116,6 +116,7 @@ class Scheduler:
         request.num_processed = 0
         request.num_preemptions += 1
         request.policy_state = None
+        request.capture = None
         self.waiting.appendleft(request)
         return request
 

@@ -1,1 +1,25 @@
-"""Compression policies, one per file, and their registry (not built yet)."""
+"""Compression policies, one per file, and their registry.
+
+`load_policy("snapkv")`, `load_policy({"name": "snapkv", "ratio": 0.1})` or
+`load_policy("configs/snapkv.yaml")` give a validated policy instance.
+"""
+
+from vllm_kvpress_ext.policies.base import KVPolicy, PolicyConfigError
+from vllm_kvpress_ext.policies.full import FullPolicy
+from vllm_kvpress_ext.policies.registry import create_policy, load_policy, policy_class, policy_names, register
+from vllm_kvpress_ext.policies.snapkv import SnapKVPolicy
+
+for _policy in (FullPolicy, SnapKVPolicy):
+    register(_policy)
+
+__all__ = [
+    "FullPolicy",
+    "KVPolicy",
+    "PolicyConfigError",
+    "SnapKVPolicy",
+    "create_policy",
+    "load_policy",
+    "policy_class",
+    "policy_names",
+    "register",
+]

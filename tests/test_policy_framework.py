@@ -1,0 +1,189 @@
+"""The policy framework: registry and presets, validation, SnapKV's equations, and the engine hooks."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from model_utils import tiny_hf_model
+from transformers import PreTrainedModel
+
+from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
+from vllm_kvpress_ext.policies import PolicyConfigError, SnapKVPolicy, create_policy, load_policy, policy_names
+from vllm_kvpress_ext.policies.base import Budget, LayerPrefill
+from vllm_kvpress_ext.policies.capture import LayerCapture
+from vllm_kvpress_ext.policies.registry import CONFIG_DIR
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def snapkv_by_hand(queries, qpos, keys, scale, budget, window, kernel, gqa):  # type: ignore[no-untyped-def]
+    """SnapKV written from the paper's equations with loops: the test oracle."""
+    num_q, num_kv, n = queries.shape[1], keys.shape[0], keys.shape[1]
+    group = num_q // num_kv
+    w = min(window, n, budget)
+    prefix = n - min(window, n)
+    keep = torch.zeros(num_kv, n, dtype=torch.bool)
+    for h in range(num_kv):
+        votes_per_q = []
+        for g in range(group):
+            qh = h * group + g
+            v = torch.zeros(n, dtype=torch.float64)
+            for i in range(queries.shape[0]):
+                logits = [float(queries[i, qh].double() @ keys[h, j].double()) * scale for j in range(int(qpos[i]) + 1)]
+                m = max(logits)
+                z = sum(math.exp(x - m) for x in logits)
+                for j, x in enumerate(logits):
+                    v[j] += math.exp(x - m) / z
+            votes_per_q.append(v)
+        stacked = torch.stack(votes_per_q)
+        votes = stacked.mean(0) if gqa == "mean" else stacked.max(0).values
+        pooled = votes.clone()
+        half = kernel // 2
+        for j in range(prefix):
+            lo, hi = max(0, j - half), min(prefix, j + half + 1)
+            pooled[j] = votes[lo:hi].mean()
+        window_idx = list(range(n - w, n))
+        candidates = sorted(range(n - w), key=lambda j: (-float(pooled[j]), j))
+        for j in window_idx + candidates[: max(0, budget - w)]:
+            keep[h, j] = True
+    return keep
+
+
+@pytest.mark.parametrize("gqa", ["mean", "max"])
+@pytest.mark.parametrize("n, budget", [(50, 20), (12, 20), (40, 5)])
+def test_snapkv_matches_the_paper_equations(gqa: str, n: int, budget: int) -> None:
+    torch.manual_seed(n + budget)
+    num_q, num_kv, d, window = 4, 2, 8, 8
+    keys = torch.randn(num_kv, n, d)
+    w = min(window, n)
+    queries = torch.randn(w, num_q, d)
+    qpos = torch.arange(n - w, n)
+    layer = LayerPrefill(
+        0,
+        1,
+        keys,
+        torch.randn_like(keys),
+        torch.arange(n),
+        LayerCapture(queries=queries, query_positions=qpos),
+        None,
+        d**-0.5,
+    )  # type: ignore[arg-type]
+    policy = SnapKVPolicy(
+        ratio=None, tokens=max(budget, window) if budget >= window else None, window=window, gqa_reduction=gqa
+    )
+    if budget < window:
+        policy = SnapKVPolicy(ratio=budget / n, window=window, gqa_reduction=gqa)
+    effective = Budget(ratio=policy.ratio, tokens=policy.tokens).per_head(n)
+    mask = policy.on_layer_prefilled(layer, {})
+    expected = snapkv_by_hand(queries, qpos, keys, d**-0.5, effective, window, 5, gqa)
+    assert torch.equal(mask, expected)
+    assert (mask.sum(-1) == min(n, effective)).all()
+
+
+def test_registry_and_validation() -> None:
+    assert {"full", "snapkv"} <= set(policy_names())
+    with pytest.raises(PolicyConfigError, match=r"known policies: .*snapkv"):
+        load_policy("not-a-policy")
+    for bad, message in [
+        ({"name": "snapkv", "ratio": 0.0}, r"ratio must lie in \(0, 1\]"),
+        ({"name": "snapkv", "ratio": 1.5}, r"ratio must lie in \(0, 1\]"),
+        ({"name": "snapkv", "tokens": 16, "window": 32}, "smaller than the protected window"),
+        ({"name": "snapkv", "bogus": 1}, "valid: gqa_reduction"),
+        ({"name": "snapkv", "gqa_reduction": "median"}, "gqa_reduction must be one of"),
+        ({"name": "snapkv", "window": "wide"}, "window must be int"),
+        ({"ratio": 0.5}, "needs a string `name`"),
+    ]:
+        with pytest.raises(PolicyConfigError, match=message):
+            load_policy(bad)
+    assert load_policy({"name": "snapkv", "tokens": 64}).tokens == 64  # type: ignore[union-attr]
+    assert load_policy({"name": "snapkv", "tokens": 64}).ratio is None  # type: ignore[union-attr]
+
+
+def test_presets_load_by_name_and_path_and_match_defaults() -> None:
+    presets = sorted(CONFIG_DIR.glob("*.yaml"))
+    assert {p.stem for p in presets} == set(policy_names()), "one preset per registered policy"
+    for preset in presets:
+        by_path = load_policy(str(preset))
+        by_name = load_policy(preset.stem)
+        assert by_path == by_name == create_policy(preset.stem)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, Path]:
+    model = tiny_hf_model("llama3", seed=11)
+    path = tmp_path_factory.mktemp("policy-engine")
+    model.save_pretrained(path)
+    return model, path
+
+
+def _run(engine: LLMEngine, prompt: list[int], **kwargs: object):  # type: ignore[no-untyped-def]
+    rid = engine.add_request(prompt, GREEDY, **kwargs)  # type: ignore[arg-type]
+    result = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                result = out
+    return result
+
+
+def test_full_policy_equals_no_policy(tiny_model: tuple[PreTrainedModel, Path]) -> None:
+    _, path = tiny_model
+    prompt = torch.randint(0, 128, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    plain = LLMEngine(path, dtype=torch.float32, num_pages=512, page_size=4)
+    with_full = LLMEngine(path, dtype=torch.float32, num_pages=512, page_size=4, kv_policy="full")
+    a, b = _run(plain, prompt), _run(with_full, prompt)
+    assert a.output_token_ids == b.output_token_ids
+    assert a.kv.kv_bytes == b.kv.kv_bytes and b.kv.retention == 1.0
+
+
+def test_snapkv_frees_what_its_plan_drops(tiny_model: tuple[PreTrainedModel, Path]) -> None:
+    _, path = tiny_model
+    prompt = torch.randint(0, 128, (120,), generator=torch.Generator().manual_seed(2)).tolist()
+    engine = LLMEngine(path, dtype=torch.float32, num_pages=512, page_size=4, max_num_batched_tokens=50)
+    engine.add_request(
+        prompt,
+        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+        request_id="r",
+        policy={"name": "snapkv", "tokens": 40, "window": 8},
+    )
+    used_before = None
+    while engine.has_unfinished_requests():
+        request = engine.requests.get("r")
+        prefilling = request is not None and request.status.value == "prefilling"
+        if prefilling and request.num_processed + 50 >= 120:  # the step that completes prefill
+            used_before = (
+                engine.cache.pool.num_used
+                + engine.cache.pages_for_prompt(120)
+                - engine.cache.pages_for_prompt(request.num_processed)
+            )
+        outs = engine.step()
+        if used_before is not None and request is not None and request.status.value == "running":
+            layers, heads = engine.config.num_hidden_layers, engine.config.num_key_value_heads
+            assert used_before == layers * heads * 30  # 120 tokens / 4 per page
+            # 40 tokens kept per head -> 10 pages (the sampled token's K/V enters at the next step).
+            kept_pages = int(engine.cache.pages_per_head("r").sum())
+            assert engine.cache.pool.num_used == kept_pages == layers * heads * math.ceil(40 / 4)
+            used_before = None
+        for out in outs:
+            if out.finished:
+                assert out.kv.kv_bytes_peak >= out.kv.kv_bytes
+                assert out.kv.retention < 0.5
+    assert engine.cache.pool.num_used == 0
+
+
+def test_per_request_policy_override_and_protocols(tiny_model: tuple[PreTrainedModel, Path]) -> None:
+    _, path = tiny_model
+    prompt = torch.randint(0, 128, (80,), generator=torch.Generator().manual_seed(3)).tolist()
+    engine = LLMEngine(
+        path, dtype=torch.float32, num_pages=512, page_size=4, kv_policy={"name": "snapkv", "tokens": 16, "window": 4}
+    )
+    compressed = _run(engine, prompt)
+    full = _run(engine, prompt, policy="full")
+    assert compressed.kv.kv_bytes < full.kv.kv_bytes
+    # Strict protocol: compress before the last 5 prompt tokens, which then run from the compressed cache.
+    strict = _run(engine, prompt, compress_after=75)
+    assert strict.kv.tokens_kept < full.kv.tokens_kept
+    assert len(strict.output_token_ids) == GREEDY.max_tokens

@@ -1,0 +1,266 @@
+"""The policy interface: what a compression policy sees, and what it returns.
+
+A policy is a stateless object (its dataclass fields are its hyperparameters), so one instance
+serves many concurrent requests; per-request state lives in the `state` dict the engine keeps
+on each request and passes to every hook.
+
+Hooks, in the order the engine calls them:
+
+1. `capture_spec()` - what the forward pass must record during prefill (nothing by default).
+2. `on_layer_prefilled(layer, state)` - once per layer, in layer order, when the request's
+   prefill completes. Returns whatever the policy wants to keep for `plan` (usually scores).
+3. `plan(request, layer_results, state) -> KeepPlan | None` - after all layers: global
+   allocation across layers and heads, and the keep indices of every (layer, KV head).
+   The engine applies it by compaction, which frees pages.
+4. `on_decode_step(step, state) -> DecodeEviction | None` - after every decode step: entries to
+   evict (or nothing). The engine applies it by moving tail entries into the holes.
+
+Budget semantics (`Budget`):
+
+- `ratio` r in (0, 1]: each (layer, KV head) keeps on average round(r * n) of the n prompt
+  entries. `tokens` B: the average number kept per (layer, KV head), protected window included.
+  Per-head and per-layer policies redistribute, but the mean is what the budget says.
+- A protected window of w recent tokens is always kept. A `tokens` budget smaller than the window
+  is an error. When a `ratio` budget is smaller than the window, the window shrinks to the budget
+  (the budget wins: it is what the operator pays for).
+- A prompt no longer than the budget is kept whole; a window longer than the prompt protects the
+  whole prompt. Neither is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, is_dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from vllm_kvpress_ext.cache import KeepPlan
+from vllm_kvpress_ext.policies.capture import CaptureSpec, LayerCapture
+
+if TYPE_CHECKING:
+    from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
+
+
+class PolicyConfigError(ValueError):
+    """A policy name or parameter is invalid; the message says which and what is allowed."""
+
+
+GQA_REDUCTIONS = ("mean", "max")
+
+
+@dataclass
+class LayerPrefill:
+    """One layer of a request whose prefill just completed (all heads still uncompressed)."""
+
+    layer: int
+    num_layers: int
+    keys: torch.Tensor  # [Hkv, n, d] post-RoPE, as cached
+    values: torch.Tensor  # [Hkv, n, d]
+    positions: torch.Tensor  # [n] token positions of the entries (0..n-1 before any compression)
+    capture: LayerCapture | None
+    model: LlamaFamilyForCausalLM
+    scale: float
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[1]
+
+
+@dataclass
+class RequestPrefill:
+    """Request-level facts for `plan`."""
+
+    request_id: str
+    num_layers: int
+    num_kv_heads: int
+    num_q_heads: int
+    length: int  # prompt entries per (layer, head) at compression time
+
+
+@dataclass
+class DecodeLayer:
+    """One layer of a request after a decode step: where its entries are, and what they got."""
+
+    positions: torch.Tensor  # [Hkv, N] entry positions (global region), -1 past each head's length
+    lengths: torch.Tensor  # [Hkv]
+    attention: torch.Tensor | None  # [Hkv, N] this step's attention per entry (GQA-reduced), if asked
+
+
+@dataclass
+class DecodeStep:
+    request_id: str
+    position: int  # position of the token just processed
+    layers: list[DecodeLayer]
+
+
+@dataclass
+class DecodeEviction:
+    """Entries to drop after a decode step, as parallel (layer, head, entry index) lists."""
+
+    layers: torch.Tensor
+    heads: torch.Tensor
+    entries: torch.Tensor
+
+
+@dataclass
+class Budget:
+    """`ratio` or `tokens` (exactly one), see the module docstring."""
+
+    ratio: float | None = None
+    tokens: int | None = None
+
+    def validate(self, window: int = 0) -> None:
+        if (self.ratio is None) == (self.tokens is None):
+            raise PolicyConfigError("give exactly one budget: `ratio` (fraction kept) or `tokens` (kept per head)")
+        if self.ratio is not None and not 0.0 < self.ratio <= 1.0:
+            raise PolicyConfigError(f"ratio must lie in (0, 1], got {self.ratio}")
+        if self.tokens is not None:
+            if self.tokens < 1:
+                raise PolicyConfigError(f"tokens must be >= 1, got {self.tokens}")
+            if self.tokens < window:
+                raise PolicyConfigError(
+                    f"tokens budget {self.tokens} is smaller than the protected window {window}; "
+                    f"raise `tokens` or lower `window`"
+                )
+
+    def per_head(self, length: int) -> int:
+        """Mean entries kept per (layer, KV head) for a prompt of `length` entries."""
+        if self.ratio is not None:
+            return min(length, max(1, round(self.ratio * length)))
+        assert self.tokens is not None
+        return min(length, self.tokens)
+
+
+class KVPolicy:
+    """Base class: keeps everything and evicts nothing. Subclasses are dataclasses."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+
+    def validate(self) -> None:
+        """Raise PolicyConfigError on bad hyperparameters (called by the registry)."""
+
+    def capture_spec(self) -> CaptureSpec:
+        return CaptureSpec()
+
+    @property
+    def compresses(self) -> bool:
+        """False only for policies that never change the cache (the engine then skips every hook)."""
+        return True
+
+    def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> Any:
+        return None
+
+    def plan(self, request: RequestPrefill, layer_results: list[Any], state: dict[str, Any]) -> KeepPlan | None:
+        return None
+
+    @property
+    def wants_decode_steps(self) -> bool:
+        return False
+
+    @property
+    def wants_decode_attention(self) -> bool:
+        return False
+
+    def on_decode_step(self, step: DecodeStep, state: dict[str, Any]) -> DecodeEviction | None:
+        return None
+
+    def params(self) -> dict[str, Any]:
+        """Hyperparameters as a plain dict (for listings, presets and usage reports)."""
+        if not is_dataclass(self):
+            return {}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# ---------------------------------------------------------------------- shared scoring
+
+
+def window_attention(
+    queries: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor, key_positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention of window queries over a layer's keys: `[Hq, w, n]` (fp32, causal by position).
+
+    queries `[w, Hq, d]`, keys `[Hkv, n, d]`; query head i reads KV head i // (Hq / Hkv).
+    """
+    num_q_heads = queries.shape[1]
+    group = num_q_heads // keys.shape[0]
+    k = keys.float().repeat_interleave(group, dim=0)  # [Hq, n, d]
+    scores = torch.einsum("whd,hnd->hwn", queries.float(), k) * scale
+    causal = key_positions.view(1, 1, -1) <= query_positions.view(1, -1, 1)
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def reduce_group(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
+    """`[Hq, ...]` -> `[Hkv, ...]` by mean or max over each KV head's query heads."""
+    grouped = scores.view(num_kv_heads, scores.shape[0] // num_kv_heads, *scores.shape[1:])
+    if how == "mean":
+        return grouped.mean(dim=1)
+    if how == "max":
+        return grouped.amax(dim=1)
+    raise PolicyConfigError(f"gqa_reduction must be one of {GQA_REDUCTIONS}, got {how!r}")
+
+
+def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
+    """1-D pooling along tokens (`[H, n]`), same length out: neighbours of a strong token score too."""
+    if kernel_size <= 1:
+        return scores
+    x = scores.unsqueeze(1)
+    pad = kernel_size // 2
+    if pooling == "avgpool":
+        out = torch.nn.functional.avg_pool1d(x, kernel_size, stride=1, padding=pad, count_include_pad=False)
+    elif pooling == "maxpool":
+        out = torch.nn.functional.max_pool1d(x, kernel_size, stride=1, padding=pad)
+    else:
+        raise PolicyConfigError(f"pooling must be 'avgpool' or 'maxpool', got {pooling!r}")
+    return out.squeeze(1)[..., : scores.shape[-1]]
+
+
+def keep_top(scores: torch.Tensor, budget: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+    """Per row of `scores[R, n]`: keep the `protected[R, n]` entries plus the best others up to `budget[R]`.
+
+    Returns a bool mask `[R, n]`. Ties break towards lower indices (stable), so plans are deterministic.
+    """
+    n = scores.shape[-1]
+    ranked = scores.float().masked_fill(protected, float("inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(n).expand_as(order).contiguous())
+    take = torch.maximum(budget.view(-1, 1), protected.sum(-1, keepdim=True))
+    return rank < take
+
+
+def recent_window(length: int, window: int) -> torch.Tensor:
+    """Bool `[length]`: the last `window` entries."""
+    mask = torch.zeros(length, dtype=torch.bool)
+    if window > 0:
+        mask[max(0, length - window) :] = True
+    return mask
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise PolicyConfigError(f"{name} must be one of {choices}, got {value!r}")
+
+
+__all__ = [
+    "GQA_REDUCTIONS",
+    "Budget",
+    "DecodeEviction",
+    "DecodeLayer",
+    "DecodeStep",
+    "KVPolicy",
+    "LayerPrefill",
+    "PolicyConfigError",
+    "RequestPrefill",
+    "check_choice",
+    "keep_top",
+    "pool_scores",
+    "recent_window",
+    "reduce_group",
+    "window_attention",
+]

@@ -1,0 +1,116 @@
+"""Policies by name, by YAML preset, or by a `{"name": ..., **params}` dict.
+
+`load_policy` is the one entry point the engine, the server and the CLI use, so every caller gets
+the same validation and the same error messages (an unknown name lists the known ones; an unknown
+parameter lists the policy's fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vllm_kvpress_ext.policies.base import KVPolicy, PolicyConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+_REGISTRY: dict[str, type[KVPolicy]] = {}
+
+
+def register(cls: type[KVPolicy]) -> type[KVPolicy]:
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no `name`")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"policy name {cls.name!r} is registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def policy_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def policy_class(name: str) -> type[KVPolicy]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise PolicyConfigError(f"unknown policy {name!r}; known policies: {', '.join(policy_names())}") from None
+
+
+def _check_type(policy: str, field: dataclasses.Field[Any], value: Any, hints: dict[str, Any]) -> Any:
+    """Coerce YAML/JSON scalars to the field's type, or raise a clear error."""
+    hint = hints[field.name]
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        raise PolicyConfigError(f"{policy}.{field.name} cannot be null")
+    for kind in allowed:
+        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is str and isinstance(value, str):
+            return value
+    names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed)
+    raise PolicyConfigError(f"{policy}.{field.name} must be {names}, got {value!r}")
+
+
+def create_policy(name: str, **params: Any) -> KVPolicy:
+    """Instantiate and validate a registered policy."""
+    cls = policy_class(name)
+    fields: dict[str, dataclasses.Field[Any]] = (
+        {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    )
+    unknown = sorted(set(params) - set(fields))
+    if unknown:
+        valid = ", ".join(sorted(fields)) or "none"
+        raise PolicyConfigError(f"unknown parameter(s) {', '.join(unknown)} for policy {name!r}; valid: {valid}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {key: _check_type(name, fields[key], value, hints) for key, value in params.items()}
+    # A token budget given alone replaces the default ratio budget (and vice versa).
+    if "tokens" in kwargs and "ratio" in fields and "ratio" not in kwargs and kwargs["tokens"] is not None:
+        kwargs["ratio"] = None
+    if "ratio" in kwargs and "tokens" in fields and "tokens" not in kwargs and kwargs["ratio"] is not None:
+        kwargs["tokens"] = None
+    policy = cls(**kwargs)
+    policy.validate()
+    return policy
+
+
+def load_policy(spec: str | Path | dict[str, Any] | KVPolicy | None) -> KVPolicy | None:
+    """A policy from a name, a preset (`configs/NAME.yaml` or any YAML path), a dict, or an instance."""
+    if spec is None or isinstance(spec, KVPolicy):
+        if isinstance(spec, KVPolicy):
+            spec.validate()
+        return spec
+    if isinstance(spec, dict):
+        params = dict(spec)
+        name = params.pop("name", None)
+        if not isinstance(name, str):
+            raise PolicyConfigError("a policy object needs a string `name`")
+        return create_policy(name, **params)
+    text = str(spec)
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise PolicyConfigError(f"policy preset {text} does not exist")
+        return load_policy(_read_preset(path))
+    if text in _REGISTRY:
+        preset = CONFIG_DIR / f"{text}.yaml"
+        return load_policy(_read_preset(preset)) if preset.is_file() else create_policy(text)
+    raise PolicyConfigError(f"unknown policy {text!r}; known policies: {', '.join(policy_names())}")
+
+
+def _read_preset(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise PolicyConfigError(f"{path} must hold a mapping with a `name` and the policy's parameters")
+    return data
