@@ -57,6 +57,34 @@ def _cmd_bench_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.bench.throughput import ThroughputConfig, run_throughput_bench
+
+    run_throughput_bench(
+        ThroughputConfig(
+            model=args.model,
+            batch_sizes=args.batch_sizes,
+            prompt_lens=args.prompt_lens,
+            decode_steps=args.decode_steps,
+            repeats=args.repeats,
+            kv_policy=args.kv_policy,
+            device=args.device,
+            dtype=args.dtype,
+        )
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpress",
@@ -108,6 +136,23 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--steps", type=int, default=64, help="decode steps timed (default: 64)")
     cache.add_argument("--keep-ratio", type=float, default=0.25, help="fraction kept by compaction (default: 0.25)")
     cache.set_defaults(handler=_cmd_bench_cache)
+
+    throughput = bench_sub.add_parser(
+        "throughput",
+        help="prefill and decode tokens/s of the embedded engine",
+        description="Prefill and decode tokens/s of the embedded engine at several batch sizes and prompt "
+        "lengths. Without --model, a random-weight GQA Llama (4 layers, hidden 256, 8 heads, 2 KV heads) is "
+        "written to a temporary directory and used.",
+    )
+    throughput.add_argument("--model", default=None, help="HF-format model directory (default: random bench model)")
+    throughput.add_argument("--batch-sizes", type=_int_list, default=(1, 4, 16), help="default: 1,4,16")
+    throughput.add_argument("--prompt-lens", type=_int_list, default=(128, 512), help="default: 128,512")
+    throughput.add_argument("--decode-steps", type=int, default=32, help="decode steps timed (default: 32)")
+    throughput.add_argument("--repeats", type=int, default=2, help="runs per point, median reported (default: 2)")
+    throughput.add_argument("--kv-policy", default=None, help="policy name or preset path (default: none)")
+    throughput.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    throughput.add_argument("--dtype", default="float32", help="model dtype (default: float32)")
+    throughput.set_defaults(handler=_cmd_bench_throughput)
     return parser
 
 

@@ -15,6 +15,14 @@ from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 Prompt = str | list[int]
 
 
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template, ready for the assistant's turn."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
 class LLM:
     """`LLM(model_dir).generate(prompts, SamplingParams(...))`, in the style of vLLM's offline API."""
 
@@ -58,7 +66,4 @@ class LLM:
         """One chat completion through the model's chat template."""
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer, so it has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict):
-            ids = ids["input_ids"]
-        return self.generate([list(ids)], sampling_params)[0]
+        return self.generate([chat_token_ids(self.tokenizer, messages)], sampling_params)[0]

@@ -1,0 +1,45 @@
+"""Benchmarks run end to end at small sizes and print their tables (no timing asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_kvpress_ext.bench.cache_bench import CacheBenchConfig, run_cache_bench
+from vllm_kvpress_ext.cli import main
+
+
+def test_bench_cache_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    figures = run_cache_bench(
+        CacheBenchConfig(num_requests=4, num_layers=2, num_kv_heads=2, head_dim=8, prompt_len=40, decode_steps=20)
+    )
+    out = capsys.readouterr().out
+    assert "vectorised cache" in out and "naive per-head loop" in out and "tokens examined / s" in out
+    assert figures["decode_bookkeeping_ms"] > 0 and figures["compaction_tokens_per_s"] > 0
+
+
+def test_bench_throughput_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(
+            [
+                "bench",
+                "throughput",
+                "--batch-sizes",
+                "1,2",
+                "--prompt-lens",
+                "24",
+                "--decode-steps",
+                "3",
+                "--repeats",
+                "1",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "prefill tok/s" in out and "decode tok/s" in out
+    assert len([line for line in out.splitlines() if line.strip().startswith("24 ")]) == 2
+
+
+def test_bench_rejects_bad_lists() -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "throughput", "--batch-sizes", "0,x"])
