@@ -43,3 +43,11 @@ def test_bench_throughput_runs(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_rejects_bad_lists() -> None:
     with pytest.raises(SystemExit):
         main(["bench", "throughput", "--batch-sizes", "0,x"])
+
+
+def test_bench_policies_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "policies", "--prompt-lens", "64", "--policies", "full,snapkv", "--decode-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("64 ")]
+    assert [r[1] for r in rows] == ["full", "snapkv"]
+    assert float(rows[0][6]) == 1.0 and float(rows[1][6]) < 0.6  # retention column

@@ -298,8 +298,9 @@ class LLMEngine:
         kv.tokens_full = self.config.num_hidden_layers * self.config.num_key_value_heads * request.num_processed
         kv.kv_bytes = usage.bytes
         kv.kv_bytes_peak = max(kv.kv_bytes_peak, usage.bytes)
-        heads = self.config.num_key_value_heads
-        kv.kept_per_layer = [int(x) // heads + usage.ring_tokens for x in usage.global_tokens.sum(-1)]
+        per_head = usage.global_tokens + usage.ring_tokens
+        kv.kept_per_head = per_head.tolist()
+        kv.kept_per_layer = (per_head.sum(-1) // per_head.shape[-1]).tolist()
 
     # ------------------------------------------------------------------ outputs
 

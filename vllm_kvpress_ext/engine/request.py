@@ -30,6 +30,7 @@ class KVStats:
     kv_bytes_peak: int = 0
     compression_seconds: float = 0.0
     kept_per_layer: list[int] = field(default_factory=list)  # mean entries per KV head of each layer
+    kept_per_head: list[list[int]] = field(default_factory=list)  # [layer][KV head] entries, ring included
 
     @property
     def retention(self) -> float:

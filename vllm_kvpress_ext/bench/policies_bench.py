@@ -1,0 +1,122 @@
+"""`kvpress bench policies`: what each policy costs at prefill and what it keeps.
+
+For every registered policy and prompt length, one request runs on the engine: prefill, the
+policy's compression (timed inside the engine: scoring, planning and compaction), then a few
+decode steps so decode-time policies run too. Reported per row: prefill time without compression,
+compression time and its share of prefill, decode-step hook time, and the retention and KV bytes
+the pool actually held. All rows run side by side in one process on the same model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from vllm_kvpress_ext.bench.models import bench_model_dir
+from vllm_kvpress_ext.bench.report import format_table
+from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
+from vllm_kvpress_ext.models import load_config
+from vllm_kvpress_ext.policies import policy_names
+
+
+@dataclass(frozen=True)
+class PoliciesBenchConfig:
+    model: str | None = None
+    policies: tuple[str, ...] = ()
+    prompt_lens: tuple[int, ...] = (2048, 8192)
+    decode_steps: int = 8
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+
+def run_policies_bench(config: PoliciesBenchConfig) -> list[dict[str, object]]:
+    if config.model:
+        return _run(config, Path(config.model))
+    with tempfile.TemporaryDirectory(prefix="kvpress-bench-model-") as tmp:
+        return _run(config, bench_model_dir(tmp, seed=config.seed))
+
+
+def _run(config: PoliciesBenchConfig, model_dir: Path) -> list[dict[str, object]]:
+    policies = config.policies or tuple(policy_names())
+    longest = max(config.prompt_lens) + config.decode_steps + 2
+    model_config = load_config(model_dir)
+    page_size = 16
+    num_pages = model_config.num_hidden_layers * model_config.num_key_value_heads * (-(-longest // page_size) + 1)
+    engine = LLMEngine(
+        model_dir,
+        dtype=config.dtype,
+        device=config.device,
+        num_pages=num_pages,
+        page_size=page_size,
+        max_num_seqs=1,
+        max_num_batched_tokens=max(config.prompt_lens),
+        max_model_len=longest + 1,
+    )
+    print(f"config: {asdict(config)}")
+    print(
+        f"model: {model_dir} ({model_config.num_hidden_layers} layers, {model_config.num_attention_heads} heads, "
+        f"{model_config.num_key_value_heads} KV heads), pool {num_pages} pages"
+    )
+    g = torch.Generator().manual_seed(config.seed)
+    vocab = model_config.vocab_size
+    rows: list[list[object]] = []
+    results: list[dict[str, object]] = []
+    params = SamplingParams(max_tokens=config.decode_steps + 1, temperature=0.0, ignore_eos=True)
+    engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    while engine.has_unfinished_requests():
+        engine.step()
+    for prompt_len in config.prompt_lens:
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+        for name in policies:
+            rid = engine.add_request(prompt, params, policy=name)
+            request = engine.requests[rid]
+            start = time.perf_counter()
+            first_token_s = None
+            compression_at_first = 0.0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if first_token_s is None:
+                        first_token_s = time.perf_counter() - start
+                        compression_at_first = request.kv.compression_seconds
+                    if out.finished:
+                        kv = out.kv
+            assert first_token_s is not None
+            prefill_s = first_token_s - compression_at_first
+            decode_hook_s = kv.compression_seconds - compression_at_first
+            share = compression_at_first / prefill_s
+            rows.append(
+                [
+                    prompt_len,
+                    name,
+                    f"{1000 * prefill_s:.0f}",
+                    f"{1000 * compression_at_first:.1f}",
+                    f"{100 * share:.1f}%",
+                    f"{1000 * decode_hook_s / max(1, config.decode_steps):.2f}",
+                    f"{kv.retention:.3f}",
+                    f"{kv.kv_bytes / 2**20:.2f}",
+                ]
+            )
+            results.append(
+                {
+                    "prompt_len": prompt_len,
+                    "policy": name,
+                    "prefill_s": prefill_s,
+                    "compression_s": compression_at_first,
+                    "share": share,
+                    "retention": kv.retention,
+                    "kv_bytes": kv.kv_bytes,
+                }
+            )
+    print(
+        format_table(
+            ["prompt", "policy", "prefill ms", "compress ms", "share", "decode hook ms/step", "retention", "KV MiB"],
+            rows,
+        )
+    )
+    print("retention and KV MiB are measured at the end of the request (prompt + decoded tokens), from the pool")
+    return results
