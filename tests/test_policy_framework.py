@@ -187,3 +187,16 @@ def test_per_request_policy_override_and_protocols(tiny_model: tuple[PreTrainedM
     strict = _run(engine, prompt, compress_after=75)
     assert strict.kv.tokens_kept < full.kv.tokens_kept
     assert len(strict.output_token_ids) == GREEDY.max_tokens
+
+
+def test_prompts_shorter_than_the_window(tiny_model: tuple[PreTrainedModel, Path]) -> None:
+    _, path = tiny_model
+    engine = LLMEngine(path, dtype=torch.float32, num_pages=128, page_size=4)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    # A tokens budget is never below the window, so a shorter prompt is kept whole.
+    whole = _run(engine, prompt, policy={"name": "snapkv", "tokens": 32})
+    assert whole.kv.retention == 1.0 and len(whole.output_token_ids) == GREEDY.max_tokens
+    # A ratio budget is honoured even then: round(0.25 * 8) = 2 prompt entries per head, plus the decoded tokens.
+    ratio = _run(engine, prompt, policy={"name": "snapkv", "ratio": 0.25})
+    decoded = GREEDY.max_tokens - 1
+    assert ratio.kv.kept_per_layer == [2 + decoded] * 2

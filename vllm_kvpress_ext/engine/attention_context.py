@@ -118,4 +118,5 @@ class DecodeContext:
             self.scale,
             ring_tables,
             ring_lens,
+            self.probs,
         )

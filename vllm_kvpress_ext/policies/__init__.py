@@ -4,19 +4,27 @@
 `load_policy("configs/snapkv.yaml")` give a validated policy instance.
 """
 
+from vllm_kvpress_ext.policies.adakv import AdaKVPolicy
 from vllm_kvpress_ext.policies.base import KVPolicy, PolicyConfigError
 from vllm_kvpress_ext.policies.full import FullPolicy
+from vllm_kvpress_ext.policies.h2o import H2OPolicy
+from vllm_kvpress_ext.policies.pyramidkv import PyramidKVPolicy
 from vllm_kvpress_ext.policies.registry import create_policy, load_policy, policy_class, policy_names, register
 from vllm_kvpress_ext.policies.snapkv import SnapKVPolicy
+from vllm_kvpress_ext.policies.streaming_llm import StreamingLLMPolicy
 
-for _policy in (FullPolicy, SnapKVPolicy):
+for _policy in (FullPolicy, SnapKVPolicy, PyramidKVPolicy, AdaKVPolicy, StreamingLLMPolicy, H2OPolicy):
     register(_policy)
 
 __all__ = [
+    "AdaKVPolicy",
     "FullPolicy",
+    "H2OPolicy",
     "KVPolicy",
     "PolicyConfigError",
+    "PyramidKVPolicy",
     "SnapKVPolicy",
+    "StreamingLLMPolicy",
     "create_policy",
     "load_policy",
     "policy_class",

@@ -23,8 +23,9 @@ Budget semantics (`Budget`):
 - A protected window of w recent tokens is always kept. A `tokens` budget smaller than the window
   is an error. When a `ratio` budget is smaller than the window, the window shrinks to the budget
   (the budget wins: it is what the operator pays for).
-- A prompt no longer than the budget is kept whole; a window longer than the prompt protects the
-  whole prompt. Neither is an error.
+- A prompt no longer than the budget is kept whole. With a `tokens` budget (never below the window)
+  a prompt shorter than the window is therefore kept whole; with a `ratio` budget the ratio is
+  honoured even then (at least one entry per head is kept). Neither case is an error.
 """
 
 from __future__ import annotations
@@ -226,6 +227,8 @@ def keep_top(scores: torch.Tensor, budget: torch.Tensor, protected: torch.Tensor
     Returns a bool mask `[R, n]`. Ties break towards lower indices (stable), so plans are deterministic.
     """
     n = scores.shape[-1]
+    # Plans are CPU bookkeeping: scores computed on an accelerator come back here.
+    scores, budget, protected = scores.cpu(), budget.cpu(), protected.cpu()
     ranked = scores.float().masked_fill(protected, float("inf"))
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order)

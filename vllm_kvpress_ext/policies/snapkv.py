@@ -89,7 +89,8 @@ class ObservationWindowScores(KVPolicy):
         votes = reduce_group(probs.sum(dim=1), layer.num_kv_heads, self.gqa_reduction)  # [Hkv, n]
         prefix = n - w
         scores = votes.clone()
-        scores[:, :prefix] = pool_scores(votes[:, :prefix], self.kernel_size, self.pooling)
+        if prefix > 0:  # a prompt no longer than the window has nothing to rank
+            scores[:, :prefix] = pool_scores(votes[:, :prefix], self.kernel_size, self.pooling)
         return scores
 
 
