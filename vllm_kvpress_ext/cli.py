@@ -6,6 +6,7 @@ Sub-commands import their heavy modules lazily so that `kvpress --help` stays in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 
@@ -101,6 +102,36 @@ def _cmd_bench_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _cmd_bench_accuracy(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.bench.accuracy import AccuracyConfig, run_accuracy_bench
+
+    if args.model is None:
+        print("kvpress bench accuracy: --model is required (no bundled model ships yet)", file=sys.stderr)
+        return 2
+    if args.quick:
+        config = AccuracyConfig.quick(args.model, out_dir=args.out or "runs/accuracy-quick")
+    else:
+        config = AccuracyConfig(model=args.model, out_dir=args.out or "runs/accuracy")
+    overrides = {
+        "policies": tuple(args.policies.split(",")) if args.policies else None,
+        "budgets": args.budgets,
+        "tasks": tuple(args.tasks.split(",")) if args.tasks else None,
+        "protocol": args.protocol,
+        "samples": args.samples,
+        "context_len": args.context_len,
+    }
+    config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    run_accuracy_bench(config)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpress",
@@ -184,6 +215,35 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     pol.add_argument("--dtype", default="float32", help="model dtype (default: float32)")
     pol.set_defaults(handler=_cmd_bench_policies)
+
+    acc = bench_sub.add_parser(
+        "accuracy",
+        help="accuracy vs KV memory actually held, per policy x budget x task",
+        description="Runs the synthetic long-context suite through the engine with real compression and reports, "
+        "per policy x budget x task, exact-match accuracy and the KV bytes the pool held (mean, p90) and "
+        "retention: a table on stdout, results.md/.csv/.json and accuracy_vs_memory.png in --out.",
+    )
+    acc.add_argument("--model", default=None, help="HF-format model directory with the suite's tokenizer (required)")
+    acc.add_argument("--policies", default=None, help="comma-separated policies (default: full and the baselines)")
+    acc.add_argument("--budgets", type=_float_list, default=None, help="ratios (default: 0.5,0.25,0.1,0.05)")
+    acc.add_argument(
+        "--tasks",
+        default=None,
+        help="comma-separated task families (default: the needle, tracking and aggregation tasks)",
+    )
+    acc.add_argument(
+        "--protocol",
+        choices=("served", "strict", "agnostic"),
+        default=None,
+        help="where compression happens (default: strict)",
+    )
+    acc.add_argument("--samples", type=int, default=None, help="held-out samples per task (default: 20)")
+    acc.add_argument("--context-len", type=int, default=None, help="context tokens per sample (default: 1024)")
+    acc.add_argument("--out", default=None, help="output directory (default: runs/accuracy)")
+    acc.add_argument(
+        "--quick", action="store_true", help="small run: 3 policies, budget 0.25, 2 tasks, 4 samples, context 256"
+    )
+    acc.set_defaults(handler=_cmd_bench_accuracy)
     return parser
 
 
