@@ -32,9 +32,13 @@ def gather_paged(
         device=kv_pool.device, dtype=torch.int64
     )
     offsets = (entry % page_size).to(kv_pool.device).expand_as(pages)
-    kv = kv_pool[pages, :, offsets]  # [*S, N, 2, d]
-    positions = position_pool[pages, offsets]
-    return kv[..., 0, :], kv[..., 1, :], positions, valid.to(kv_pool.device)
+    # Gather rows of kv viewed as [pages * 2 * page_size, d]: K of slot (p, o) is row p*2*ps + o, V is ps further.
+    rows = pages * (2 * page_size) + offsets
+    flat = kv_pool.view(-1, kv_pool.shape[-1])
+    keys = flat[rows]
+    values = flat[rows + page_size]
+    positions = position_pool.view(-1)[pages * page_size + offsets]
+    return keys, values, positions, valid.to(kv_pool.device)
 
 
 def _grouped_attention(

@@ -292,22 +292,29 @@ class PagedKVCache:
                 f"write shapes disagree: slots {tuple(slots.shape)}, keys {tuple(keys.shape)}, "
                 f"values {tuple(values.shape)}"
             )
-        flat = slots.reshape(-1)
-        pages = torch.div(flat, self.page_size, rounding_mode="floor")
-        offsets = flat % self.page_size
-        kv = self.pool.kv
-        kv[pages, 0, offsets] = keys.reshape(-1, self.head_dim).to(kv.dtype)
-        kv[pages, 1, offsets] = values.reshape(-1, self.head_dim).to(kv.dtype)
+        rows_k = self._kv_rows(slots.reshape(-1))
+        flat = self.pool.kv.view(-1, self.head_dim)
+        flat[rows_k] = keys.reshape(-1, self.head_dim).to(flat.dtype)
+        flat[rows_k + self.page_size] = values.reshape(-1, self.head_dim).to(flat.dtype)
+
+    def _kv_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Row of each slot's key in `pool.kv` viewed as `[num_pages * 2 * page_size, head_dim]`.
+
+        The value sits `page_size` rows further. Single-index row gathers and scatters take torch's
+        fast path, unlike indexing `kv[page, :, offset]` with a slice between two index tensors.
+        """
+        ps = self.page_size
+        return torch.div(slots, ps, rounding_mode="floor") * (2 * ps) + slots % ps
 
     def _copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy K, V and positions from flat slots `src` to `dst` (reads happen before writes)."""
         ps = self.page_size
-        src_page, src_off = torch.div(src, ps, rounding_mode="floor"), src % ps
-        dst_page, dst_off = torch.div(dst, ps, rounding_mode="floor"), dst % ps
-        kv = self.pool.kv
-        kv[dst_page, :, dst_off] = kv[src_page, :, src_off]
-        pos = self.pool.positions
-        pos[dst_page, dst_off] = pos[src_page, src_off]
+        src_rows, dst_rows = self._kv_rows(src), self._kv_rows(dst)
+        flat = self.pool.kv.view(-1, self.head_dim)
+        both_src = torch.cat([src_rows, src_rows + ps])
+        flat[torch.cat([dst_rows, dst_rows + ps])] = flat[both_src]
+        pos = self.pool.positions.view(-1)
+        pos[dst] = pos[src]
 
     def admit(self, layer: int, rows: torch.Tensor | list[int], flags: torch.Tensor) -> None:
         """Set the admission flags `[B, H]` of the token each ring row just appended in `layer`."""
