@@ -34,16 +34,20 @@ class PrefillSegment:
 
 
 def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q `[n, Hq, d]`, k/v `[n, Hkv, d]` -> `[n, Hq, d]`: a fresh sequence needs no cache read."""
-    group = q.shape[1] // k.shape[1]
+    """q `[n, Hq, d]`, k/v `[n, Hkv, d]` -> `[n, Hq, d]`: a fresh sequence needs no cache read.
+
+    Inputs are given 4-D (batch of one): torch's fused CPU / GPU SDPA kernels need the batch
+    dimension, and without it the math path materialises the whole n x n score matrix.
+    """
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.repeat_interleave(group, dim=1).transpose(0, 1),
-        v.repeat_interleave(group, dim=1).transpose(0, 1),
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
         is_causal=True,
         scale=scale,
+        enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 class PrefillContext:
