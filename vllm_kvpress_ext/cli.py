@@ -132,6 +132,37 @@ def _cmd_bench_accuracy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_model(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.train.model import TrainConfig, train
+
+    config = TrainConfig(
+        out=args.out,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        context_len=args.context_len,
+        curriculum=args.curriculum,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        lr=args.lr,
+        warmup=args.warmup,
+        eval_every=args.eval_every,
+        eval_samples=args.eval_samples,
+        checkpoint_every=args.checkpoint_every,
+        seed=args.seed,
+        threads=args.threads,
+    )
+    try:
+        model_dir = train(config, resume=args.resume)
+    except ValueError as err:
+        print(f"kvpress train-model: {err}", file=sys.stderr)
+        return 2
+    print(f"model written to {model_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpress",
@@ -162,6 +193,39 @@ def build_parser() -> argparse.ArgumentParser:
         "{'name': ..., params} per request.",
     )
     policies.set_defaults(handler=_cmd_policies)
+
+    tm = sub.add_parser(
+        "train-model",
+        help="train a small GQA Llama on the synthetic suite (checkpoints, resume, held-out eval)",
+        description="Trains a Llama-architecture model with grouped-query attention from scratch on a mixture of "
+        "the synthetic suite's tasks, with a context-length curriculum, periodic held-out exact-match evaluation, "
+        "checkpoints (--resume continues from OUT/checkpoint.pt) and a log (OUT/log.jsonl). The model is exported "
+        "as an HF directory in OUT/model.",
+    )
+    tm.add_argument("--out", default="runs/model", help="output directory (default: runs/model)")
+    tm.add_argument("--steps", type=int, default=20_000, help="optimizer steps (default: 20000)")
+    tm.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: 16)")
+    tm.add_argument("--context-len", type=int, default=1024, help="final context length (default: 1024)")
+    tm.add_argument(
+        "--curriculum",
+        type=_int_list,
+        default=(128, 256, 512),
+        help="context lengths before the final one, equal shares of the first 60%% of steps (default: 128,256,512)",
+    )
+    tm.add_argument("--hidden-size", type=int, default=256, help="default: 256")
+    tm.add_argument("--intermediate-size", type=int, default=768, help="default: 768")
+    tm.add_argument("--layers", type=int, default=4, help="default: 4")
+    tm.add_argument("--heads", type=int, default=8, help="query heads (default: 8)")
+    tm.add_argument("--kv-heads", type=int, default=2, help="KV heads (default: 2)")
+    tm.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    tm.add_argument("--warmup", type=int, default=200, help="warm-up steps (default: 200)")
+    tm.add_argument("--eval-every", type=int, default=500, help="default: 500")
+    tm.add_argument("--eval-samples", type=int, default=32, help="held-out samples per task (default: 32)")
+    tm.add_argument("--checkpoint-every", type=int, default=500, help="default: 500")
+    tm.add_argument("--seed", type=int, default=0, help="default: 0")
+    tm.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    tm.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    tm.set_defaults(handler=_cmd_train_model)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")

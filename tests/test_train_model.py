@@ -1,0 +1,97 @@
+"""`kvpress train-model` trains a few steps on a tiny configuration, exports, and resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from vllm_kvpress_ext.cli import main
+from vllm_kvpress_ext.engine import LLM, SamplingParams
+from vllm_kvpress_ext.train.model import TrainConfig, make_batch
+
+TINY = [
+    "--batch-size",
+    "2",
+    "--context-len",
+    "96",
+    "--curriculum",
+    "64",
+    "--hidden-size",
+    "32",
+    "--intermediate-size",
+    "64",
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--eval-every",
+    "2",
+    "--eval-samples",
+    "2",
+    "--checkpoint-every",
+    "2",
+    "--warmup",
+    "2",
+]
+
+
+def test_train_resume_and_export(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert main(["train-model", "--out", str(out), "--steps", "2", *TINY]) == 0
+    first = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert first["step"] == 2
+    assert main(["train-model", "--out", str(out), "--steps", "4", "--resume", *TINY]) == 0
+    second = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert second["step"] == 4
+    assert any(not torch.equal(first["model"][k], second["model"][k]) for k in first["model"])
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 4]
+    assert all(set(r["eval"]) == set(TrainConfig().tasks) for r in log)
+
+    # The export loads in the engine and in transformers, with identical greedy output.
+    model_dir = out / "model"
+    llm = LLM(model_dir, dtype=torch.float32, num_pages=128, page_size=4)
+    prompt = llm.tokenizer.encode("key trout is 65 . what is key trout ? answer :")
+    ours = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].output_token_ids
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    ref = hf.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=6,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    assert ours == ref
+
+
+def test_resume_refuses_a_different_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    assert main(["train-model", "--out", str(out), "--steps", "2", *TINY]) == 0
+    changed = [*TINY]
+    changed[changed.index("--hidden-size") + 1] = "64"
+    assert main(["train-model", "--out", str(out), "--steps", "4", "--resume", *changed]) == 2
+    assert "hidden_size" in capsys.readouterr().err
+
+
+def test_batches_supervise_only_answers() -> None:
+    import random
+
+    config = TrainConfig(batch_size=3, context_len=64, tasks={"niah_multikey": 1.0})
+    ids, labels = make_batch(config, 0, 64, 0, 0, random.Random(0))
+    assert ids.shape == labels.shape and ids.shape[0] == 3
+    targets = labels != -100
+    assert 0 < int(targets.sum()) < ids.numel() // 4
+    # Each label is the next input token.
+    assert torch.equal(labels[:, :-1][targets[:, :-1]], ids[:, 1:][targets[:, :-1]])
+
+
+def test_config_must_use_gqa() -> None:
+    with pytest.raises(ValueError, match="grouped-query"):
+        TrainConfig(num_heads=4, num_kv_heads=4).validate()

@@ -1,0 +1,1 @@
+"""Training: the default model (`kvpress train-model`)."""

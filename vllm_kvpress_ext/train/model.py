@@ -1,0 +1,345 @@
+"""`kvpress train-model`: train a small GQA Llama on the synthetic suite, from scratch.
+
+Training runs the project's own model code (`models/llama.py`) with a batched causal attention
+context, so what is trained is exactly what the engine serves. Sequences are the suite's training
+view (`bench/tasks/training.py`): every record-style question of a sample becomes a chat turn and
+only answer tokens (and `<eos>`) are targets.
+
+Curriculum: the context length grows in stages (by default 128 -> 256 -> 512 -> final) so that
+retrieval is learned on short, cheap sequences before the haystack gets long.
+
+Evaluation is teacher-forced exact match on held-out seeds: the greedy answer equals the target
+exactly when the argmax at every answer position (answer tokens, then `<eos>`) is the target given
+the target prefix, so one forward pass scores a batch without generating.
+
+Checkpoints (`checkpoint.pt`: model, optimizer, step, RNG state, config) are written every
+`checkpoint_every` steps and at the end; `--resume` continues from one. The model is also exported
+as an HF directory (`model/`: config.json, model.safetensors, tokenizer, generation_config.json)
+that loads in the engine and in transformers. `log.jsonl` records loss, learning rate, throughput
+and evaluation accuracy over time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from vllm_kvpress_ext.bench.tasks import generate, training_example
+from vllm_kvpress_ext.bench.tokenizer import EOS, PAD, VOCABULARY, save_tokenizer
+from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
+from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
+
+HELD_OUT_SEED = 1_000_000  # evaluation seeds start here; training seeds stay below
+IGNORE = -100
+
+
+@dataclass
+class TrainConfig:
+    out: str = "runs/model"
+    steps: int = 20_000
+    batch_size: int = 16
+    context_len: int = 1024
+    curriculum: tuple[int, ...] = (128, 256, 512)  # context lengths before `context_len`, equal shares of steps
+    final_share: float = 0.4  # fraction of steps spent at `context_len`
+    tasks: dict[str, float] = field(
+        default_factory=lambda: {
+            "associative_recall": 2.0,
+            "niah_multikey": 2.0,
+            "niah_multivalue": 1.0,
+            "niah_multiquery": 1.0,
+            "variable_tracking": 1.0,
+            "aggregation": 1.0,
+        }
+    )
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    rope_theta: float = 10_000.0
+    init_std: float = 0.08
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 200
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    eval_every: int = 500
+    eval_samples: int = 32
+    checkpoint_every: int = 500
+    seed: int = 0
+    threads: int = 0  # 0: torch's default
+
+    def context_at(self, step: int) -> int:
+        """The curriculum: context length used at `step`."""
+        final_start = int(self.steps * (1.0 - self.final_share))
+        if step >= final_start or not self.curriculum:
+            return self.context_len
+        stage = step * len(self.curriculum) // max(1, final_start)
+        return min(self.curriculum[stage], self.context_len)
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to `min_lr_ratio * lr`."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
+
+    def hf_config(self) -> dict[str, Any]:
+        vocab = list(VOCABULARY)
+        return llama_config(
+            vocab_size=len(vocab),
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            max_position_embeddings=max(4096, 2 * self.context_len),
+            rope_theta=self.rope_theta,
+            bos_token_id=vocab.index("<bos>"),
+            eos_token_id=vocab.index(EOS),
+        )
+
+    def validate(self) -> None:
+        if self.num_heads % self.num_kv_heads or self.num_heads == self.num_kv_heads:
+            raise ValueError("the model must use grouped-query attention: num_heads a multiple > 1 of num_kv_heads")
+        if self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be a multiple of num_heads")
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError("steps and batch_size must be >= 1")
+        if not self.tasks or min(self.tasks.values()) < 0:
+            raise ValueError("tasks must map task names to non-negative weights")
+
+
+class BatchedCausalContext:
+    """Attention context for training: B equal-length sequences flattened to [B*T]; one fused SDPA call."""
+
+    def __init__(self, batch: int, length: int) -> None:
+        self.batch, self.length = batch, length
+
+    def attend(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pre_rope: torch.Tensor,
+    ) -> torch.Tensor:
+        b, t = self.batch, self.length
+        out = F.scaled_dot_product_attention(
+            q.view(b, t, *q.shape[1:]).transpose(1, 2),
+            k.view(b, t, *k.shape[1:]).transpose(1, 2),
+            v.view(b, t, *v.shape[1:]).transpose(1, 2),
+            is_causal=True,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2).reshape(q.shape)
+
+
+def _task_params(task: str, context_len: int) -> dict[str, Any]:
+    if task == "associative_recall":
+        return {"context_length": None}  # no filler: dense supervision, every record queried
+    return {"context_length": context_len}
+
+
+def make_batch(
+    config: TrainConfig, step: int, context_len: int, seed_base: int, pad_id: int, rng: random.Random
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`input_ids [B, T]` and next-token `labels [B, T]` (IGNORE outside answers and padding)."""
+    names = list(config.tasks)
+    weights = [config.tasks[n] for n in names]
+    rows = []
+    for i in range(config.batch_size):
+        task = rng.choices(names, weights)[0]
+        sample = generate(task, seed_base + step * config.batch_size + i, **_task_params(task, context_len))
+        rows.append(training_example(sample))
+    length = max(len(r.token_ids) for r in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE, dtype=torch.long)
+    for b, row in enumerate(rows):
+        n = len(row.token_ids)
+        ids[b, :n] = torch.tensor(row.token_ids)
+        mask = torch.tensor(row.loss_mask)
+        target = torch.tensor(row.token_ids)
+        # Position t predicts token t + 1: a target token at position p is the label of position p - 1.
+        labels[b, : n - 1] = torch.where(mask[1:], target[1:], torch.full_like(target[1:], IGNORE))
+    return ids, labels
+
+
+def forward_loss(model: LlamaFamilyForCausalLM, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    b, t = ids.shape
+    positions = torch.arange(t).repeat(b)
+    hidden = model(ids.reshape(-1), positions, BatchedCausalContext(b, t))
+    picked = labels.reshape(-1) != IGNORE
+    logits = model.compute_logits(hidden[picked])
+    return F.cross_entropy(logits, labels.reshape(-1)[picked])
+
+
+@torch.no_grad()
+def evaluate(model: LlamaFamilyForCausalLM, config: TrainConfig, context_len: int, pad_id: int) -> dict[str, float]:
+    """Teacher-forced exact match of the first question of held-out samples, per task."""
+    model.eval()
+    results: dict[str, float] = {}
+    for task_index, task in enumerate(config.tasks):
+        correct = 0
+        for start in range(0, config.eval_samples, config.batch_size):
+            count = min(config.batch_size, config.eval_samples - start)
+            rows = [
+                training_example(
+                    generate(task, HELD_OUT_SEED + task_index * 100_000 + start + i, **_task_params(task, context_len)),
+                    all_turns=False,
+                )
+                for i in range(count)
+            ]
+            length = max(len(r.token_ids) for r in rows)
+            ids = torch.full((count, length), pad_id, dtype=torch.long)
+            for b, row in enumerate(rows):
+                ids[b, : len(row.token_ids)] = torch.tensor(row.token_ids)
+            hidden = model(ids.reshape(-1), torch.arange(length).repeat(count), BatchedCausalContext(count, length))
+            predicted = model.compute_logits(hidden).argmax(-1).view(count, length)
+            for b, row in enumerate(rows):
+                ((s, e),) = row.answer_spans
+                correct += bool((predicted[b, s - 1 : e - 1] == ids[b, s:e]).all())
+        results[task] = correct / config.eval_samples
+    model.train()
+    return results
+
+
+def _export(model: LlamaFamilyForCausalLM, config: TrainConfig, out: Path) -> Path:
+    directory = out / "model"
+    hf = config.hf_config()
+    save_model(model, hf, directory)
+    save_tokenizer(directory)
+    generation = {
+        "bos_token_id": hf["bos_token_id"],
+        "eos_token_id": hf["eos_token_id"],
+        "pad_token_id": list(VOCABULARY).index(PAD),
+        "do_sample": False,
+    }
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return directory
+
+
+def _save_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    config: TrainConfig,
+    rng: random.Random,
+) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "config": asdict(config),
+            "rng": rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+        },
+        tmp,
+    )
+    tmp.replace(path)
+
+
+def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> Path:
+    """Train (or resume) and return the exported HF model directory."""
+    config.validate()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = out / "checkpoint.pt"
+    hf = config.hf_config()
+    model = random_model(hf, seed=config.seed, std=config.init_std)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr,
+        betas=(0.9, 0.95),
+    )
+    rng = random.Random(config.seed)
+    step = 0
+    if resume and checkpoint_path.exists():
+        state = torch.load(checkpoint_path, weights_only=False)
+        saved = {
+            k: v
+            for k, v in state["config"].items()
+            if k not in ("out", "steps", "eval_every", "checkpoint_every", "threads")
+        }
+        mismatched = [k for k, v in saved.items() if _as_json(getattr(config, k)) != _as_json(v)]
+        if mismatched:
+            raise ValueError(f"cannot resume: the checkpoint was trained with different {', '.join(mismatched)}")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+    (out / "config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
+    pad_id = list(VOCABULARY).index(PAD)
+    log = (out / "log.jsonl").open("a")
+    model.train()
+    bar = tqdm(total=config.steps, initial=step, disable=not progress, desc="train", unit="step")
+    window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
+    while step < config.steps:
+        context_len = config.context_at(step)
+        ids, labels = make_batch(config, step, context_len, config.seed * 10_000_000, pad_id, rng)
+        lr = config.lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = forward_loss(model, ids, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        step += 1
+        window_loss += float(loss.detach())
+        window_steps += 1
+        window_tokens += ids.numel()
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", ctx=context_len, lr=f"{lr:.1e}")
+        if step % config.eval_every == 0 or step == config.steps:
+            elapsed = time.perf_counter() - window_start
+            record: dict[str, Any] = {
+                "step": step,
+                "time": time.time(),
+                "context_len": context_len,
+                "lr": lr,
+                "loss": window_loss / window_steps,
+                "tokens_per_s": window_tokens / elapsed,
+                "eval": evaluate(model, config, context_len, pad_id),
+            }
+            if context_len != config.context_len:
+                record["eval_final_context"] = evaluate(model, config, config.context_len, pad_id)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            bar.write(
+                f"step {step}: loss {record['loss']:.3f}, eval@{context_len} "
+                + ", ".join(f"{k} {v:.0%}" for k, v in record["eval"].items())
+            )
+            window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            _save_checkpoint(checkpoint_path, model, optimizer, step, config, rng)
+            _export(model, config, out)
+    bar.close()
+    log.close()
+    return _export(model, config, out)
+
+
+def _as_json(value: Any) -> Any:
+    return json.loads(json.dumps(value))
+
+
+__all__ = ["BatchedCausalContext", "TrainConfig", "evaluate", "train"]
