@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,3 +131,24 @@ class DenseContext:
             vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
             out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
         return out
+
+
+def write_suite_model(
+    path: Path, *, hidden: int = 32, seed: int = 1, std: float = 0.3, max_positions: int = 512
+) -> Path:
+    """A random-weight GQA Llama over the synthetic suite's vocabulary, with its tokenizer, in `path`."""
+    from vllm_kvpress_ext.bench.tokenizer import VOCABULARY, save_tokenizer
+    from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
+
+    save_tokenizer(path)
+    config = llama_config(
+        vocab_size=len(VOCABULARY),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=max_positions,
+    )
+    save_model(random_model(config, seed=seed, std=std), config, path)
+    return path

@@ -7,29 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_utils import write_suite_model
 
 from vllm_kvpress_ext.bench.tasks import build_prompt, generate
-from vllm_kvpress_ext.bench.tokenizer import VOCABULARY, save_tokenizer
 from vllm_kvpress_ext.cli import main
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
-from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
 
 
 @pytest.fixture(scope="module")
 def suite_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("suite-model")
-    save_tokenizer(path)
-    config = llama_config(
-        vocab_size=len(VOCABULARY),
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_position_embeddings=2048,
-    )
-    save_model(random_model(config, seed=5, std=0.2), config, path)
-    return path
+    return write_suite_model(tmp_path_factory.mktemp("suite-model"), hidden=64, seed=5, std=0.2, max_positions=2048)
 
 
 def _first_tokens(engine: LLMEngine, protocol: str, policy: object) -> list[int]:

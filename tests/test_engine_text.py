@@ -6,28 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_utils import write_suite_model
 
-from vllm_kvpress_ext.bench.tokenizer import VOCABULARY, save_tokenizer
 from vllm_kvpress_ext.engine import LLM, SamplingParams
-from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
 
 
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("text-model")
-    tokenizer = save_tokenizer(path)
-    assert tokenizer == path
-    config = llama_config(
-        vocab_size=len(VOCABULARY),
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_position_embeddings=512,
-    )
-    save_model(random_model(config, seed=1, std=0.3), config, path)
-    return path
+    return write_suite_model(tmp_path_factory.mktemp("text-model"))
 
 
 def test_text_prompts_and_stop_strings(text_model: Path) -> None:

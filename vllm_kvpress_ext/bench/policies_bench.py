@@ -9,14 +9,13 @@ the pool actually held. All rows run side by side in one process on the same mod
 
 from __future__ import annotations
 
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from vllm_kvpress_ext.bench.models import bench_model_dir
+from vllm_kvpress_ext.bench.models import model_or_bench_model
 from vllm_kvpress_ext.bench.report import format_table
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.models import load_config
@@ -35,10 +34,8 @@ class PoliciesBenchConfig:
 
 
 def run_policies_bench(config: PoliciesBenchConfig) -> list[dict[str, object]]:
-    if config.model:
-        return _run(config, Path(config.model))
-    with tempfile.TemporaryDirectory(prefix="kvpress-bench-model-") as tmp:
-        return _run(config, bench_model_dir(tmp, seed=config.seed))
+    with model_or_bench_model(config.model, config.seed) as model_dir:
+        return _run(config, model_dir)
 
 
 def _run(config: PoliciesBenchConfig, model_dir: Path) -> list[dict[str, object]]:

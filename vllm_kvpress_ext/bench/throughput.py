@@ -8,14 +8,13 @@ tokens/s is B*steps over their time. Median of `repeats` runs per (B, P) point, 
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from vllm_kvpress_ext.bench.models import bench_model_dir
+from vllm_kvpress_ext.bench.models import model_or_bench_model
 from vllm_kvpress_ext.bench.report import format_table
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.models import load_config
@@ -57,10 +56,8 @@ def _one_run(engine: LLMEngine, batch: int, prompt_len: int, steps: int, seed: i
 
 
 def run_throughput_bench(config: ThroughputConfig) -> list[dict[str, float]]:
-    if config.model:
-        return _run(config, Path(config.model))
-    with tempfile.TemporaryDirectory(prefix="kvpress-bench-model-") as tmp:
-        return _run(config, bench_model_dir(tmp, seed=config.seed))
+    with model_or_bench_model(config.model, config.seed) as model_dir:
+        return _run(config, model_dir)
 
 
 def _run(config: ThroughputConfig, model_dir: Path) -> list[dict[str, float]]:
