@@ -32,10 +32,12 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# The HTTP server is not built yet: until it is, `make serve` runs the cache demo (no model involved).
+# No trained model ships yet: until one does, `make serve` serves a random-weight model (text is noise;
+# the API, the compression and the KV figures are real) with the snapkv policy on 127.0.0.1:8000.
+SERVE_ARGS ?= --random-model --kv-policy snapkv
 serve: install
-	@echo "make serve: the OpenAI-compatible server is not built yet; running the paged-cache demo instead."
-	$(KVPRESS) demo
+	@echo "make serve: no trained model ships yet, so this serves a random-weight model: its text is noise."
+	$(KVPRESS) serve $(SERVE_ARGS)
 
 bench: install
 	$(KVPRESS) bench cache

@@ -169,3 +169,22 @@ def test_stops_and_seeded_sampling(model_pair: tuple[PreTrainedModel, Path]) -> 
 def test_sampling_params_validation(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_request_that_outgrows_the_whole_pool_finishes_with_length(
+    model_pair: tuple[PreTrainedModel, Path],
+) -> None:
+    _, path = model_pair
+    engine = LLMEngine(path, dtype=torch.float32, num_pages=16, page_size=4)
+    engine.add_request(list(range(10, 20)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    finished = [o for o in outputs if o.finished]
+    assert len(finished) == 1 and finished[0].finish_reason == "length"
+    # 16 pages of 4 tokens over 2 layers x 2 heads hold 16 tokens per head: the prompt's 10 and the first
+    # 6 generated; the 7th is sampled from them, and the 8th would need a 17th slot.
+    assert len(finished[0].output_token_ids) == 7
+    assert engine.cache.pool.num_used == 0
+    early = outputs[0].kv
+    assert early is not finished[0].kv, "outputs carry snapshots, not the live statistics"

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from vllm_kvpress_ext import __version__
 
@@ -163,6 +164,193 @@ def _cmd_train_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    from vllm_kvpress_ext.server.config import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.server.config import ModelDirError, ServerConfig, resolve_model_dir
+
+    if args.random_model:
+        if args.model_dir is not None:
+            print("kvpress serve: give MODEL_DIR or --random-model, not both", file=sys.stderr)
+            return 2
+        import tempfile
+
+        from vllm_kvpress_ext.bench.models import suite_bench_model_dir
+
+        args.model_dir = suite_bench_model_dir(Path(tempfile.mkdtemp(prefix="kvpress-random-model-")))
+        args.served_model_name = args.served_model_name or "random-model"
+        print(
+            f"kvpress serve: serving a RANDOM-WEIGHT model ({args.model_dir}): its text is noise; the API, the "
+            "compression and the KV figures are real.",
+            file=sys.stderr,
+        )
+    try:
+        model_dir = resolve_model_dir(args.model_dir)
+    except ModelDirError as exc:
+        print(f"kvpress serve: {exc}", file=sys.stderr)
+        return 2
+    from vllm_kvpress_ext.policies import PolicyConfigError, load_policy
+
+    try:
+        load_policy(args.kv_policy)  # fail before loading the model
+    except PolicyConfigError as exc:
+        print(f"kvpress serve: --kv-policy: {exc}", file=sys.stderr)
+        return 2
+    config = ServerConfig(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name,
+        kv_policy=args.kv_policy,
+        host=args.host,
+        port=args.port,
+        num_pages=args.num_pages,
+        kv_memory=args.kv_memory,
+        page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        max_queue=args.max_queue,
+        dtype=args.dtype,
+        device=args.device,
+        log_level=args.log_level,
+    )
+    from vllm_kvpress_ext.server.launch import serve
+
+    serve(config)
+    return 0
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.bench.serve_bench import ServeBenchConfig, run_serve_bench
+
+    run_serve_bench(
+        ServeBenchConfig(
+            url=args.url,
+            model=args.model,
+            policies=tuple(p for p in args.policies.split(",") if p),
+            kv_memory=args.kv_memory,
+            num_requests=args.num_requests,
+            concurrency=args.concurrency,
+            duration=args.duration,
+            prompt_len=args.prompt_len,
+            max_tokens=args.max_tokens,
+            max_num_seqs=args.max_num_seqs,
+            page_size=args.page_size,
+            device=args.device,
+            dtype=args.dtype,
+            seed=args.seed,
+            out=args.out,
+        )
+    )
+    return 0
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with per-request KV compression",
+        description="Serve MODEL_DIR over an OpenAI-compatible API (/v1/models, /v1/completions, "
+        "/v1/chat/completions with SSE streaming, /health, /metrics, /debug/kv). A request picks its KV policy "
+        'with the body field kv_policy ("snapkv" or {"name": "snapkv", "ratio": 0.1}) or vllm_xargs; usage '
+        "reports the KV figures the page pool held. See docs/server.md.",
+    )
+    serve.add_argument(
+        "--random-model",
+        action="store_true",
+        help="serve a random-weight GQA Llama with the synthetic suite's tokenizer, written to a temporary "
+        "directory: its text is noise, but the API, compression and KV figures are real (for trying the server "
+        "without a trained model)",
+    )
+    serve.add_argument(
+        "model_dir",
+        nargs="?",
+        default=None,
+        metavar="MODEL_DIR",
+        help="HF-format model directory (config.json, safetensors, tokenizer); default: the bundled model "
+        "vllm_kvpress_ext/assets/default_model, which does not ship yet, so this is required for now",
+    )
+    serve.add_argument(
+        "--kv-policy",
+        default=None,
+        metavar="NAME|PATH",
+        help="default policy for requests that do not choose one: a name (kvpress policies) or a YAML preset "
+        "path (default: none, i.e. full)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    pool = serve.add_mutually_exclusive_group()
+    pool.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
+    pool.add_argument(
+        "--kv-memory",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="KV pool size in bytes, e.g. 2GiB or 512MiB (default: 1GiB)",
+    )
+    serve.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: 16)")
+    serve.add_argument(
+        "--max-num-seqs", type=int, default=64, help="most requests holding KV pages at once (default: 64)"
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="prompt tokens per prefill step (default: 2048)"
+    )
+    serve.add_argument(
+        "--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's maximum)"
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="requests waiting for admission before new ones get 429 (default: 1024)",
+    )
+    serve.add_argument("--dtype", default="auto", help="model dtype: auto, float32, bfloat16, float16 (default: auto)")
+    serve.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    serve.add_argument(
+        "--served-model-name", default=None, help="model id clients send (default: the model directory's name)"
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="log level (default: info)",
+    )
+    serve.set_defaults(handler=_cmd_serve)
+
+
+def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bs = bench_sub.add_parser(
+        "serve",
+        help="HTTP load test of kvpress serve: requests/s, TTFT, inter-token latency, requests held, per policy",
+        description="Streams completions against a server it starts on 127.0.0.1 (one per policy, all with the same "
+        "--kv-memory) or against --url. Per policy: requests/s, TTFT and inter-token latency p50/p90/p99 (client "
+        "side), and the peak number of requests holding KV pages at once (from the server's metrics). The run is "
+        "bounded by --num-requests and --duration. Without --model, a random-weight bench model with the suite "
+        "tokenizer is written to a temporary directory.",
+    )
+    bs.add_argument("--url", default=None, help="base URL of a running server (default: start one per policy)")
+    bs.add_argument("--model", default=None, help="HF-format model directory (default: random bench model)")
+    bs.add_argument("--policies", default="full,snapkv,streaming_llm", help="default: full,snapkv,streaming_llm")
+    bs.add_argument("--kv-memory", default="16MiB", help="KV pool of the servers this bench starts (default: 16MiB)")
+    bs.add_argument("--num-requests", type=int, default=64, help="requests per policy (default: 64)")
+    bs.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (default: 32)")
+    bs.add_argument("--duration", type=float, default=60.0, help="seconds per policy at most (default: 60)")
+    bs.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (default: 512)")
+    bs.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default: 32)")
+    bs.add_argument("--max-num-seqs", type=int, default=64, help="server's --max-num-seqs (default: 64)")
+    bs.add_argument("--page-size", type=int, default=16, help="server's --page-size (default: 16)")
+    bs.add_argument("--device", default="cpu", help="server's torch device (default: cpu)")
+    bs.add_argument("--dtype", default="float32", help="server's model dtype (default: float32)")
+    bs.add_argument("--seed", type=int, default=0, help="prompt and model seed (default: 0)")
+    bs.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    bs.set_defaults(handler=_cmd_bench_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpress",
@@ -193,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
         "{'name': ..., params} per request.",
     )
     policies.set_defaults(handler=_cmd_policies)
+
+    _add_serve_parser(sub)
 
     tm = sub.add_parser(
         "train-model",
@@ -308,6 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="small run: 3 policies, budget 0.25, 2 tasks, 4 samples, context 256"
     )
     acc.set_defaults(handler=_cmd_bench_accuracy)
+
+    _add_bench_serve_parser(bench_sub)
     return parser
 
 

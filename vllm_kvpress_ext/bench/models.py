@@ -28,6 +28,24 @@ def bench_model_dir(root: str | Path | None = None, seed: int = 0) -> Path:
     return save_model(random_model(config, seed=seed), config, out)
 
 
+def suite_bench_model_dir(root: str | Path, seed: int = 0) -> Path:
+    """The random benchmark model shape over the synthetic suite's vocabulary, with its tokenizer.
+
+    Its outputs are noise (the weights are random) but it takes text, chat and the suite's prompts,
+    so the server, its API and its KV figures can be exercised before a trained model exists.
+    """
+    from vllm_kvpress_ext.bench.tokenizer import BOS, EOS, VOCABULARY, save_tokenizer
+
+    out = Path(root)
+    save_tokenizer(out)
+    config = llama_config(
+        **{**BENCH_MODEL, "vocab_size": len(VOCABULARY)},  # type: ignore[arg-type]
+        bos_token_id=VOCABULARY.index(BOS),
+        eos_token_id=VOCABULARY.index(EOS),
+    )
+    return save_model(random_model(config, seed=seed), config, out)
+
+
 @contextmanager
 def model_or_bench_model(model: str | None, seed: int = 0) -> Iterator[Path]:
     """`model` as a path, or the random benchmark model in a temporary directory removed afterwards."""

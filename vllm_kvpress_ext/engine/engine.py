@@ -6,6 +6,7 @@ offline batch generation.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from pathlib import Path
@@ -158,19 +159,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return a snapshot of every request that produced a token or finished."""
         plan = self.scheduler.schedule()
-        for request in plan.preempted:
-            self._check_fits_alone(request)
+        # A preempted request that could not take another token even in an empty pool ends here
+        # (with "length": it ran out of room), and is reported like any other finished request.
+        touched = [r for r in plan.preempted if self._stop_if_pool_too_small(r)]
         if plan.prefill:
-            touched = self._run_prefill(plan.prefill)
+            touched += self._run_prefill(plan.prefill)
         elif plan.decode:
-            touched = self._run_decode(plan.decode)
-        else:
-            touched = []
+            touched += self._run_decode(plan.decode)
         return [self._snapshot(r) for r in touched]
 
-    def _check_fits_alone(self, request: Request) -> None:
-        if self.cache.pages_for_prompt(request.num_tokens + 1) > self.cache.pool.num_pages:
-            self._finish(request, "length")
+    def _stop_if_pool_too_small(self, request: Request) -> bool:
+        if self.cache.pages_for_prompt(request.num_tokens + 1) <= self.cache.pool.num_pages:
+            return False
+        self._finish(request, "length")
+        return True
 
     def _run_prefill(self, chunks: list[ScheduledChunk]) -> list[Request]:
         segments: list[PrefillSegment] = []
@@ -357,6 +359,6 @@ class LLMEngine:
             text=text,
             finished=request.finished,
             finish_reason=request.finish_reason,
-            kv=request.kv,
+            kv=dataclasses.replace(request.kv, kept_per_layer=list(request.kv.kept_per_layer)),
             num_preemptions=request.num_preemptions,
         )

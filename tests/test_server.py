@@ -1,0 +1,532 @@
+"""The OpenAI-compatible server, live: uvicorn on 127.0.0.1 (ephemeral port) in a thread, a tiny random
+model with the suite tokenizer, exercised through the real `openai` SDK and raw httpx.
+
+Every error case checks status and OpenAI's error shape, then that a normal request still succeeds.
+Pool accounting is checked through `/metrics` (`kvpress_kv_pages_used`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from vllm_kvpress_ext.bench.tokenizer import BOS, EOS, VOCABULARY, save_tokenizer
+from vllm_kvpress_ext.cli import main
+from vllm_kvpress_ext.engine import LLMEngine
+from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
+from vllm_kvpress_ext.server.app import create_app
+from vllm_kvpress_ext.server.config import BUNDLED_MODEL_DIR, ServerConfig, parse_size
+from vllm_kvpress_ext.server.launch import build_engine
+from vllm_kvpress_ext.server.streaming import TextDeltas
+
+MODEL = "tiny-suite"
+PROMPT = "key trout is 65 . what is key trout ? answer :"
+# ~120 tokens: long enough that a ratio budget visibly drops pages.
+LONG_PROMPT = " ".join(["the sky looks blue and the sun shines bright over the old mill ."] * 8) + " " + PROMPT
+PROMPT_TOKENS = len(PROMPT.split()) + 1  # one token per word, plus <bos>
+SNAPKV_SMALL = {"name": "snapkv", "ratio": 0.1, "window": 4}
+
+
+class LiveServer:
+    """uvicorn serving `create_app(config, engine)` on an ephemeral 127.0.0.1 port, in a thread."""
+
+    def __init__(self, config: ServerConfig, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.app = create_app(config, engine)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+
+
+def _write_model(path: Path) -> Path:
+    save_tokenizer(path)
+    config = llama_config(
+        vocab_size=len(VOCABULARY),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=VOCABULARY.index(BOS),
+        eos_token_id=VOCABULARY.index(EOS),
+    )
+    return save_model(random_model(config, seed=1, std=0.3), config, path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_model(tmp_path_factory.mktemp("server-model"))
+
+
+def _start(model_dir: Path, **overrides: Any) -> LiveServer:
+    settings: dict[str, Any] = {
+        "model_dir": model_dir,
+        "served_model_name": MODEL,
+        "num_pages": 4096,
+        "page_size": 4,
+        "max_num_seqs": 32,
+        "dtype": "float32",
+        **overrides,
+    }
+    config = ServerConfig(**settings)
+    return LiveServer(config, build_engine(config))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[LiveServer]:
+    with _start(model_dir) as live:
+        yield live
+
+
+@pytest.fixture()
+def http(server: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture()
+def sdk(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="dummy", max_retries=0)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def metric(client: httpx.Client, name: str, labels: str = "") -> float:
+    text = client.get("/metrics").text
+    pattern = re.escape(name + (f"{{{labels}}}" if labels else "")) + r" ([0-9.e+-]+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    assert match, f"{name}{labels} not in /metrics"
+    return float(match.group(1))
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def pool_empty(client: httpx.Client) -> bool:
+    return metric(client, "kvpress_kv_pages_used") == 0 and metric(client, "kvpress_requests_running") == 0
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def assert_serving(client: httpx.Client) -> None:
+    """A normal request succeeds (used after every error case)."""
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[str]:
+    for line in lines:
+        if line.startswith("data: "):
+            yield line[len("data: ") :]
+
+
+# ---------------------------------------------------------------------- happy paths
+
+
+def test_models_health_openapi(http: httpx.Client, server: LiveServer) -> None:
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert http.get("/health").json() == {"status": "ok"}
+    spec = http.get("/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(spec["paths"])
+    debug = http.get("/debug/kv").json()
+    assert debug["pages_total"] == 4096 and "snapkv" in debug["policies"]
+
+
+def test_sdk_completion_with_and_without_policy(sdk: openai.OpenAI) -> None:
+    full = sdk.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=4, temperature=0)
+    assert full.choices[0].text and full.usage is not None
+    extra = full.usage.model_extra or {}
+    assert extra["kv_policy"] == "full" and extra["kv_retention"] == 1.0
+    assert extra["kv_bytes"] > 0 and extra["kv_bytes_peak"] >= extra["kv_bytes"]
+    assert full.usage.completion_tokens == 4 and full.usage.prompt_tokens > 100
+
+    pressed = sdk.completions.create(
+        model=MODEL, prompt=LONG_PROMPT, max_tokens=4, temperature=0, extra_body={"kv_policy": SNAPKV_SMALL}
+    )
+    kv = pressed.usage.model_extra or {}  # type: ignore[union-attr]
+    assert kv["kv_policy"] == "snapkv"
+    assert kv["kv_retention"] < 0.5 and kv["kv_bytes"] < extra["kv_bytes"] / 2
+    assert kv["kv_tokens_kept"] < extra["kv_tokens_kept"]
+
+    by_xargs = sdk.completions.create(
+        model=MODEL,
+        prompt=LONG_PROMPT,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"vllm_xargs": {"kv_policy": json.dumps(SNAPKV_SMALL)}},
+    )
+    assert by_xargs.usage.model_extra == kv  # type: ignore[union-attr]
+    by_name = sdk.completions.create(
+        model=MODEL, prompt=LONG_PROMPT, max_tokens=4, extra_body={"vllm_xargs": {"kv_policy": "snapkv"}}
+    )
+    named = by_name.usage.model_extra or {}  # type: ignore[union-attr]
+    assert named["kv_policy"] == "snapkv" and named["kv_bytes"] < extra["kv_bytes"]
+
+
+def test_sdk_completion_stream(sdk: openai.OpenAI) -> None:
+    whole = sdk.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True, "kv_policy": "snapkv"}
+    )
+    chunks = list(
+        sdk.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "kv_policy": "snapkv"},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 6
+    assert (usage.model_extra or {})["kv_policy"] == "snapkv"
+
+
+def test_sdk_chat_and_stream(sdk: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "what is key trout ?"}]
+    whole = sdk.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True, "kv_policy": SNAPKV_SMALL},
+    )
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content
+    chunks = list(
+        sdk.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "kv_policy": SNAPKV_SMALL},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage is not None and (chunks[-1].usage.model_extra or {})["kv_policy"] == "snapkv"
+
+
+def test_httpx_chat_policy_lowers_kv_bytes(http: httpx.Client) -> None:
+    def chat(**extra: Any) -> dict[str, Any]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 3, **extra}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        usage: dict[str, Any] = r.json()["usage"]
+        return usage
+
+    full, pressed = chat(), chat(kv_policy=SNAPKV_SMALL)
+    xargs = chat(vllm_xargs={"kv_policy": {"name": "snapkv", "ratio": "0.1", "window": "4"}})
+    assert full["kv_policy"] == "full" and pressed["kv_policy"] == "snapkv"
+    assert pressed["kv_bytes"] < full["kv_bytes"] and pressed["kv_retention"] < full["kv_retention"]
+    assert xargs["kv_bytes"] == pressed["kv_bytes"]
+
+
+def test_httpx_stream_with_stop_string_never_leaks_it(http: httpx.Client) -> None:
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    words = http.post("/v1/completions", json=base).json()["choices"][0]["text"].split()
+    stop = words[3]
+    stopped = http.post("/v1/completions", json={**base, "stop": [stop]}).json()["choices"][0]
+    with http.stream("POST", "/v1/completions", json={**base, "stop": [stop], "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = list(sse_events(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == stopped["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == stopped["finish_reason"] == "stop"
+
+
+def test_32_concurrent_streams_complete_and_free_the_pool(server: LiveServer, http: httpx.Client) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="dummy", max_retries=0, timeout=60)
+
+    async def one(i: int) -> tuple[str, str | None]:
+        policy = {"kv_policy": SNAPKV_SMALL} if i % 2 else {}
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=f"{PROMPT} {i}",
+            max_tokens=8,
+            stream=True,
+            seed=i,
+            extra_body={"ignore_eos": True, **policy},
+        )
+        text, reason = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def run() -> list[tuple[str, str | None]]:
+        async with client:
+            return await asyncio.gather(*(one(i) for i in range(32)))
+
+    results = asyncio.run(run())
+    assert len(results) == 32 and all(reason == "length" and text for text, reason in results)
+    wait_for(lambda: pool_empty(http))
+    assert metric(http, "kvpress_requests_running_peak") > 1
+
+
+# ---------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
+        ("/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "a"}]}, 404, "model"),
+        ("/v1/completions", {"prompt": "a", "kv_policy": "nonexistent"}, 400, "kv_policy"),
+        ("/v1/completions", {"prompt": "a", "kv_policy": {"name": "snapkv", "ratio": 7}}, 400, "kv_policy"),
+        ("/v1/completions", {"prompt": "a", "kv_policy": {"name": "snapkv", "bogus": 1}}, 400, "kv_policy"),
+        ("/v1/completions", {"prompt": "a", "vllm_xargs": {"kv_policy": "nonexistent"}}, 400, "kv_policy"),
+        ("/v1/completions", {"prompt": "a", "vllm_xargs": {"kv_policy": "{bad json"}}, 400, None),
+        ("/v1/completions", {"prompt": "a", "kv_policy": "configs/snapkv.yaml"}, 400, "kv_policy"),
+        (
+            "/v1/completions",
+            {"prompt": "a", "kv_policy": "snapkv", "vllm_xargs": {"kv_policy": "h2o"}},
+            400,
+            "kv_policy",
+        ),
+        ("/v1/completions", {"prompt": "a", "vllm_xargs": {"other": 1}}, 400, "vllm_xargs"),
+        ("/v1/completions", {"prompt": " ".join(["the"] * 1100)}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [1, 2, 100000]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n"),
+        ("/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "a", "not_a_field": 1}, 400, "not_a_field"),
+        ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "a"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    http: httpx.Client, path: str, body: dict[str, Any], status: int, param: str | None
+) -> None:
+    error = assert_error(http.post(path, json=body), status, param)
+    if param == "kv_policy" and "nonexistent" in json.dumps(body):
+        assert "snapkv" in error["message"]  # names the valid choices
+    assert_serving(http)
+
+
+def test_malformed_json_and_unknown_route(http: httpx.Client) -> None:
+    bad = http.post("/v1/completions", content=b'{"prompt": "a",', headers={"content-type": "application/json"})
+    assert "malformed JSON" in assert_error(bad, 400)["message"]
+    assert_error(http.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
+    assert_error(http.get("/v1/nothing"), 404)
+    assert_serving(http)
+
+
+def test_sdk_raises_on_errors(sdk: openai.OpenAI, http: httpx.Client) -> None:
+    with pytest.raises(openai.NotFoundError):
+        sdk.completions.create(model="nope", prompt="a", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="known policies"):
+        sdk.completions.create(model=MODEL, prompt="a", max_tokens=1, extra_body={"kv_policy": "nope"})
+    assert_serving(http)
+
+
+def test_engine_failure_is_500_and_the_server_keeps_serving(
+    server: LiveServer, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = server.engine.model
+    forward = model.forward
+    failures = {"left": 0}
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise RuntimeError("injected failure")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", flaky)
+    errors_before = metric(http, "kvpress_requests_total", 'status="error"')
+    failures["left"] = 1
+    error = assert_error(http.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 3}), 500)
+    assert error["type"] == "server_error" and "injected failure" in error["message"]
+    wait_for(lambda: pool_empty(http))
+    assert_serving(http)
+
+    failures["left"] = 1
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = list(sse_events(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "server_error"
+    assert metric(http, "kvpress_requests_total", 'status="error"') == errors_before + 2
+    wait_for(lambda: pool_empty(http))
+    assert http.get("/health").status_code == 200
+    assert_serving(http)
+
+
+# ---------------------------------------------------------------------- disconnects
+
+
+def test_stream_disconnect_aborts_and_frees_pages(server: LiveServer, http: httpx.Client) -> None:
+    aborted = metric(http, "kvpress_requests_total", 'status="aborted"')
+    body = {"prompt": LONG_PROMPT, "max_tokens": 800, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as own, own.stream("POST", "/v1/completions", json=body) as r:
+        events = sse_events(r.iter_lines())
+        for _ in range(3):
+            next(events)
+        assert metric(http, "kvpress_kv_pages_used") > 0
+    # The connection is closed with the request mid-generation.
+    wait_for(lambda: metric(http, "kvpress_requests_total", 'status="aborted"') == aborted + 1)
+    wait_for(lambda: pool_empty(http))
+    assert_serving(http)
+
+
+def test_non_streaming_disconnect_aborts(server: LiveServer, http: httpx.Client) -> None:
+    aborted = metric(http, "kvpress_requests_total", 'status="aborted"')
+    body = {"prompt": LONG_PROMPT, "max_tokens": 800, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, timeout=0.5) as own:
+        own.post("/v1/completions", json=body)
+    wait_for(lambda: metric(http, "kvpress_requests_total", 'status="aborted"') == aborted + 1)
+    wait_for(lambda: pool_empty(http))
+    assert_serving(http)
+
+
+# ---------------------------------------------------------------------- a small server: queue and pool limits
+
+
+def test_queue_full_and_pool_too_small(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One request at a time, one waiting; 256 pages of 4 tokens over 2 layers x 2 KV heads = 256 tokens.
+    with (
+        _start(model_dir, num_pages=256, max_num_seqs=1, max_queue=1) as live,
+        httpx.Client(base_url=live.url, timeout=30) as client,
+    ):
+        forward = live.engine.model.forward
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.01)  # keeps the running request alive while the queue fills
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(live.engine.model, "forward", slow)
+        long_body = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=long_body) as running:
+            # Keep the iterator referenced: dropping it closes the connection, which aborts the request.
+            running_events = sse_events(running.iter_lines())
+            next(running_events)  # admitted and generating
+            with client.stream("POST", "/v1/completions", json=long_body) as waiting:
+                assert waiting.status_code == 200  # accepted into the queue
+                error = assert_error(client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}), 429)
+                assert error["type"] == "rate_limit_error" and error["code"] == "queue_full"
+                assert metric(client, "kvpress_requests_total", 'status="queue_full"') == 1
+                assert metric(client, "kvpress_requests_running") == metric(client, "kvpress_requests_waiting") == 1
+        monkeypatch.setattr(live.engine.model, "forward", forward)
+        wait_for(lambda: pool_empty(client))
+        assert_serving(client)
+
+        # A request that outgrows the whole pool ends with `length` instead of leaving its client hanging.
+        grow = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+        grown = client.post("/v1/completions", json=grow).json()
+        assert grown["choices"][0]["finish_reason"] == "length"
+        # The last sampled token is never written to the cache, hence the -1.
+        assert PROMPT_TOKENS + grown["usage"]["completion_tokens"] - 1 <= 256 < PROMPT_TOKENS + 400
+        wait_for(lambda: pool_empty(client))
+
+        too_big = client.post("/v1/completions", json={"prompt": " ".join(["the"] * 300), "max_tokens": 1})
+        assert "pool" in assert_error(too_big, 400, "prompt")["message"]
+        assert_serving(client)
+        wait_for(lambda: pool_empty(client))
+
+
+# ---------------------------------------------------------------------- pieces
+
+
+def test_text_deltas_hold_back_stop_prefixes() -> None:
+    deltas = TextDeltas(("stop here",))
+    assert deltas.delta("a b st", False) == "a b "
+    assert deltas.delta("a b sto", False) == ""
+    assert deltas.delta("a b stone", False) == "stone"
+    assert deltas.delta("a b stone", True) == ""
+    final = TextDeltas(("x",))
+    assert final.delta("abc", False) == "abc" and final.delta("abc", True) == ""
+
+
+def test_parse_size() -> None:
+    assert parse_size("2GiB") == 2 << 30 and parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5GB") == 1_500_000_000 and parse_size("4096") == 4096
+    for bad in ("", "lots", "2XB", "0"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+@pytest.mark.skipif(BUNDLED_MODEL_DIR.is_dir(), reason="a bundled model ships: MODEL_DIR is optional")
+def test_cli_serve_needs_a_model_dir(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve"]) == 2
+    assert "model directory is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    for flag in (
+        "--kv-policy",
+        "--host",
+        "--port",
+        "--num-pages",
+        "--kv-memory",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--max-queue",
+        "--dtype",
+        "--device",
+        "--served-model-name",
+    ):
+        assert flag in help_text
+
+
+def test_serve_rejects_a_model_dir_with_random_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_kvpress_ext.cli import main
+
+    assert main(["serve", str(tmp_path), "--random-model"]) == 2
+    assert "not both" in capsys.readouterr().err

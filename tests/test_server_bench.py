@@ -1,0 +1,28 @@
+"""`kvpress bench serve` end to end at a tiny size: it starts its own servers and prints its table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_kvpress_ext.cli import main
+
+
+def test_bench_serve_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--policies", "full,snapkv", "--num-requests", "6", "--concurrency", "3"]
+    argv += ["--prompt-len", "64", "--max-tokens", "4", "--kv-memory", "2MiB", "--duration", "60", "--out", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "TTFT p50 ms" in text and "ITL p50 ms" in text and "peak held" in text and "req/s" in text
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("full ", "snapkv "))}
+    assert set(rows) == {"full", "snapkv"}
+    results = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
+    for r in results.values():
+        assert r["completed"] == r["sent"] == 6 and r["errors"] == 0
+        assert r["requests_per_s"] > 0 and r["peak_running"] >= 1
+        assert r["ttft_s"]["p50"] > 0 and r["itl_s"]["p99"] >= r["itl_s"]["p50"] > 0
+    assert results["snapkv"]["mean_retention"] < 1.0 == results["full"]["mean_retention"]
+    assert results["snapkv"]["mean_kv_bytes"] < results["full"]["mean_kv_bytes"]

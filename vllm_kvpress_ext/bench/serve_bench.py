@@ -1,0 +1,379 @@
+"""`kvpress bench serve`: HTTP load against `kvpress serve`, per policy, at a fixed KV memory.
+
+Why over HTTP: the number that matters to an operator is what a client sees -- time to first token
+and inter-token latency through the whole stack (queueing, the engine loop, SSE) -- and how many
+requests the pool can hold at once when a policy frees pages. So this bench streams completions
+from a real server and measures on the client side, and reads the server's own metric for the
+peak number of requests holding KV pages.
+
+Two modes:
+
+- default: for each policy, start `kvpress serve --kv-policy POLICY --kv-memory SIZE` in a
+  subprocess on 127.0.0.1 (same pool size for every policy, fresh server, so the peak gauge
+  `kvpress_requests_running_peak` belongs to that policy alone), warm it up, load it, stop it;
+- `--url`: one running server; each request names the policy in its body (`kv_policy`). The peak
+  is the server's peak gauge if the phase raised it, else the highest `kvpress_requests_running`
+  polled during the phase (a sample, so it can miss a brief spike).
+
+Load: up to `concurrency` streaming requests in flight, `num_requests` in all, and no new request
+after `duration` seconds (in-flight ones are then cancelled and counted as not completed).
+Prompts are random filler words of the suite vocabulary (one token each with the suite
+tokenizer), outputs run to `max_tokens` (`ignore_eos`), greedy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from vllm_kvpress_ext.bench.models import suite_bench_model_dir
+from vllm_kvpress_ext.bench.report import format_table
+from vllm_kvpress_ext.bench.tokenizer import FILLER_WORDS
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    url: str | None = None
+    model: str | None = None
+    policies: tuple[str, ...] = ("full", "snapkv", "streaming_llm")
+    kv_memory: str = "16MiB"
+    num_requests: int = 64
+    concurrency: int = 32
+    duration: float = 60.0
+    prompt_len: int = 512
+    max_tokens: int = 32
+    max_num_seqs: int = 64
+    page_size: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    out: str | None = None
+    startup_timeout: float = 180.0
+
+    def __post_init__(self) -> None:
+        if not self.policies:
+            raise ValueError("give at least one policy")
+        for name in ("num_requests", "concurrency", "prompt_len", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.duration <= 0:
+            raise ValueError("duration must be positive")
+
+
+@dataclass
+class _Result:
+    completed: bool = False
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    usage: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]; NaN when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _prompts(config: ServeBenchConfig) -> list[str]:
+    rng = random.Random(config.seed)
+    # `prompt_len - 1` words: the tokenizer prepends <bos>.
+    words = max(1, config.prompt_len - 1)
+    return [" ".join(rng.choice(FILLER_WORDS) for _ in range(words)) for _ in range(config.num_requests + 1)]
+
+
+def _metric(text: str, name: str) -> float | None:
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+# ---------------------------------------------------------------------- load
+
+
+async def _one(client: httpx.AsyncClient, body: dict[str, Any], result: _Result) -> None:
+    start = time.perf_counter()
+    last: float | None = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.error = str(event["error"].get("message"))
+                    return
+                if event.get("usage"):
+                    result.usage = event["usage"]
+                for choice in event.get("choices", []):
+                    now = time.perf_counter()
+                    if choice.get("text"):
+                        if last is None:
+                            result.ttft = now - start
+                        else:
+                            result.itls.append(now - last)
+                        last = now
+                    if choice.get("finish_reason"):
+                        result.completed = True
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+
+
+async def _poll_running(client: httpx.AsyncClient, seen: list[float], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        with contextlib.suppress(httpx.HTTPError):
+            value = _metric((await client.get("/metrics")).text, "kvpress_requests_running")
+            if value is not None:
+                seen.append(value)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=0.05)
+
+
+async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig) -> dict[str, Any]:
+    prompts = _prompts(config)
+    limits = httpx.Limits(max_connections=config.concurrency + 4, max_keepalive_connections=config.concurrency + 4)
+    timeout = httpx.Timeout(config.duration + 120.0)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+
+        def body(prompt: str) -> dict[str, Any]:
+            return {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": config.max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "kv_policy": policy,
+            }
+
+        warm = _Result()
+        await _one(client, {**body(prompts[-1]), "max_tokens": 2}, warm)  # first forward passes are slow
+        if warm.error:
+            raise RuntimeError(f"policy {policy}: warm-up request failed: {warm.error}")
+        peak_before = _metric((await client.get("/metrics")).text, "kvpress_requests_running_peak") or 0.0
+        samples: list[float] = []
+        stop = asyncio.Event()
+        poller = asyncio.create_task(_poll_running(client, samples, stop))
+
+        results: list[_Result] = []
+        gate = asyncio.Semaphore(config.concurrency)
+        start = time.perf_counter()
+        deadline = start + config.duration
+        finish_times: list[float] = []
+
+        async def run(prompt: str) -> None:
+            result = _Result()
+            results.append(result)
+            try:
+                await _one(client, body(prompt), result)
+            finally:
+                finish_times.append(time.perf_counter())
+                gate.release()
+
+        tasks: list[asyncio.Task[None]] = []
+        for prompt in prompts[: config.num_requests]:
+            await gate.acquire()
+            if time.perf_counter() >= deadline:
+                gate.release()
+                break
+            tasks.append(asyncio.create_task(run(prompt)))
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        stop.set()
+        await poller
+        metrics_text = (await client.get("/metrics")).text
+
+    completed = [r for r in results if r.completed]
+    elapsed = (max(finish_times) if finish_times else time.perf_counter()) - start
+    peak_after = _metric(metrics_text, "kvpress_requests_running_peak") or 0.0
+    peak = peak_after if peak_after > peak_before else max(samples, default=0.0)
+    ttfts = [r.ttft for r in completed if r.ttft is not None]
+    itls = [x for r in completed for x in r.itls]
+    usages = [r.usage for r in completed if r.usage]
+    errors = [r.error for r in results if r.error]
+    return {
+        "policy": policy,
+        "sent": len(results),
+        "completed": len(completed),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "elapsed_s": elapsed,
+        "requests_per_s": len(completed) / elapsed if elapsed > 0 else 0.0,
+        "ttft_s": {f"p{q}": _percentile(ttfts, q) for q in (50, 90, 99)},
+        "itl_s": {f"p{q}": _percentile(itls, q) for q in (50, 90, 99)},
+        "peak_running": int(peak),
+        "peak_from": "server peak gauge" if peak_after > peak_before else "polled running gauge",
+        "mean_kv_bytes": sum(u.get("kv_bytes", 0) for u in usages) / len(usages) if usages else 0.0,
+        "mean_kv_bytes_peak": sum(u.get("kv_bytes_peak", 0) for u in usages) / len(usages) if usages else 0.0,
+        "mean_retention": sum(u.get("kv_retention", 1.0) for u in usages) / len(usages) if usages else float("nan"),
+        "mean_prompt_tokens": sum(u.get("prompt_tokens", 0) for u in usages) / len(usages) if usages else 0.0,
+    }
+
+
+# ---------------------------------------------------------------------- servers
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def _server(model_dir: Path, policy: str, config: ServeBenchConfig, log_dir: Path) -> Iterator[str]:
+    """`kvpress serve` in a subprocess on 127.0.0.1; yields its base URL once /health answers."""
+    port = _free_port()
+    log_path = log_dir / f"serve-{policy}.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_kvpress_ext.cli",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--kv-policy",
+        policy,
+        "--kv-memory",
+        config.kv_memory,
+        "--page-size",
+        str(config.page_size),
+        "--max-num-seqs",
+        str(config.max_num_seqs),
+        "--max-queue",
+        str(max(1024, config.num_requests)),
+        "--max-model-len",
+        str(config.prompt_len + config.max_tokens + 8),
+        "--dtype",
+        config.dtype,
+        "--device",
+        config.device,
+        "--log-level",
+        "warning",
+    ]
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + config.startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvpress serve exited ({proc.returncode}):\n{log_path.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvpress serve did not start in {config.startup_timeout}s:\n{log_path.read_text()}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------------- report
+
+
+def _ms(value: float) -> str:
+    return "-" if value != value else f"{1000 * value:.1f}"  # NaN -> "-"
+
+
+def _print(config: ServeBenchConfig, where: str, results: list[dict[str, Any]]) -> None:
+    print(f"config: {asdict(config)}")
+    print(f"server: {where}")
+    headers = [
+        "policy",
+        "done/sent",
+        "req/s",
+        "TTFT p50 ms",
+        "p90",
+        "p99",
+        "ITL p50 ms",
+        "p90",
+        "p99",
+        "peak held",
+        "KV MiB held",
+        "KV MiB peak",
+        "retention",
+    ]
+    rows = []
+    for r in results:
+        rows.append(
+            [
+                r["policy"],
+                f"{r['completed']}/{r['sent']}",
+                f"{r['requests_per_s']:.2f}",
+                *(_ms(r["ttft_s"][p]) for p in ("p50", "p90", "p99")),
+                *(_ms(r["itl_s"][p]) for p in ("p50", "p90", "p99")),
+                r["peak_running"],
+                f"{r['mean_kv_bytes'] / 2**20:.3f}",
+                f"{r['mean_kv_bytes_peak'] / 2**20:.3f}",
+                f"{r['mean_retention']:.3f}",
+            ]
+        )
+    print(format_table(headers, rows))
+    print(
+        "peak held: most requests holding KV pages at once (server metric kvpress_requests_running_peak); "
+        "KV MiB held / peak: per request, mean pages held at the end / at most (usage.kv_bytes, kv_bytes_peak)"
+    )
+    for r in results:
+        if r["first_error"]:
+            print(f"{r['policy']}: {r['errors']} failed requests; first: {r['first_error']}")
+
+
+def run_serve_bench(config: ServeBenchConfig) -> list[dict[str, Any]]:
+    """Run every policy and print one table; returns the per-policy figures (also written to `out`)."""
+    results: list[dict[str, Any]] = []
+    if config.url:
+        url = config.url.rstrip("/")
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        for policy in config.policies:
+            results.append(asyncio.run(_phase(url, model, policy, config)))
+        where = f"{url} (running; KV memory is whatever it was started with)"
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvpress-bench-serve-") as tmp:
+            model_dir = Path(config.model) if config.model else suite_bench_model_dir(Path(tmp) / "model", config.seed)
+            for policy in config.policies:
+                with _server(model_dir, policy, config, Path(tmp)) as url:
+                    results.append(asyncio.run(_phase(url, "bench", policy, config)))
+        model_name = config.model or "random bench model (suite tokenizer)"
+        where = f"one `kvpress serve` per policy on 127.0.0.1, --kv-memory {config.kv_memory}, model {model_name}"
+    _print(config, where, results)
+    if config.out:
+        Path(config.out).write_text(json.dumps({"config": asdict(config), "results": results}, indent=2) + "\n")
+    return results

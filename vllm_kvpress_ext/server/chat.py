@@ -1,0 +1,126 @@
+"""`POST /v1/chat/completions`: messages through the model's chat template, an assistant turn out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from vllm_kvpress_ext.engine.llm import chat_token_ids
+from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle
+from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
+from vllm_kvpress_ext.server.protocol import ChatCompletionRequest, ChatMessage
+from vllm_kvpress_ext.server.serving import (
+    ServerState,
+    check_model,
+    check_unsupported,
+    engine_failure,
+    include_usage,
+    new_id,
+    sampling_params,
+    submit,
+    usage,
+    wait_final,
+)
+from vllm_kvpress_ext.server.streaming import DONE, AbortingStreamingResponse, TextDeltas, sse
+
+
+def _message_dict(index: int, message: ChatMessage) -> dict[str, str]:
+    """A message as the chat template wants it: role and plain-text content."""
+    content = message.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        parts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise unsupported(
+                    f"messages.{index}.content", f"only text content parts are supported, got {part.type!r}"
+                )
+            parts.append(part.text)
+        text = "\n".join(parts)
+    return {"role": message.role, "content": text}
+
+
+def chat_prompt(state: ServerState, messages: list[ChatMessage]) -> list[int]:
+    if state.tokenizer is None:
+        raise bad_request("this model has no tokenizer, so it has no chat template", param="messages")
+    rendered = [_message_dict(i, m) for i, m in enumerate(messages)]
+    try:
+        return chat_token_ids(state.tokenizer, rendered)
+    except Exception as exc:  # jinja's TemplateError (e.g. an unsupported role) or a missing template
+        raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    state: ServerState = request.app.state.kvpress
+    check_model(state, body.model)
+    check_unsupported(body)
+    if body.logprobs:
+        raise unsupported("logprobs", "logprobs are not supported")
+    if body.tools:
+        raise unsupported("tools", "tool calling is not supported")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise unsupported("response_format", "only the text response format is supported")
+    token_ids = chat_prompt(state, body.messages)
+    requested = body.max_completion_tokens or body.max_tokens
+    params = sampling_params(body, requested or max(1, state.max_model_len - len(token_ids)))
+    handle = await submit(state, body, token_ids, params, arrival, "messages")
+    completion_id = new_id("chatcmpl")
+    created = int(time.time())
+
+    def payload(obj: str, *choices: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": completion_id,
+            "object": obj,
+            "created": created,
+            "model": state.model_name,
+            "choices": list(choices),
+        }
+
+    if body.stream:
+        return AbortingStreamingResponse(
+            _stream(handle, payload, params.stop, include_usage(body)), on_close=handle.abort
+        )
+    try:
+        final = await wait_final(handle, request.is_disconnected)
+    except EngineStepError as exc:
+        raise engine_failure(exc) from None
+    if final is None:
+        return Response(status_code=499)  # client closed the connection; nobody reads this
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": final.text},
+        "logprobs": None,
+        "finish_reason": final.finish_reason,
+    }
+    return JSONResponse({**payload("chat.completion", choice), "usage": usage(handle, final)})
+
+
+async def _stream(handle: RequestHandle, payload: Any, stop: tuple[str, ...], with_usage: bool) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk"
+    deltas = TextDeltas(stop)
+    # The role goes first, before any token, as OpenAI does: clients key message assembly on it.
+    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    yield sse(payload(obj, first))
+    try:
+        async for update in handle.updates():
+            text = deltas.delta(update.text, update.finished)
+            if text:
+                delta = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+                yield sse(payload(obj, delta))
+            if update.finished:
+                yield sse(
+                    payload(obj, {"index": 0, "delta": {}, "logprobs": None, "finish_reason": update.finish_reason})
+                )
+                if with_usage:
+                    yield sse({**payload(obj), "usage": usage(handle, update)})
+    except EngineStepError as exc:
+        yield sse(error_body(str(exc), type="server_error", code="engine_error"))
+    yield DONE

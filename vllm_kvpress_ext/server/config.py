@@ -1,0 +1,107 @@
+"""What `kvpress serve` is configured with, and the small parsers its flags need.
+
+Only the standard library is imported here, so the CLI can use `parse_size` while building its
+parser without paying for torch or fastapi.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import vllm_kvpress_ext
+
+#: Where a bundled model would live. It does not ship yet; `kvpress serve` then needs MODEL_DIR.
+BUNDLED_MODEL_DIR = Path(vllm_kvpress_ext.__file__).resolve().parent / "assets" / "default_model"
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+class ModelDirError(ValueError):
+    """No usable model directory: none given and no bundled model, or the given one does not exist."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `2GiB`, `512MiB`, `1.5GB` or a plain integer.
+
+    Binary (KiB/MiB/GiB) and decimal (KB/MB/GB) units are both accepted because people write
+    both; the difference matters at pool sizes of many GiB.
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size such as 2GiB, 512MiB or 1073741824, got {text!r}")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value < 1:
+        raise ValueError(f"size must be at least one byte, got {text!r}")
+    return int(value)
+
+
+def resolve_model_dir(model_dir: str | Path | None) -> Path:
+    """The directory to serve: the one given, else the bundled model if it exists.
+
+    Fails loudly rather than inventing a model: serving random weights by accident would look
+    like a working server that answers nonsense.
+    """
+    if model_dir is None:
+        if BUNDLED_MODEL_DIR.is_dir():
+            return BUNDLED_MODEL_DIR
+        raise ModelDirError(
+            f"a model directory is required: no bundled model ships yet (looked in {BUNDLED_MODEL_DIR}); "
+            "pass MODEL_DIR, an HF-format directory with config.json, safetensors weights and a tokenizer"
+        )
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ModelDirError(f"{path} is not a model directory (no config.json)")
+    return path
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything `kvpress serve` needs: the engine's settings and the HTTP front's.
+
+    `max_queue` bounds the requests accepted but not yet admitted by the engine (no pages yet);
+    beyond it the server answers 429 so clients back off instead of piling up latency.
+    """
+
+    model_dir: Path
+    served_model_name: str | None = None
+    kv_policy: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_pages: int | None = None
+    kv_memory: int | None = None
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    max_queue: int = 1024
+    dtype: str = "auto"
+    device: str = "cpu"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.num_pages is not None and self.kv_memory is not None:
+            raise ValueError("give num_pages or kv_memory, not both")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+
+    @property
+    def model_name(self) -> str:
+        """The id clients put in `model`: `--served-model-name`, else the directory's name."""
+        return self.served_model_name or self.model_dir.resolve().name

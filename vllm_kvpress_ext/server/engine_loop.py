@@ -1,0 +1,404 @@
+"""One thread owns the engine; HTTP handlers talk to it through queues.
+
+`LLMEngine` is not thread-safe and its steps are CPU/GPU-bound, so it runs on a dedicated thread
+(running it on the asyncio loop would stall every connection for a whole step). Handlers put
+commands (add, abort) on a thread-safe queue; the thread drains them between steps, runs
+`engine.step()`, and posts each request's outputs to that request's `asyncio.Queue` on the event
+loop with `call_soon_threadsafe`.
+
+Failure policy: an exception inside a step fails and aborts every request that was in the engine's
+batch (their cache state after a half-run step is undefined), frees their pages, and the loop
+keeps serving the rest. Nothing an HTTP request does can kill the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from vllm_kvpress_ext.engine import LLMEngine, RequestOutput, SamplingParams
+from vllm_kvpress_ext.engine.request import KVStats
+from vllm_kvpress_ext.policies import KVPolicy
+from vllm_kvpress_ext.server.metrics import ServerMetrics
+from vllm_kvpress_ext.server.policy import policy_label
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.1  # how often an idle loop re-checks for shutdown
+
+
+class QueueFullError(Exception):
+    """The admission queue holds `max_queue` requests already (answered 429)."""
+
+
+class EngineUnavailableError(Exception):
+    """The loop is not running (not started yet, or shutting down)."""
+
+
+class EngineStepError(Exception):
+    """The engine failed while running this request; it was aborted and its pages freed."""
+
+
+@dataclass(frozen=True)
+class KVSummary:
+    """A finished request's KV figures, copied out of the engine's live `KVStats`."""
+
+    policy: str
+    tokens_kept: int
+    retention: float
+    kv_bytes: int
+    kv_bytes_peak: int
+    compression_seconds: float
+
+    @classmethod
+    def of(cls, kv: KVStats | None, policy: str) -> KVSummary:
+        if kv is None:
+            return cls(policy, 0, 1.0, 0, 0, 0.0)
+        return cls(policy, kv.tokens_kept, kv.retention, kv.kv_bytes, kv.kv_bytes_peak, kv.compression_seconds)
+
+
+@dataclass(frozen=True)
+class Update:
+    """A request's state after a step: every output token and the text so far."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    kv: KVSummary | None = None  # set when finished
+
+
+@dataclass(frozen=True)
+class Failure:
+    message: str
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """What the loop last saw; handlers read it without touching the engine."""
+
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    page_bytes: int
+    running: int
+    waiting: int
+    running_peak: int
+    steps: int
+    failed_steps: int
+
+
+class RequestHandle:
+    """A submitted request as its HTTP handler sees it: a stream of `Update`s and an abort switch."""
+
+    def __init__(self, owner: EngineLoop, request_id: str, prompt_tokens: int, policy: str) -> None:
+        self.owner = owner
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.policy = policy
+        self.finished = False
+        self.queue: asyncio.Queue[Update | Failure] = asyncio.Queue()
+
+    async def updates(self) -> AsyncIterator[Update]:
+        """Updates until the finished one; raises `EngineStepError` if the engine failed on this request."""
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, Failure):
+                self.finished = True
+                raise EngineStepError(item.message)
+            self.finished = item.finished
+            yield item
+
+    def abort(self) -> None:
+        """Abort in the engine unless already finished; idempotent and safe from any thread."""
+        if not self.finished:
+            self.finished = True
+            self.owner.abort(self.request_id)
+
+
+@dataclass
+class _Add:
+    handle: RequestHandle
+    token_ids: list[int]
+    params: SamplingParams
+    policy: KVPolicy | None
+    arrival: float
+    future: concurrent.futures.Future[None]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Tracked:
+    """Loop-thread bookkeeping for one request in the engine."""
+
+    add: _Add
+    tokens_seen: int = 0
+    last_token_time: float = 0.0
+    last_update: Update | None = None
+    kv: KVStats | None = field(default=None, repr=False)
+
+
+class EngineLoop:
+    """Runs `engine` on a background thread; `submit` and `abort` are called from the event loop."""
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_queue: int = 1024) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._ids = itertools.count()
+        self._peak = 0
+        self._steps = 0
+        self._failed_steps = 0
+        pool = engine.cache.pool
+        metrics.pages_total.set(pool.num_pages)
+        metrics.page_bytes.set(pool.bytes_per_page)
+        self.snapshot = self._take_snapshot(0, 0)
+        self._publish()
+        self.default_policy = policy_label(engine.default_policy)
+
+    # ------------------------------------------------------------------ event-loop side
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is already running")
+        self._thread = threading.Thread(target=self._run, name="kvpress-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; in-flight requests are aborted and their handlers told so."""
+        self._stopping.set()
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    async def submit(
+        self, token_ids: list[int], params: SamplingParams, policy: KVPolicy | None, arrival: float
+    ) -> RequestHandle:
+        """Queue a request; returns once the engine accepted it (raises what `add_request` raised, or
+        `QueueFullError`)."""
+        if not self.alive:
+            raise EngineUnavailableError("the engine loop is not running")
+        label = policy_label(policy) if policy is not None else self.default_policy
+        request_id = f"{uuid.uuid4().hex[:16]}-{next(self._ids)}"
+        handle = RequestHandle(self, request_id, len(token_ids), label)
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._commands.put(_Add(handle, token_ids, params, policy, arrival, future, asyncio.get_running_loop()))
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add may already have happened
+            raise
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # ------------------------------------------------------------------ loop thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._drain(block=not self.engine.has_unfinished_requests())
+                    if self._stopping.is_set():
+                        break
+                    if self.engine.has_unfinished_requests():
+                        self._step()
+                except Exception as exc:
+                    self._failed_steps += 1
+                    logger.exception("engine step failed; failing the requests in its batch")
+                    self._fail_batch(exc)
+                    self._publish()
+        finally:
+            self._shutdown()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if command is None:
+                return
+            self._handle(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._publish()
+
+    def _handle(self, command: _Add | _Abort) -> None:
+        try:
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._abort(command.request_id)
+        except Exception as exc:  # pragma: no cover - defensive: a command must never kill the loop
+            logger.exception("engine loop: command %r failed", command)
+            if isinstance(command, _Add) and not command.future.done():
+                command.future.set_exception(exc)  # never leave a handler waiting
+
+    def _add(self, add: _Add) -> None:
+        if not add.future.set_running_or_notify_cancel():
+            return  # the client gave up before we got here
+        if len(self.engine.scheduler.waiting) >= self.max_queue:
+            self.metrics.requests.labels(status="queue_full").inc()
+            add.future.set_exception(
+                QueueFullError(f"the server's queue is full ({self.max_queue} requests waiting); retry later")
+            )
+            return
+        request_id = add.handle.request_id
+        try:
+            self.engine.add_request(add.token_ids, add.params, request_id=request_id, policy=add.policy)
+        except Exception as exc:
+            add.future.set_exception(exc)
+            return
+        self._tracked[request_id] = _Tracked(add)
+        self.metrics.prompt_tokens.inc(len(add.token_ids))
+        add.future.set_result(None)
+
+    def _abort(self, request_id: str) -> None:
+        if self._tracked.pop(request_id, None) is None:
+            return  # finished (or failed) already
+        self.engine.abort(request_id)
+        self.metrics.requests.labels(status="aborted").inc()
+
+    def _step(self) -> None:
+        outputs = self.engine.step()  # an exception fails the batch, in `_run`
+        self._steps += 1
+        now = time.monotonic()
+        finished = sum(self._deliver(out, now) for out in outputs)
+        running = len(self.engine.scheduler.active)
+        # Requests that finished in this step held pages during it.
+        self._publish(held_during_step=running + finished)
+        if not outputs and running == 0:
+            time.sleep(0.001)  # nothing admissible: do not spin
+
+    def _deliver(self, out: RequestOutput, now: float) -> int:
+        tracked = self._tracked.get(out.request_id)
+        if tracked is None:
+            return 0  # aborted after the step began
+        tracked.kv = out.kv
+        count = len(out.output_token_ids)
+        new = count - tracked.tokens_seen
+        if new > 0:
+            if tracked.tokens_seen == 0:
+                self.metrics.ttft.observe(now - tracked.add.arrival)
+            else:
+                gap = (now - tracked.last_token_time) / new
+                for _ in range(new):
+                    self.metrics.itl.observe(gap)
+            tracked.tokens_seen = count
+            tracked.last_token_time = now
+            self.metrics.generation_tokens.inc(new)
+        if out.finished:
+            self._finish(tracked, out.output_token_ids, out.text, out.finish_reason or "stop")
+            return 1
+        update = Update(list(out.output_token_ids), out.text, False)
+        tracked.last_update = update
+        self._post(tracked, update)
+        return 0
+
+    def _finish(self, tracked: _Tracked, token_ids: list[int], text: str, reason: str) -> None:
+        handle = tracked.add.handle
+        del self._tracked[handle.request_id]
+        kv = KVSummary.of(tracked.kv, handle.policy)
+        status = reason if reason in ("stop", "length") else "aborted"
+        self.metrics.requests.labels(status=status).inc()
+        if tracked.kv is not None:
+            self.metrics.retention.labels(policy=handle.policy).observe(kv.retention)
+            if handle.policy != "full":
+                self.metrics.compression.labels(policy=handle.policy).observe(kv.compression_seconds)
+        self._post(tracked, Update(list(token_ids), text, True, reason, kv))
+
+    def _fail_batch(self, exc: Exception) -> None:
+        """Abort every request the failed step may have touched and tell their clients.
+
+        That is every tracked request except those still cleanly waiting for admission (they hold no
+        pages and were not in the batch), plus any admitted request the loop does not track.
+        """
+        waiting = {r.request_id for r in self.engine.scheduler.waiting}
+        affected = [rid for rid in self._tracked if rid not in waiting]
+        affected += [r.request_id for r in self.engine.scheduler.active]
+        message = f"the engine failed while running this request ({type(exc).__name__}: {exc}); it was aborted"
+        for request_id in dict.fromkeys(affected):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # pragma: no cover - abort of a half-stepped request must not stop the loop
+                logger.exception("engine loop: abort of %s failed", request_id)
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is not None:
+                self.metrics.requests.labels(status="error").inc()
+                self._post(tracked, Failure(message))
+
+    def _post(self, tracked: _Tracked, item: Update | Failure) -> None:
+        # RuntimeError: the event loop is closed, the server is going away.
+        with contextlib.suppress(RuntimeError):
+            tracked.add.loop.call_soon_threadsafe(tracked.add.handle.queue.put_nowait, item)
+
+    def _take_snapshot(self, running: int, waiting: int) -> PoolSnapshot:
+        pool = self.engine.cache.pool
+        return PoolSnapshot(
+            pages_total=pool.num_pages,
+            pages_used=pool.num_used,
+            pages_free=pool.num_free,
+            page_bytes=pool.bytes_per_page,
+            running=running,
+            waiting=waiting,
+            running_peak=self._peak,
+            steps=self._steps,
+            failed_steps=self._failed_steps,
+        )
+
+    def _publish(self, held_during_step: int = 0) -> None:
+        running = len(self.engine.scheduler.active)
+        waiting = len(self.engine.scheduler.waiting)
+        self._peak = max(self._peak, held_during_step, running)
+        snap = self._take_snapshot(running, waiting)
+        self.snapshot = snap
+        m = self.metrics
+        m.pages_used.set(snap.pages_used)
+        m.pages_free.set(snap.pages_free)
+        m.running.set(running)
+        m.waiting.set(waiting)
+        m.running_peak.set(self._peak)
+
+    def _shutdown(self) -> None:
+        """Abort everything and release every waiter, so no handler hangs on a dead loop."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(EngineUnavailableError("the server is shutting down"))
+        for request_id, tracked in list(self._tracked.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # pragma: no cover
+                logger.exception("engine loop: abort of %s at shutdown failed", request_id)
+            self._post(tracked, Failure("the server is shutting down"))
+        self._tracked.clear()
+        self._publish()

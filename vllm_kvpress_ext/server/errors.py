@@ -1,0 +1,117 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+OpenAI clients (the official SDK included) read `error.message` to build their exceptions, so
+every path out of the server that is not a success -- our own checks, FastAPI's schema
+validation, unknown routes, unexpected exceptions -- goes through the same shape.
+
+Schema violations and malformed JSON are answered with **400** (not FastAPI's default 422),
+like OpenAI's API and vLLM, so clients need only one rule for "my request was wrong".
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """A failure with an HTTP status and OpenAI's error fields; raised anywhere in a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(
+    message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unsupported(param: str, what: str) -> APIError:
+    """A parameter OpenAI defines that this server deliberately does not implement."""
+    return APIError(400, f"{param}: {what}", param=param, code="unsupported_parameter")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A one-line message and the offending parameter, from pydantic's error list."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    parts: list[str] = []
+    first_param: str | None = None
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx") or {}
+            parts.append(f"malformed JSON body: {ctx.get('error', err.get('msg', 'invalid JSON'))}")
+            continue  # its location is a character offset, not a parameter
+        first_param = first_param or param
+        if param is None and err.get("type") != "missing":
+            parts.append("the request body must be a JSON object")
+        elif err.get("type") == "extra_forbidden":
+            parts.append(f"unrecognized request argument supplied: {param}")
+        elif err.get("type") == "missing" and param is None:
+            parts.append("the request needs a JSON body")
+        else:
+            parts.append(f"{param}: {err.get('msg', 'invalid value')}" if param else str(err.get("msg")))
+    return "; ".join(parts), first_param
+
+
+def install_error_handlers(app: FastAPI, on_rejected: Any = None) -> None:
+    """Route every error through `error_body`; `on_rejected()` is called for each 4xx (metrics)."""
+
+    def rejected() -> None:
+        if on_rejected is not None:
+            on_rejected()
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        if 400 <= exc.status < 500 and exc.status != 429:
+            rejected()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        rejected()
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type=kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"), status_code=500
+        )

@@ -1,0 +1,110 @@
+"""The per-request KV policy: from the body's `kv_policy` or vLLM's `vllm_xargs`, validated up front.
+
+Policies are resolved in the HTTP handler, before the request reaches the engine, so a bad name or
+parameter is a 400 naming the valid choices (the registry's `PolicyConfigError` message) and never
+costs the engine loop anything.
+
+`vllm_xargs` is how vLLM clients pass extra arguments; its values are often strings, so there
+`"snapkv"`, `'{"name": "snapkv", "ratio": 0.1}'` and `{"name": "snapkv", "ratio": "0.1"}` all work.
+Presets by file path are refused over HTTP: a path would let any client make the server read
+files of its choosing. Presets by name (`configs/NAME.yaml`) still apply.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from vllm_kvpress_ext.policies import KVPolicy, PolicyConfigError, load_policy
+from vllm_kvpress_ext.server.errors import APIError, bad_request
+
+_XARGS_KEYS = ("kv_policy",)
+
+
+def _policy_error(message: str, param: str) -> APIError:
+    return bad_request(message, param=param, code="invalid_kv_policy")
+
+
+def _from_string(text: str, param: str) -> str | dict[str, Any]:
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        try:
+            value = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise _policy_error(f"{param} is not valid JSON: {exc}", param) from None
+        if not isinstance(value, dict):
+            raise _policy_error(f"{param} must be a policy name or an object with a `name`", param)
+        return value
+    if stripped.endswith((".yaml", ".yml")) or "/" in stripped or "\\" in stripped:
+        raise _policy_error(
+            f"policy presets by path are not accepted over HTTP ({stripped!r}); "
+            'send a policy name or an object such as {"name": "snapkv", "ratio": 0.25}',
+            param,
+        )
+    return stripped
+
+
+def _coerce_scalar(value: Any) -> Any:
+    """`"0.1"` -> 0.1, `"true"` -> True, `"null"` -> None; other strings stay strings."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _normalize(value: Any, param: str, *, from_xargs: bool) -> str | dict[str, Any] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = _from_string(value, param)
+        if isinstance(value, str):
+            return value
+    if isinstance(value, dict):
+        spec = dict(value)
+        if from_xargs:
+            spec = {k: (v if k == "name" else _coerce_scalar(v)) for k, v in spec.items()}
+        return spec
+    raise _policy_error(f"{param} must be a policy name or an object with a `name`, got {type(value).__name__}", param)
+
+
+def policy_spec(kv_policy: Any, vllm_xargs: dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """The request's policy spec, or None for the server's default.
+
+    Both places may carry it; if both do they must agree, since silently preferring one would hide
+    a client bug.
+    """
+    body = _normalize(kv_policy, "kv_policy", from_xargs=False)
+    xargs: str | dict[str, Any] | None = None
+    if vllm_xargs:
+        unknown = sorted(set(vllm_xargs) - set(_XARGS_KEYS))
+        if unknown:
+            raise bad_request(
+                f"unsupported vllm_xargs key(s): {', '.join(unknown)}; supported: {', '.join(_XARGS_KEYS)}",
+                param="vllm_xargs",
+            )
+        xargs = _normalize(vllm_xargs.get("kv_policy"), "vllm_xargs.kv_policy", from_xargs=True)
+    if body is not None and xargs is not None and body != xargs:
+        raise _policy_error("kv_policy and vllm_xargs.kv_policy disagree; send one", "kv_policy")
+    return body if body is not None else xargs
+
+
+def resolve_policy(spec: str | dict[str, Any] | None) -> KVPolicy | None:
+    """A validated policy instance (None: the server's default), or a 400 with the registry's message."""
+    if spec is None:
+        return None
+    try:
+        policy = load_policy(spec)
+    except PolicyConfigError as exc:
+        raise _policy_error(str(exc), "kv_policy") from None
+    except (TypeError, ValueError) as exc:  # a policy's own constructor checks
+        raise _policy_error(f"invalid kv_policy: {exc}", "kv_policy") from None
+    return policy
+
+
+def policy_label(policy: KVPolicy | None) -> str:
+    """The name reported in `usage.kv_policy` and on metrics; `full` when nothing compresses."""
+    if policy is None or not policy.compresses:
+        return "full"
+    return policy.name

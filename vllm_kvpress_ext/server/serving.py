@@ -1,0 +1,186 @@
+"""What completions and chat share: server state, sampling parameters, submission, usage, waiting.
+
+Everything that turns an HTTP body into an engine request is checked here, in the handler, so the
+engine loop only ever sees requests it can run and clients get a precise 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_kvpress_ext.engine import LLMEngine, RequestRejectedError, SamplingParams
+from vllm_kvpress_ext.policies import PolicyConfigError
+from vllm_kvpress_ext.server.config import ServerConfig
+from vllm_kvpress_ext.server.engine_loop import (
+    EngineLoop,
+    EngineStepError,
+    EngineUnavailableError,
+    Failure,
+    QueueFullError,
+    RequestHandle,
+    Update,
+)
+from vllm_kvpress_ext.server.errors import APIError, bad_request, unsupported
+from vllm_kvpress_ext.server.metrics import ServerMetrics
+from vllm_kvpress_ext.server.policy import policy_spec, resolve_policy
+from vllm_kvpress_ext.server.protocol import ChatCompletionRequest, CompletionRequest
+
+_DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServerState:
+    """What every handler needs; stored on `app.state.kvpress`."""
+
+    config: ServerConfig
+    engine: LLMEngine
+    loop: EngineLoop
+    metrics: ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @property
+    def tokenizer(self) -> Any:
+        # Read-only use from the event loop (encode, chat template) alongside the loop thread's
+        # decodes: HF fast tokenizers take shared borrows for both, so this is safe.
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    """Clients must name the served model (or omit it); anything else is OpenAI's 404."""
+    if model is not None and model != state.model_name:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{state.model_name}`",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse OpenAI parameters this server does not implement instead of silently ignoring them."""
+    if body.n not in (None, 1):
+        raise unsupported("n", "only n=1 is supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0, 0.0):
+            raise unsupported(name, "penalties are not supported")
+    if body.logit_bias:
+        raise unsupported("logit_bias", "logit_bias is not supported")
+
+
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    top_k = 0 if body.top_k in (None, -1) else body.top_k
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=top_k,
+            seed=body.seed,
+            stop=stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=bool(body.ignore_eos),
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+async def submit(
+    state: ServerState,
+    body: CompletionRequest | ChatCompletionRequest,
+    token_ids: list[int],
+    params: SamplingParams,
+    arrival: float,
+    prompt_param: str,
+) -> RequestHandle:
+    """Resolve the request's policy and hand it to the engine loop; every refusal becomes an APIError."""
+    policy = resolve_policy(policy_spec(body.kv_policy, body.vllm_xargs))
+    try:
+        return await state.loop.submit(token_ids, params, policy, arrival)
+    except QueueFullError as exc:
+        raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+    except RequestRejectedError as exc:
+        raise bad_request(str(exc), param=prompt_param, code="invalid_prompt") from None
+    except PolicyConfigError as exc:
+        raise bad_request(str(exc), param="kv_policy", code="invalid_kv_policy") from None
+    except EngineUnavailableError as exc:
+        raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+async def wait_final(handle: RequestHandle, is_disconnected: Callable[[], Awaitable[bool]]) -> Update | None:
+    """The finished update, or None if the client went away (the request is then aborted).
+
+    Non-streaming clients that hang up would otherwise keep generating into a closed socket and
+    keep their KV pages until `max_tokens`.
+    """
+    clock = asyncio.get_running_loop().time
+    next_check = clock() + _DISCONNECT_POLL_S
+    try:
+        while True:
+            # Updates arrive every step, so the disconnect check runs on a clock, not on idle timeouts.
+            item: Update | Failure | None
+            try:
+                item = await asyncio.wait_for(handle.queue.get(), timeout=max(0.0, next_check - clock()))
+            except TimeoutError:
+                item = None
+            if clock() >= next_check:
+                if await is_disconnected():
+                    return None
+                next_check = clock() + _DISCONNECT_POLL_S
+            if item is None:
+                continue
+            if isinstance(item, Failure):
+                handle.finished = True
+                raise EngineStepError(item.message)
+            if item.finished:
+                handle.finished = True
+                return item
+    finally:
+        handle.abort()  # no-op once finished
+
+
+def engine_failure(exc: EngineStepError) -> APIError:
+    return APIError(500, str(exc), type="server_error", code="engine_error")
+
+
+def usage(handle: RequestHandle, update: Update) -> dict[str, Any]:
+    """OpenAI's usage block plus the KV figures the page pool reported for this request."""
+    completion = len(update.token_ids)
+    block: dict[str, Any] = {
+        "prompt_tokens": handle.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": handle.prompt_tokens + completion,
+    }
+    kv = update.kv
+    if kv is not None:
+        block.update(
+            kv_tokens_kept=kv.tokens_kept,
+            kv_retention=round(kv.retention, 6),
+            kv_bytes=kv.kv_bytes,
+            kv_bytes_peak=kv.kv_bytes_peak,
+            kv_policy=kv.policy,
+        )
+    return block
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(body.stream_options is not None and body.stream_options.include_usage)
