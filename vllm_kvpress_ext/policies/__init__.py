@@ -7,24 +7,44 @@
 from vllm_kvpress_ext.policies.adakv import AdaKVPolicy
 from vllm_kvpress_ext.policies.base import KVPolicy, PolicyConfigError
 from vllm_kvpress_ext.policies.full import FullPolicy
+from vllm_kvpress_ext.policies.gvote import GVotePolicy
 from vllm_kvpress_ext.policies.h2o import H2OPolicy
+from vllm_kvpress_ext.policies.kvec import KVECPolicy
+from vllm_kvpress_ext.policies.lava import LavaPolicy
 from vllm_kvpress_ext.policies.pyramidkv import PyramidKVPolicy
 from vllm_kvpress_ext.policies.registry import create_policy, load_policy, policy_class, policy_names, register
 from vllm_kvpress_ext.policies.snapkv import SnapKVPolicy
 from vllm_kvpress_ext.policies.streaming_llm import StreamingLLMPolicy
+from vllm_kvpress_ext.policies.xkv import XKVPolicy
 
-for _policy in (FullPolicy, SnapKVPolicy, PyramidKVPolicy, AdaKVPolicy, StreamingLLMPolicy, H2OPolicy):
+_BUILT_IN: tuple[type[KVPolicy], ...] = (
+    FullPolicy,
+    StreamingLLMPolicy,
+    SnapKVPolicy,
+    PyramidKVPolicy,
+    AdaKVPolicy,
+    H2OPolicy,
+    GVotePolicy,
+    XKVPolicy,
+    KVECPolicy,
+    LavaPolicy,
+)
+for _policy in _BUILT_IN:
     register(_policy)
 
 __all__ = [
     "AdaKVPolicy",
     "FullPolicy",
+    "GVotePolicy",
     "H2OPolicy",
+    "KVECPolicy",
     "KVPolicy",
+    "LavaPolicy",
     "PolicyConfigError",
     "PyramidKVPolicy",
     "SnapKVPolicy",
     "StreamingLLMPolicy",
+    "XKVPolicy",
     "create_policy",
     "load_policy",
     "policy_class",

@@ -1,0 +1,186 @@
+"""`gvote`: per-request, budget-free keep sets voted by synthetic future queries.
+
+Paper: Tang, Liu, Xu, Huang, "GVote: Adaptive Per-request KV-Cache Compression without Manually
+Setting Budget" (arXiv 2509.03136, 2025), Algorithm 1.
+
+Equations, per layer, for a prompt of n entries with keys K (post-RoPE, as cached), Hq query heads
+in groups of G per KV head, the prefill's last position p and the layer's attention-input hidden
+states x_1..x_n (after input_layernorm):
+
+    step budget     A_0[h]   = softmax(q_p[h] . K_{g(h)}^T / sqrt(d))       real query of position p
+                    B[h]     = min { k : top-k mass of A_0[h] >= p_nuc }      top-p nucleus size, >= 1
+    Gaussian fit    mu, s^2  = per-channel mean and (population) variance of x_1..x_n
+    samples         h_s      = mu + s * eps_s,  eps_s ~ N(0, I),  s = 1..S    (seeded, see below)
+    synthetic q     u_s      = q_norm(W_q h_s + b_q)                          the layer's own q path
+                    c, t     = mean over f = 1..n_f of cos / sin of position p + f
+                    q_s      = u_s * c + rotate_half(u_s) * t                 RoPE, averaged angles
+    votes           V_s[h]   = top-B[h] keys of q_s[h] . K_{g(h)}^T
+    keep set        keep[g]  = U_{s=1..S} U_{h in group g} V_s[h]             per KV head g
+
+The budget is |keep[g]|, whatever the union is: no ratio or token count is set. A request whose
+last query attends sharply (small B) and whose hidden states vary little (samples agree) keeps
+few entries; a diffuse, varied one keeps many, so memory differs per request, layer and head.
+
+Defaults: p_nuc = 0.95 and S = 8 (the paper's recommended setting: nucleus threshold 0.95 and at
+least 8 samples). The rest are this project's choices, the paper fixing no value we could cite:
+- `future_positions` n_f = 32: the synthetic queries stand for the next n_f decode positions. The
+  mean of a rotation over n_f consecutive positions shrinks the RoPE pairs whose period is shorter
+  than about n_f tokens (fine-grained position) and keeps the phase of the slower pairs, so the
+  queries carry the coarse "where" of the answer but not one exact position. 32 covers a short
+  answer; long generations may want more.
+- `window` = 0 and `sink_tokens` = 0: Algorithm 1 protects no recent window and no sinks; both are
+  available (the last `window` entries and the first `sink_tokens` entries are added to the union).
+- `seed` = 0: layer l draws eps_1..eps_S from `torch.Generator().manual_seed(seed * 65537 + l)`,
+  one `torch.randn(D, dtype=float64)` per sample in order, on the CPU (the same numbers on every
+  device). So a request's plan is reproducible (a preempted request recomputes the same cache),
+  and sample s does not depend on S, which makes keep sets grow monotonically with S.
+
+Divergences:
+- RoPE convention: the paper's listing rotates interleaved pairs (x[2i], x[2i+1]); here the model's
+  own convention is used (HF "rotate_half": pairs (x[i], x[i + d/2]), with the model's frequency
+  scaling, e.g. llama3), because that is how the cached keys were rotated. The averaged cos/sin
+  come from `model.rotary.cos_sin`.
+- The synthetic queries are projected by `project_queries` at position 0, where the rotation is
+  the identity, which gives exactly the layer's pre-RoPE query (bias and q_norm included); the
+  averaged rotation is then applied with `apply_rope`.
+- GQA: the paper's votes are per attention head; here the union runs over the query heads of a
+  KV head's group too (each query head with its own B[h]), so each KV head keeps one set of
+  entries that serves all its query heads.
+- Ties in a top-B selection go to the lower entry index (stable sort), so plans are deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_kvpress_ext.cache import KeepPlan
+from vllm_kvpress_ext.models.rope import apply_rope
+from vllm_kvpress_ext.policies.base import KVPolicy, LayerPrefill, PolicyConfigError, RequestPrefill, recent_window
+from vllm_kvpress_ext.policies.capture import CaptureSpec
+
+if TYPE_CHECKING:
+    from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
+
+SEED_STRIDE = 65537  # layer l of seed s draws from manual_seed(s * SEED_STRIDE + l)
+
+
+def nucleus_size(probs: torch.Tensor, p_nuc: float) -> torch.Tensor:
+    """Per row of `probs[R, n]`: the size of the smallest set whose mass reaches `p_nuc`, in [1, n]."""
+    mass = torch.sort(probs, dim=-1, descending=True).values.cumsum(dim=-1)
+    return ((mass < p_nuc).sum(dim=-1) + 1).clamp(max=probs.shape[-1])
+
+
+def sample_noise(seed: int, layer: int, num_samples: int, dim: int) -> torch.Tensor:
+    """eps `[S, D]` float64 on the CPU; row s is the same whatever `num_samples` is (see module docstring)."""
+    generator = torch.Generator().manual_seed(seed * SEED_STRIDE + layer)
+    return torch.stack([torch.randn(dim, generator=generator, dtype=torch.float64) for _ in range(num_samples)])
+
+
+def future_rotation(
+    model: LlamaFamilyForCausalLM, first: int, count: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[d]` (fp32), each averaged over positions first .. first + count - 1."""
+    cos, sin = model.rotary.cos_sin(torch.arange(first, first + count, device=device))
+    return cos.mean(dim=0), sin.mean(dim=0)
+
+
+def synthetic_queries(
+    model: LlamaFamilyForCausalLM, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Queries `[S, Hq, d]` (fp32) of hidden states `[S, D]`, rotated by the (averaged) `cos`, `sin` `[d]`."""
+    attention = model.layers[layer].self_attn
+    weight = attention.q_proj.weight
+    h = hidden.to(device=weight.device, dtype=weight.dtype)
+    # At position 0 cos = 1 and sin = 0: project_queries returns the pre-RoPE query exactly.
+    unrotated = attention.project_queries(h, torch.zeros(h.shape[0], dtype=torch.long, device=h.device))
+    rows = unrotated.shape[0]
+    return apply_rope(unrotated.float(), cos.float().expand(rows, -1), sin.float().expand(rows, -1))
+
+
+def vote(queries: torch.Tensor, keys: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+    """Union keep mask `[Hkv, n]`: each query `queries[s, h]` keeps its top-`budgets[h]` keys of KV head h // G.
+
+    queries `[S, Hq, d]`, keys `[Hkv, n, d]`, budgets `[Hq]`. Ties go to the lower index. One KV head at
+    a time, so the working set is `[S * G, n]` scores (never a GQA-expanded copy of the keys).
+    """
+    num_kv, n = keys.shape[0], keys.shape[1]
+    samples, num_q, dim = queries.shape
+    group = num_q // num_kv
+    queries = queries.to(device=keys.device, dtype=torch.float32)
+    budgets = budgets.to(keys.device)
+    keep = torch.zeros(num_kv, n, dtype=torch.bool, device=keys.device)
+    positions = torch.arange(n, device=keys.device).view(1, n)
+    for kv in range(num_kv):
+        rows = queries[:, kv * group : (kv + 1) * group].reshape(samples * group, dim)  # row s * G + g
+        scores = rows @ keys[kv].float().T  # [S * G, n]
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        take = positions < budgets[kv * group : (kv + 1) * group].repeat(samples).view(-1, 1)
+        keep[kv] = torch.zeros_like(take).scatter_(-1, order, take).any(dim=0)
+    return keep
+
+
+@dataclass
+class GVotePolicy(KVPolicy):
+    """GVote; equations, defaults and divergences in the module docstring. Budget-free: no ratio/tokens."""
+
+    name = "gvote"
+    summary = "budget-free: union of top-p nucleus votes of Gaussian-sampled future queries (Tang et al. 2025)"
+
+    p_nuc: float = 0.95
+    num_samples: int = 8
+    future_positions: int = 32
+    window: int = 0
+    sink_tokens: int = 0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not 0.0 < self.p_nuc <= 1.0:
+            raise PolicyConfigError(
+                f"p_nuc (nucleus mass of the last query's attention) must lie in (0, 1], got {self.p_nuc}"
+            )
+        for field, value in (("num_samples", self.num_samples), ("future_positions", self.future_positions)):
+            if value < 1:
+                raise PolicyConfigError(f"{field} must be >= 1, got {value}")
+        for field, value in (("window", self.window), ("sink_tokens", self.sink_tokens), ("seed", self.seed)):
+            if value < 0:
+                raise PolicyConfigError(f"{field} must be >= 0, got {value}")
+
+    def capture_spec(self) -> CaptureSpec:
+        return CaptureSpec(window=1, hidden_stats=True)
+
+    def step_budgets(self, layer: LayerPrefill) -> torch.Tensor:
+        """B[h] `[Hq]` (int64, CPU): nucleus size of the last prompt position's attention, per query head."""
+        capture = layer.capture
+        assert capture is not None and capture.queries is not None and capture.query_positions is not None
+        keys = layer.keys
+        query = capture.queries[-1].to(device=keys.device, dtype=torch.float32)  # [Hq, d]
+        group = query.shape[0] // layer.num_kv_heads
+        visible = layer.positions.to(keys.device) <= capture.query_positions[-1].to(keys.device)
+        budgets = []
+        for kv in range(layer.num_kv_heads):  # one KV head at a time: no GQA-expanded copy of the keys
+            logits = (query[kv * group : (kv + 1) * group] @ keys[kv].float().T).double() * layer.scale
+            probs = torch.softmax(logits.masked_fill(~visible.view(1, -1), float("-inf")), dim=-1)
+            budgets.append(nucleus_size(probs, self.p_nuc))
+        return torch.cat(budgets).cpu()
+
+    def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> torch.Tensor:
+        capture = layer.capture
+        assert capture is not None and capture.query_positions is not None
+        budgets = self.step_budgets(layer)
+        mean, std = capture.hidden_mean, capture.hidden_var.sqrt()
+        noise = sample_noise(self.seed, layer.layer, self.num_samples, mean.shape[0])
+        hidden = mean.cpu().double() + std.cpu().double() * noise  # [S, D]
+        last = int(capture.query_positions[-1])
+        cos, sin = future_rotation(layer.model, last + 1, self.future_positions, layer.keys.device)
+        queries = synthetic_queries(layer.model, layer.layer, hidden, cos, sin)
+        keep = vote(queries, layer.keys, budgets).cpu()
+        n = layer.length
+        keep |= recent_window(n, self.window).view(1, n)
+        keep[:, : self.sink_tokens] = True
+        return keep
+
+    def plan(self, request: RequestPrefill, layer_results: list[Any], state: dict[str, Any]) -> KeepPlan:
+        return KeepPlan.from_mask(torch.stack(layer_results))

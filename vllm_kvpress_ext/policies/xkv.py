@@ -1,0 +1,404 @@
+"""`xkv`: personalized per-layer cache sizes by a provably optimal greedy allocation.
+
+Paper: Li, Wang, Gu, Yu, "XKV: Personalized KV Cache Memory Reduction for Long-Context LLM
+Inference" (arXiv 2412.05896, 2024): Algorithm 1 (allocation) and Algorithm 2 (eviction).
+
+Equations, for a prompt of n entries, L layers, an observation window of the last w = min(ows, n)
+queries and the P = n - w earlier entries:
+
+    score vector   a_l[h, j] = (1/w) sum_{i in window} softmax_j(q_i[h] . k_j / sqrt(d))    j < P
+                   w_l[j]    = avgpool_7( mean_h a_l[h, .] )[j]          mean over the query heads
+    coverage       R_l(m)    = Sum(Top-m(w_l)) / Sum(w_l)                 share of layer l's mass kept
+    objective      R_avg(m_1..m_L) = (1/L) sum_l R_l(m_l)
+    Algorithm 1    given N:   maximise R_avg subject to sum_l m_l = N, 0 <= m_l <= P
+                   given R*:  the smallest N whose optimum reaches R_avg >= R*
+    Algorithm 2    layer l:   each KV head keeps the window plus its own top m_l entries
+
+Greedy solution (Algorithm 1): sort every layer's w_l / Sum(w_l) in decreasing order and merge
+the L lists; the first N merged values, counted per layer, are the allocation. R_l is concave in
+m (its increments are the sorted, non-increasing values), so the objective is a separable concave
+sum under one cardinality constraint, for which taking the N largest increments is optimal (an
+exchange argument: any other allocation trades a larger increment for a smaller one). For the
+target mode, the optimum R_avg(N) is non-decreasing in N and equals the cumulative sum of the
+merged values / L, so the minimal N is found by one search over that cumulative sum (up to float64
+rounding). Ties go to the lower layer.
+
+Heads inside a layer share its size: every KV head of layer l keeps the window plus m_l entries,
+chosen by that head's own pooled scores (its query heads' attention reduced by `gqa_reduction`,
+the SnapKV scoring of `snapkv.py`). The allocation uses the head-averaged w_l, as the paper's
+per-layer vector does; per-head selection keeps each head's own heavy entries at the same count.
+
+Budgets, exactly one of (none given: `ratio` 0.25, the SnapKV family's default):
+- `ratio` / `tokens` (base semantics, window included, see `policies/base.py`): B entries per
+  (layer, KV head) on average, so N = L (B - w) entries are allocated; the mean over layers of
+  the kept entries per head is B exactly. A ratio budget below the window keeps the last B entries.
+- `target_ratio` R* in (0, 1]: the per-request minimal N reaching R_avg >= R* (memory then
+  differs per request: XKV's "personalized" mode).
+- `profile` (a YAML file written by `XKVProfile.save`): per-layer kept fractions f_l measured
+  offline; with no budget each layer keeps m_l = round(f_l P), with `ratio`/`tokens` the total
+  L (B - w) is shared in proportion to f_l (capped at P per layer, exact integer total).
+
+Defaults: ows = 8 (`window`) and average pooling of size 7 (`kernel_size`, `pooling`), the
+paper's settings; `gqa_reduction` mean (the project's SnapKV-family default).
+
+Divergences:
+- The paper profiles the allocation offline (a mini, sampled inference on a light model variant)
+  and compresses layer by layer during prefill. Here the allocation is computed per request from
+  the request's own window attention once prefill completes (the engine's `plan` hook), which is
+  the same Algorithm 1 on exact rather than sampled scores. Saved profiles (`profile`) are applied
+  at the same point: layer-by-layer compression during prefill needs engine support.
+- GQA: per-head selection under the shared per-layer count (the paper does not treat heads).
+- The pooled vector is normalised by its own sum (pooling changes the mass slightly).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from vllm_kvpress_ext.cache import KeepPlan
+from vllm_kvpress_ext.policies.base import (
+    Budget,
+    LayerPrefill,
+    PolicyConfigError,
+    RequestPrefill,
+    keep_top,
+    recent_window,
+)
+from vllm_kvpress_ext.policies.snapkv import ObservationWindowScores
+
+DEFAULT_RATIO = 0.25
+
+# ----------------------------------------------------------------------------- Algorithm 1
+
+
+def _normalised_sorted(coverage: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each layer's score vector divided by its sum (uniform when the sum is 0), sorted decreasing, float64."""
+    out = []
+    for w in coverage:
+        v = w.detach().double().cpu().clamp(min=0.0).reshape(-1)
+        total = float(v.sum())
+        v = v / total if total > 0 else torch.full_like(v, 1.0 / max(1, v.numel()))
+        out.append(torch.sort(v, descending=True).values)
+    return out
+
+
+def _merged(coverage: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """All layers' normalised sorted values merged in decreasing order (ties: lower layer), and their layers."""
+    values = _normalised_sorted(coverage)
+    flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
+    layers = torch.cat([torch.full((v.numel(),), i, dtype=torch.int64) for i, v in enumerate(values)])
+    order = torch.sort(flat, descending=True, stable=True).indices
+    return flat[order], layers[order]
+
+
+def coverage_ratio(coverage: Sequence[torch.Tensor], allocation: Sequence[int]) -> float:
+    """R_avg = (1/L) sum_l Sum(Top-m_l(w_l)) / Sum(w_l)."""
+    values = _normalised_sorted(coverage)
+    return sum(float(v[:m].sum()) for v, m in zip(values, allocation, strict=True)) / max(1, len(values))
+
+
+def greedy_allocation(coverage: Sequence[torch.Tensor], total: int) -> list[int]:
+    """The allocation {m_l} with sum m_l = min(total, sum_l |w_l|) that maximises R_avg (optimal)."""
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    _, layers = _merged(coverage)
+    return torch.bincount(layers[:total], minlength=len(coverage)).tolist()
+
+
+def allocation_for_target(coverage: Sequence[torch.Tensor], target: float) -> list[int]:
+    """The allocation of the smallest total N whose optimal R_avg reaches `target` (all entries if none does)."""
+    if not 0.0 < target <= 1.0:
+        raise ValueError(f"target must lie in (0, 1], got {target}")
+    values, layers = _merged(coverage)
+    reached = values.cumsum(0) / max(1, len(coverage))
+    total = min(int((reached < target).sum()) + 1, values.numel())
+    return torch.bincount(layers[:total], minlength=len(coverage)).tolist()
+
+
+# ----------------------------------------------------------------------------- profiles
+
+
+def allocation_from_fractions(fractions: Sequence[float], capacity: int, total: int | None = None) -> list[int]:
+    """Per-layer sizes from profiled kept fractions f_l, each in [0, capacity].
+
+    `total` None: m_l = round(f_l * capacity) (halves up). Otherwise exactly min(total, L * capacity)
+    entries shared in proportion to f_l (water-filling at the cap, then largest remainders, ties to
+    the lower layer); layers the profile left empty only receive what the others cannot hold.
+    """
+    num_layers = len(fractions)
+    weights = [Fraction(max(0.0, float(f))) for f in fractions]
+    if total is None:
+        return [min(capacity, math.floor(w * capacity + Fraction(1, 2))) for w in weights]
+    goal = min(max(0, total), num_layers * capacity)
+    remaining = Fraction(goal)
+    ideal = [Fraction(0)] * num_layers
+    profiled = [i for i in range(num_layers) if weights[i] > 0]
+    unprofiled = [i for i in range(num_layers) if weights[i] == 0]
+    # Profiled layers first, in proportion to f_l; what they cannot hold goes evenly to the others.
+    for free, share in ((profiled, weights), (unprofiled, [Fraction(1)] * num_layers)):
+        while free and remaining > 0:
+            scale = remaining / sum(share[i] for i in free)
+            full = [i for i in free if scale * share[i] >= capacity]
+            if not full:
+                for i in free:
+                    ideal[i] = scale * share[i]
+                remaining = Fraction(0)
+                break
+            for i in full:
+                ideal[i] = Fraction(capacity)
+                remaining -= capacity
+            free = [i for i in free if i not in full]
+    sizes = [math.floor(x) for x in ideal]
+    deficit = goal - sum(sizes)
+    for i in sorted(range(num_layers), key=lambda i: (-(ideal[i] - sizes[i]), i)):
+        if deficit <= 0:
+            break
+        if sizes[i] < capacity:
+            sizes[i] += 1
+            deficit -= 1
+    return sizes
+
+
+@dataclass
+class XKVProfile:
+    """Per-layer kept fractions f_l (entries kept / entries scored, window excluded) and how they were measured."""
+
+    fractions: list[float]
+    window: int = 8
+    kernel_size: int = 7
+    pooling: str = "avgpool"
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.fractions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": "xkv",
+            "num_layers": self.num_layers,
+            "fractions": [float(f) for f in self.fractions],
+            "window": self.window,
+            "kernel_size": self.kernel_size,
+            "pooling": self.pooling,
+            "metadata": dict(self.metadata),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "profile") -> XKVProfile:
+        if not isinstance(data, dict) or data.get("policy") != "xkv":
+            raise PolicyConfigError(f"{source} is not an XKV profile (a mapping with `policy: xkv` and `fractions`)")
+        fractions = data.get("fractions")
+        if (
+            not isinstance(fractions, list)
+            or not fractions
+            or not all(isinstance(f, int | float) and not isinstance(f, bool) and 0 <= f <= 1 for f in fractions)
+        ):
+            raise PolicyConfigError(f"{source}: `fractions` must be a non-empty list of numbers in [0, 1]")
+        if data.get("num_layers", len(fractions)) != len(fractions):
+            raise PolicyConfigError(f"{source}: num_layers {data.get('num_layers')} != {len(fractions)} fractions")
+        metadata = data.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise PolicyConfigError(f"{source}: `metadata` must be a mapping")
+        return cls(
+            fractions=[float(f) for f in fractions],
+            window=int(data.get("window", 8)),
+            kernel_size=int(data.get("kernel_size", 7)),
+            pooling=str(data.get("pooling", "avgpool")),
+            metadata=metadata,
+        )
+
+    def save(self, path: str | Path) -> Path:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        header = "# XKV profile: per-layer kept fractions (see vllm_kvpress_ext/policies/xkv.py)\n"
+        out.write_text(header + yaml.safe_dump(self.to_dict(), sort_keys=False))
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> XKVProfile:
+        p = Path(path)
+        if not p.is_file():
+            raise PolicyConfigError(f"XKV profile {p} does not exist")
+        cached = _load_profile(str(p.resolve()), p.stat().st_mtime_ns)
+        return cls(list(cached.fractions), cached.window, cached.kernel_size, cached.pooling, dict(cached.metadata))
+
+    @classmethod
+    def from_allocations(
+        cls, allocations: Sequence[Sequence[int]], capacities: Sequence[int], **settings: Any
+    ) -> XKVProfile:
+        """Mean kept fraction m_l / P per layer over profiled requests (requests with P = 0 are skipped)."""
+        rows = [[m / p for m in alloc] for alloc, p in zip(allocations, capacities, strict=True) if p > 0]
+        if not rows:
+            raise ValueError("no profiled request had entries to score (every prompt was within the window)")
+        fractions = [sum(col) / len(rows) for col in zip(*rows, strict=True)]
+        metadata = dict(settings.pop("metadata", {}))
+        metadata.setdefault("requests", len(rows))
+        return cls(fractions=fractions, metadata=metadata, **settings)
+
+
+@functools.lru_cache(maxsize=32)
+def _load_profile(path: str, mtime_ns: int) -> XKVProfile:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise PolicyConfigError(f"XKV profile {path} is not valid YAML: {exc}") from None
+    return XKVProfile.from_dict(data, source=path)
+
+
+# ----------------------------------------------------------------------------- the policy
+
+
+@dataclass
+class XKVLayerScores:
+    """`scores[Hkv, n]`: per-head pooled window votes (for selection); `coverage[P]`: the layer's w_l."""
+
+    scores: torch.Tensor
+    coverage: torch.Tensor
+
+
+@dataclass
+class XKVPolicy(ObservationWindowScores):
+    """XKV; equations, budgets, defaults and divergences in the module docstring."""
+
+    name = "xkv"
+    summary = "per-layer sizes by an optimal greedy allocation of window-attention coverage (Li et al. 2024)"
+
+    ratio: float | None = None
+    tokens: int | None = None
+    window: int = 8
+    kernel_size: int = 7
+    pooling: str = "avgpool"
+    target_ratio: float | None = None
+    profile: str | None = None
+
+    @property
+    def budget(self) -> Budget:
+        """The `ratio`/`tokens` budget (the default ratio when neither is given)."""
+        if self.ratio is None and self.tokens is None:
+            return Budget(ratio=DEFAULT_RATIO)
+        return Budget(ratio=self.ratio, tokens=self.tokens)
+
+    def validate(self) -> None:
+        given = [k for k in ("ratio", "tokens", "target_ratio") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise PolicyConfigError(
+                f"give at most one budget: `ratio`, `tokens` or `target_ratio` (R_avg target); got {', '.join(given)}"
+            )
+        super().validate()
+        if self.target_ratio is not None:
+            if not 0.0 < self.target_ratio <= 1.0:
+                raise PolicyConfigError(f"target_ratio (R_avg target) must lie in (0, 1], got {self.target_ratio}")
+            if self.profile is not None:
+                raise PolicyConfigError("a `profile` fixes the per-layer fractions: give it no `target_ratio`")
+        if self.profile is not None:
+            self.load_profile()
+
+    def load_profile(self) -> XKVProfile | None:
+        return None if self.profile is None else XKVProfile.load(self.profile)
+
+    def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> XKVLayerScores:
+        n = layer.length
+        prefix = n - min(self.window, n)
+        if prefix == 0:  # nothing before the window: nothing to rank
+            return XKVLayerScores(torch.zeros(layer.num_kv_heads, n), torch.zeros(0, dtype=torch.float64))
+        scores = self.scores(layer).cpu()
+        # Mean over KV heads of group means = mean over all query heads (groups are equal).
+        return XKVLayerScores(scores, scores[:, :prefix].double().mean(dim=0))
+
+    def allocation(self, coverage: list[torch.Tensor], length: int) -> tuple[list[int], int]:
+        """(m_l per layer, protected window) for a prompt of `length` entries: Algorithm 1 in the chosen mode."""
+        num_layers = len(coverage)
+        window = min(self.window, length)
+        prefix = length - window
+        if prefix == 0:
+            return [0] * num_layers, length
+        if self.target_ratio is not None:
+            return allocation_for_target(coverage, self.target_ratio), window
+        profile = self.load_profile()
+        if profile is not None and profile.num_layers != num_layers:
+            raise ValueError(f"XKV profile {self.profile} has {profile.num_layers} layers, the model {num_layers}")
+        if profile is not None and self.ratio is None and self.tokens is None:
+            return allocation_from_fractions(profile.fractions, prefix), window
+        budget = self.budget.per_head(length)
+        if budget >= length:
+            return [prefix] * num_layers, window
+        effective = self.effective_window(length, budget)
+        if effective < window:  # a ratio budget below the window: the window shrinks to it
+            return [0] * num_layers, effective
+        total = num_layers * (budget - window)
+        if profile is not None:
+            return allocation_from_fractions(profile.fractions, prefix, total), window
+        return greedy_allocation(coverage, total), window
+
+    def plan(self, request: RequestPrefill, layer_results: list[Any], state: dict[str, Any]) -> KeepPlan:
+        results: list[XKVLayerScores] = layer_results
+        n = request.length
+        coverage = [r.coverage for r in results]
+        sizes, window = self.allocation(coverage, n)
+        state["allocation"] = sizes
+        state["capacity"] = n - min(self.window, n)
+        state["r_avg"] = coverage_ratio(coverage, sizes) if state["capacity"] else 1.0
+        masks = []
+        for result, size in zip(results, sizes, strict=True):
+            heads = result.scores.shape[0]
+            protected = recent_window(n, window).expand(heads, n)
+            masks.append(keep_top(result.scores, torch.full((heads,), size + window), protected))
+        return KeepPlan.from_mask(torch.stack(masks))
+
+
+@dataclass
+class _RecordingXKV(XKVPolicy):
+    """XKV that also records each request's allocation (for `profile_xkv`; not registered)."""
+
+    records: list[tuple[list[int], int]] = field(default_factory=list, compare=False, repr=False)
+
+    def plan(self, request: RequestPrefill, layer_results: list[Any], state: dict[str, Any]) -> KeepPlan:
+        plan = super().plan(request, layer_results, state)
+        self.records.append((list(state["allocation"]), int(state["capacity"])))
+        return plan
+
+
+def profile_xkv(
+    model_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    *,
+    target_ratio: float = 0.9,
+    window: int = 8,
+    kernel_size: int = 7,
+    pooling: str = "avgpool",
+    **engine_kwargs: Any,
+) -> XKVProfile:
+    """Run `prompts` (token ids) once each with XKV's R_avg mode and return the mean per-layer fractions.
+
+    What a `kvpress profile xkv` command would call; save the result with `XKVProfile.save`.
+    """
+    from vllm_kvpress_ext.engine import LLMEngine, SamplingParams  # the engine imports policies
+
+    recorder = _RecordingXKV(target_ratio=target_ratio, window=window, kernel_size=kernel_size, pooling=pooling)
+    recorder.validate()
+    engine = LLMEngine(model_dir, **engine_kwargs)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(list(prompt), params, policy=recorder)
+    while engine.has_unfinished_requests():
+        engine.step()
+    allocations = [a for a, _ in recorder.records]
+    capacities = [c for _, c in recorder.records]
+    return XKVProfile.from_allocations(
+        allocations,
+        capacities,
+        window=window,
+        kernel_size=kernel_size,
+        pooling=pooling,
+        metadata={"target_ratio": target_ratio, "model": str(model_dir)},
+    )
