@@ -95,3 +95,12 @@ def test_batches_supervise_only_answers() -> None:
 def test_config_must_use_gqa() -> None:
     with pytest.raises(ValueError, match="grouped-query"):
         TrainConfig(num_heads=4, num_kv_heads=4).validate()
+
+
+def test_task_mixture_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    assert main(["train-model", "--out", str(out), "--steps", "2", "--tasks", "associative_recall:1", *TINY]) == 0
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert set(log[-1]["eval"]) == {"associative_recall"}
+    assert main(["train-model", "--out", str(tmp_path / "bad"), "--steps", "2", "--tasks", "nope:1", *TINY]) == 2
+    assert "unknown task" in capsys.readouterr().err

@@ -133,6 +133,17 @@ def _cmd_bench_accuracy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _task_weights(text: str) -> dict[str, float]:
+    weights: dict[str, float] = {}
+    for item in text.split(","):
+        name, _, weight = item.partition(":")
+        try:
+            weights[name.strip()] = float(weight) if weight else 1.0
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected name:weight, got {item!r}") from None
+    return weights
+
+
 def _cmd_train_model(args: argparse.Namespace) -> int:
     from vllm_kvpress_ext.train.model import TrainConfig, train
 
@@ -154,6 +165,7 @@ def _cmd_train_model(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         seed=args.seed,
         threads=args.threads,
+        **({"tasks": args.tasks} if args.tasks else {}),
     )
     try:
         model_dir = train(config, resume=args.resume)
@@ -414,6 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--checkpoint-every", type=int, default=500, help="default: 500")
     tm.add_argument("--seed", type=int, default=0, help="default: 0")
     tm.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    tm.add_argument(
+        "--tasks",
+        type=_task_weights,
+        default=None,
+        help="task mixture as name:weight,... (default: associative_recall:2,niah_multikey:2, the other families 1)",
+    )
     tm.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     tm.set_defaults(handler=_cmd_train_model)
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from vllm_kvpress_ext.bench.tasks import generate, training_example
+from vllm_kvpress_ext.bench.tasks import TASKS, generate, training_example
 from vllm_kvpress_ext.bench.tokenizer import EOS, PAD, VOCABULARY, save_tokenizer
 from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
@@ -116,8 +116,11 @@ class TrainConfig:
             raise ValueError("hidden_size must be a multiple of num_heads")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
-        if not self.tasks or min(self.tasks.values()) < 0:
-            raise ValueError("tasks must map task names to non-negative weights")
+        if not self.tasks or min(self.tasks.values()) < 0 or sum(self.tasks.values()) <= 0:
+            raise ValueError("tasks must map task names to non-negative weights, not all zero")
+        unknown = sorted(set(self.tasks) - set(TASKS))
+        if unknown:
+            raise ValueError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(sorted(TASKS))}")
 
 
 class BatchedCausalContext:
