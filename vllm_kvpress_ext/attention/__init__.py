@@ -4,10 +4,17 @@
 """
 
 from vllm_kvpress_ext.attention.reference import (
+    causal_attention,
     gather_paged,
     paged_decode_attention,
     paged_prefill_attention,
     varlen_causal_attention,
 )
 
-__all__ = ["gather_paged", "paged_decode_attention", "paged_prefill_attention", "varlen_causal_attention"]
+__all__ = [
+    "causal_attention",
+    "gather_paged",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "varlen_causal_attention",
+]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.nn.functional as F
 
 
 def gather_paged(
@@ -150,3 +151,21 @@ def varlen_causal_attention(
         o = _grouped_attention(q, k, v, causal.view(1, 1, 1, n, n), scale)
         out[start:end] = o[0].permute(2, 0, 1, 3).reshape(n, num_q_heads, head_dim).to(query.dtype)
     return out
+
+
+def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention of B equal-length fresh sequences, no cache involved.
+
+    query `[B, n, Hq, d]`, keys/values `[B, n, Hkv, d]` -> `[B, n, Hq, d]`. The inputs reach SDPA 4-D:
+    torch's fused CPU / GPU kernels need the batch dimension, and without it the math path
+    materialises the whole n x n score matrix (4 s instead of 0.3 s at 8K tokens on a CPU).
+    """
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)

@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from vllm_kvpress_ext.attention import paged_decode_attention, paged_prefill_attention
+from vllm_kvpress_ext.attention import causal_attention, paged_decode_attention, paged_prefill_attention
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 
@@ -31,23 +30,6 @@ class PrefillSegment:
     @property
     def length(self) -> int:
         return self.end - self.start
-
-
-def _causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q `[n, Hq, d]`, k/v `[n, Hkv, d]` -> `[n, Hq, d]`: a fresh sequence needs no cache read.
-
-    Inputs are given 4-D (batch of one): torch's fused CPU / GPU SDPA kernels need the batch
-    dimension, and without it the math path materialises the whole n x n score matrix.
-    """
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        is_causal=True,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out[0].transpose(0, 1)
 
 
 class PrefillContext:
@@ -72,7 +54,7 @@ class PrefillContext:
             sl = slice(seg.offset, seg.offset + seg.length)
             cache.write(seg.slots[layer_idx, 0].transpose(0, 1), k[sl], v[sl])
             if seg.start == 0:
-                out[sl] = _causal_self_attention(q[sl], k[sl], v[sl], self.scale)
+                out[sl] = causal_attention(q[sl][None], k[sl][None], v[sl][None], self.scale)[0]
             else:
                 out[sl] = paged_prefill_attention(
                     q[sl],

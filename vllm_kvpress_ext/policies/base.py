@@ -135,6 +135,14 @@ class Budget:
         assert self.tokens is not None
         return min(length, self.tokens)
 
+    def decode_cap(self, length: int) -> int:
+        """Entries per head a decode-time policy holds from compression on (prompt of `length` entries).
+
+        A `tokens` budget caps at `tokens` even when the prompt was shorter; a `ratio` budget is fixed
+        at compression time to round(ratio * length).
+        """
+        return self.tokens if self.tokens is not None else self.per_head(length)
+
 
 class KVPolicy:
     """Base class: keeps everything and evicts nothing. Subclasses are dataclasses."""

@@ -167,9 +167,7 @@ class H2OPolicy(KVPolicy):
 
     def cap(self, length: int) -> int:
         """Entries per head kept from now on, for a request compressed with `length` prompt entries."""
-        if self.tokens is not None:
-            return self.tokens
-        return self.budget.per_head(length)
+        return self.budget.decode_cap(length)
 
     def recent(self, cap: int) -> int:
         return min(cap, round(cap * self.recent_fraction))

@@ -106,9 +106,7 @@ class StreamingLLMPolicy(KVPolicy):
 
     def cap(self, length: int) -> int:
         """Entries per head kept from now on, for a request compressed with `length` prompt entries."""
-        if self.tokens is not None:
-            return self.tokens
-        return self.budget.per_head(length)
+        return self.budget.decode_cap(length)
 
     def sinks(self, cap: int) -> int:
         return max(0, min(self.sink_tokens, cap - 1))

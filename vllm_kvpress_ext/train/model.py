@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from vllm_kvpress_ext.attention import causal_attention
 from vllm_kvpress_ext.bench.tasks import TASKS, generate, training_example
 from vllm_kvpress_ext.bench.tokenizer import EOS, PAD, VOCABULARY, save_tokenizer
 from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
@@ -139,14 +140,10 @@ class BatchedCausalContext:
         k_pre_rope: torch.Tensor,
     ) -> torch.Tensor:
         b, t = self.batch, self.length
-        out = F.scaled_dot_product_attention(
-            q.view(b, t, *q.shape[1:]).transpose(1, 2),
-            k.view(b, t, *k.shape[1:]).transpose(1, 2),
-            v.view(b, t, *v.shape[1:]).transpose(1, 2),
-            is_causal=True,
-            enable_gqa=True,
+        out = causal_attention(
+            q.view(b, t, *q.shape[1:]), k.view(b, t, *k.shape[1:]), v.view(b, t, *v.shape[1:]), q.shape[-1] ** -0.5
         )
-        return out.transpose(1, 2).reshape(q.shape)
+        return out.reshape(q.shape)
 
 
 def _task_params(task: str, context_len: int) -> dict[str, Any]:
