@@ -9,6 +9,7 @@ from vllm_kvpress_ext.attention.reference import (
     paged_decode_attention,
     paged_prefill_attention,
     varlen_causal_attention,
+    vertical_slash_attention,
 )
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "varlen_causal_attention",
+    "vertical_slash_attention",
 ]

@@ -169,3 +169,133 @@ def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         enable_gqa=True,
     )
     return out.transpose(1, 2)
+
+
+def vertical_slash_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    admitted: torch.Tensor,
+    window: int,
+    scale: float,
+    query_start: int = 0,
+) -> torch.Tensor:
+    """Causal prefill attention under the write-gate's vertical-slash mask, one sequence.
+
+    query `[n, Hq, d]` at positions `query_start + i`; keys/values `[N, Hkv, d]` at positions 0..N-1
+    (N = query_start + n: a prefill chunk attends to the uncompressed prompt so far); `admitted[Hkv, N]`
+    bool. Query at position i sees key j of its KV head iff `j <= i` and (`i - j < window` -- the
+    slash: the local band every token keeps -- or `admitted[h, j]` -- the verticals: columns the gate
+    wrote to the global cache). The diagonal is inside the band for any `window >= 1`, so no row is
+    empty. Returns `[n, Hq, d]`.
+    """
+    n, num_q_heads, head_dim = query.shape
+    total, num_kv_heads = keys.shape[0], keys.shape[1]
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if total != query_start + n:
+        raise ValueError(f"keys must cover positions 0..{query_start + n - 1}, got {total} of them")
+    if admitted.shape != (num_kv_heads, total):
+        raise ValueError(f"admitted must be [{num_kv_heads}, {total}], got {list(admitted.shape)}")
+    group = num_q_heads // num_kv_heads
+    i = torch.arange(query_start, total, device=query.device).view(n, 1)
+    j = torch.arange(total, device=query.device).view(1, total)
+    causal = j <= i  # [n, N]
+    band = causal & (i - j < window)
+    mask = band.unsqueeze(0) | (causal.unsqueeze(0) & admitted.to(query.device, torch.bool).unsqueeze(1))
+    q = query.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).unsqueeze(0)  # [1, Hkv, G, n, d]
+    k = keys.transpose(0, 1).unsqueeze(0)
+    v = values.transpose(0, 1).unsqueeze(0)
+    out = _grouped_attention(q, k, v, mask.view(1, num_kv_heads, 1, n, total), scale)
+    return out[0].permute(2, 0, 1, 3).reshape(n, num_q_heads, head_dim).to(query.dtype)
+
+
+# ---------------------------------------------------------------------- cache data movement and scoring
+# Oracles for the Triton kernels in `kernels/` (kv_write.py, compaction.py, window_scores.py).
+
+
+def _kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Row of each flat slot's key in `kv_pool` viewed as `[pages * 2 * page_size, d]` (value: `page_size` further)."""
+    return torch.div(slots, page_size, rounding_mode="floor") * (2 * page_size) + slots % page_size
+
+
+def write_kv(
+    kv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position_pool: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> None:
+    """Store `keys`/`values[..., d]` at flat `slots[...]` in place, as `PagedKVCache.write` does.
+
+    With `position_pool` and `positions[...]` the positions are stored too (what `append_slots` does).
+    Negative slots are skipped, so a batch may be padded with -1.
+    """
+    page_size, head_dim = kv_pool.shape[2], kv_pool.shape[-1]
+    if keys.shape != values.shape or keys.shape[:-1] != slots.shape or keys.shape[-1] != head_dim:
+        raise ValueError(
+            f"write shapes disagree: slots {tuple(slots.shape)}, keys {tuple(keys.shape)}, "
+            f"values {tuple(values.shape)}, pool head_dim {head_dim}"
+        )
+    flat_slots = slots.reshape(-1).to(device=kv_pool.device, dtype=torch.int64)
+    keep = flat_slots >= 0
+    flat_slots = flat_slots[keep]
+    rows = _kv_rows(flat_slots, page_size)
+    flat = kv_pool.view(-1, head_dim)
+    flat[rows] = keys.reshape(-1, head_dim)[keep].to(flat.dtype)
+    flat[rows + page_size] = values.reshape(-1, head_dim)[keep].to(flat.dtype)
+    if position_pool is not None and positions is not None:
+        position_pool.view(-1)[flat_slots] = positions.reshape(-1)[keep].to(position_pool.device, position_pool.dtype)
+
+
+def copy_slots(kv_pool: torch.Tensor, position_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy K, V and positions from flat slots `src` to `dst` in place; every read happens before any write.
+
+    `PagedKVCache._copy_slots` as a free function: order-preserving compaction (a slot may be read by
+    one entry and written by another) and tail-into-hole eviction both reduce to it.
+    """
+    page_size, head_dim = kv_pool.shape[2], kv_pool.shape[-1]
+    src = src.reshape(-1).to(device=kv_pool.device, dtype=torch.int64)
+    dst = dst.reshape(-1).to(device=kv_pool.device, dtype=torch.int64)
+    src_rows, dst_rows = _kv_rows(src, page_size), _kv_rows(dst, page_size)
+    flat = kv_pool.view(-1, head_dim)
+    flat[torch.cat([dst_rows, dst_rows + page_size])] = flat[torch.cat([src_rows, src_rows + page_size])]
+    pos = position_pool.view(-1)
+    pos[dst] = pos[src]
+
+
+def window_scores(
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float,
+    window_reduction: str = "sum",
+    group_reduction: str = "mean",
+) -> torch.Tensor:
+    """Observation-window scores `[Hkv, n]` (fp32): what SnapKV-family policies rank entries by.
+
+    queries `[w, Hq, d]` at `query_positions[w]`, keys `[Hkv, n, d]` at `key_positions` (`[n]` or
+    `[Hkv, n]`); query head i reads KV head i // (Hq / Hkv), causal by position. The softmax
+    probabilities `[Hq, w, n]` are reduced over the window (`sum` or `mean`), then over each KV head's
+    query heads (`mean` or `max`) -- `policies.base.window_attention` followed by the policies'
+    reductions, materialising the whole probability tensor (the Triton kernel does not).
+    """
+    if window_reduction not in ("sum", "mean"):
+        raise ValueError(f"window_reduction must be 'sum' or 'mean', got {window_reduction!r}")
+    if group_reduction not in ("mean", "max"):
+        raise ValueError(f"group_reduction must be 'mean' or 'max', got {group_reduction!r}")
+    window, num_q_heads, _ = queries.shape
+    num_kv_heads, n, _ = keys.shape
+    group = num_q_heads // num_kv_heads
+    k = keys.float().repeat_interleave(group, dim=0)  # [Hq, n, d]
+    scores = torch.einsum("whd,hnd->hwn", queries.float(), k) * scale
+    key_pos = key_positions.to(keys.device).reshape(-1, n)  # [1 or Hkv, n]
+    if key_pos.shape[0] > 1:
+        key_pos = key_pos.repeat_interleave(group, dim=0)  # [Hq, n]
+    causal = key_pos.view(-1, 1, n) <= query_positions.to(keys.device).view(1, window, 1)
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    reduced = probs.sum(dim=1) if window_reduction == "sum" else probs.mean(dim=1)  # [Hq, n]
+    grouped = reduced.view(num_kv_heads, group, n)
+    return grouped.mean(dim=1) if group_reduction == "mean" else grouped.amax(dim=1)

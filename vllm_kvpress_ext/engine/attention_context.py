@@ -11,8 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvpress_ext.attention import causal_attention, paged_decode_attention, paged_prefill_attention
+from vllm_kvpress_ext.attention import (
+    causal_attention,
+    gather_paged,
+    paged_decode_attention,
+    paged_prefill_attention,
+    vertical_slash_attention,
+)
 from vllm_kvpress_ext.cache import PagedKVCache
+from vllm_kvpress_ext.policies.base import Admission
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 
 
@@ -26,6 +33,8 @@ class PrefillSegment:
     offset: int
     slots: torch.Tensor  # [L, 1, H, n] from `append_slots`
     capture: PrefillCapture | None = None
+    admission: Admission | None = None
+    admitted: list[list[torch.Tensor]] | None = None  # the request's flags so far, per layer [H, n] chunks
 
     @property
     def length(self) -> int:
@@ -53,7 +62,9 @@ class PrefillContext:
         for seg in self.segments:
             sl = slice(seg.offset, seg.offset + seg.length)
             cache.write(seg.slots[layer_idx, 0].transpose(0, 1), k[sl], v[sl])
-            if seg.start == 0:
+            if seg.admission is not None and self._gated(seg, layer_idx, q[sl], k[sl], v[sl], k_pre_rope[sl], out[sl]):
+                pass
+            elif seg.start == 0:
                 out[sl] = causal_attention(q[sl][None], k[sl][None], v[sl][None], self.scale)[0]
             else:
                 out[sl] = paged_prefill_attention(
@@ -69,10 +80,59 @@ class PrefillContext:
                 seg.capture.record(layer_idx, self.positions[sl], hidden[sl], q[sl], k[sl], k_pre_rope[sl])
         return out
 
+    def _gated(
+        self,
+        seg: PrefillSegment,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pre_rope: torch.Tensor,
+        out: torch.Tensor,
+    ) -> bool:
+        """Write-gated prefill: record the chunk's admission flags, attend under the vertical-slash mask.
+
+        Returns False (the caller runs plain causal attention) when the mask is causal anyway: the whole
+        prompt so far fits in the local window, or every token so far is admitted.
+        """
+        assert seg.admission is not None and seg.admitted is not None
+        window = seg.admission.window
+        seg.admitted[layer_idx].append(seg.admission.flags(layer_idx, k_pre_rope, k).transpose(0, 1))
+        admitted = torch.cat(seg.admitted[layer_idx], dim=-1)  # [H, end]: prompt entries are still in order
+        if seg.end <= window or bool(admitted.all()):
+            return False
+        if seg.start == 0:
+            out.copy_(vertical_slash_attention(q, k, v, admitted, window, self.scale))
+            return True
+        cache = self.cache
+        keys, values, _, _ = gather_paged(
+            cache.pool.kv,
+            cache.pool.positions,
+            cache.device_block_tables[layer_idx, seg.row],
+            cache.device_seq_lens[layer_idx, seg.row],
+        )
+        out.copy_(
+            vertical_slash_attention(
+                q, keys.transpose(0, 1), values.transpose(0, 1), admitted, window, self.scale, query_start=seg.start
+            )
+        )
+        return True
+
 
 class DecodeContext:
-    def __init__(self, cache: PagedKVCache, rows: torch.Tensor, slots: torch.Tensor, scale: float, want_probs: bool):
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        scale: float,
+        want_probs: bool,
+        admissions: list[tuple[torch.Tensor, Admission]] | None = None,
+    ):
         self.cache = cache
+        # (batch indices, admission) of the rows whose policy gates writes: each new token's flags are set
+        # as it enters the ring, so the ring knows whether to promote it when it is overwritten.
+        self.admissions = admissions or []
         # Per layer `[B, Hkv, G, N]` attention over each row's global entries, for decode-time policies.
         self.probs: list[torch.Tensor] | None = [] if want_probs else None
         self.rows = rows
@@ -92,6 +152,9 @@ class DecodeContext:
     ) -> torch.Tensor:
         cache = self.cache
         cache.write(self.slots[layer_idx, :, :, 0], k, v)
+        for index, admission in self.admissions:
+            local = index.to(k.device)
+            cache.admit(layer_idx, self.rows[index], admission.flags(layer_idx, k_pre_rope[local], k[local]))
         ring_tables = cache.device_ring_tables[layer_idx] if self.has_ring else None
         ring_lens = cache.ring_lens().to(cache.device) if self.has_ring else None
         return paged_decode_attention(

@@ -23,7 +23,7 @@ from vllm_kvpress_ext.engine.scheduler import ScheduledChunk, Scheduler
 from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.loader import resolve_dtype
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
-from vllm_kvpress_ext.policies.base import DecodeLayer, DecodeStep, LayerPrefill, RequestPrefill
+from vllm_kvpress_ext.policies.base import Admission, DecodeLayer, DecodeStep, LayerPrefill, RequestPrefill
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 
 DEFAULT_KV_MEMORY = 1 << 30
@@ -128,6 +128,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, compress_after=compress_after, policy=resolved)
+        request.admission = self._admission_for(resolved)
         peak = self.cache.pages_for_prompt(request.prefill_target)
         if peak > self.cache.pool.num_pages:
             raise RequestRejectedError(
@@ -136,6 +137,23 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def _admission_for(self, policy: KVPolicy | None) -> Admission | None:
+        """The policy's write gate bound to this model (checked against it), or None."""
+        admission = policy.admission(self.model_dir, self.device) if policy is not None else None
+        if admission is None:
+            return None
+        gates = getattr(admission, "gates", None)
+        if gates is not None:
+            gates.check_model(
+                self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim, "the write gates"
+            )
+        if admission.window < 1 or admission.window % self.cache.page_size:
+            raise ValueError(
+                f"the local window ({admission.window} tokens) must be a positive multiple of the page size "
+                f"({self.cache.page_size}): the ring is made of whole pages"
+            )
+        return admission
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -184,7 +202,13 @@ class LLMEngine:
             pos = torch.arange(chunk.start, chunk.end)
             slots = self.cache.append_slots([req.row], pos.view(1, -1))
             capture = self._capture_for(req)
-            segments.append(PrefillSegment(req.row, chunk.start, chunk.end, len(token_ids), slots, capture))
+            if req.admission is not None and chunk.start == 0:
+                req.admitted = [[] for _ in range(self.config.num_hidden_layers)]
+            segments.append(
+                PrefillSegment(
+                    req.row, chunk.start, chunk.end, len(token_ids), slots, capture, req.admission, req.admitted
+                )
+            )
             token_ids += req.all_token_ids[chunk.start : chunk.end]
             positions += range(chunk.start, chunk.end)
         ids = torch.tensor(token_ids, device=self.device)
@@ -208,7 +232,7 @@ class LLMEngine:
         tokens = torch.tensor([r.all_token_ids[r.num_processed] for r in requests], device=self.device)
         slots = self.cache.append_slots(rows, positions)
         want_probs = any(r.policy is not None and r.policy.wants_decode_attention for r in requests)
-        context = DecodeContext(self.cache, rows, slots, self.scale, want_probs)
+        context = DecodeContext(self.cache, rows, slots, self.scale, want_probs, self._admission_groups(requests))
         hidden = self.model(tokens, positions.view(-1).to(self.device), context)
         for i, r in enumerate(requests):
             r.num_processed += 1
@@ -219,6 +243,15 @@ class LLMEngine:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(needs_token, device=self.device)])
         return self._append_tokens([requests[i] for i in needs_token], logits)
+
+    @staticmethod
+    def _admission_groups(requests: list[Request]) -> list[tuple[torch.Tensor, Admission]]:
+        """Batch indices of the requests sharing each write gate, so each gate runs once per layer."""
+        groups: dict[int, tuple[list[int], Admission]] = {}
+        for i, r in enumerate(requests):
+            if r.admission is not None:
+                groups.setdefault(id(r.admission), ([], r.admission))[0].append(i)
+        return [(torch.tensor(index), admission) for index, admission in groups.values()]
 
     def _capture_for(self, request: Request) -> PrefillCapture | None:
         """The request's capture, created on its first chunk; None (no work at all) without a policy."""
@@ -242,6 +275,9 @@ class LLMEngine:
             request.policy_state = state
             capture = request.capture
             num_layers = self.config.num_hidden_layers
+            gated = request.admission is not None
+            if gated:
+                self._start_ring(request)
             results = []
             for layer in range(num_layers):
                 keys, values, positions, _ = self.cache.gather_layer(request.request_id, layer)
@@ -256,6 +292,7 @@ class LLMEngine:
                             capture=capture.layers[layer] if capture is not None else None,
                             model=self.model,
                             scale=self.scale,
+                            head_positions=positions if gated else None,
                         ),
                         state,
                     )
@@ -273,6 +310,13 @@ class LLMEngine:
             request.capture = None
             request.kv.compression_seconds += time.perf_counter() - start
         self._update_kv_stats(request)
+
+    def _start_ring(self, request: Request) -> None:
+        """Admission at prefill completion: last W tokens into the ring, older ones kept only if admitted."""
+        assert request.admission is not None and request.admitted is not None
+        admitted = torch.stack([torch.cat(chunks, dim=-1) for chunks in request.admitted]).cpu()  # [L, H, n]
+        self.cache.start_ring(request.request_id, request.admission.window, admitted)
+        request.admitted = None
 
     def _on_decode_step(self, request: Request, batch_index: int, context: DecodeContext) -> None:
         """Let the request's policy evict after a decode step (e.g. H2O, bounded StreamingLLM)."""
@@ -303,6 +347,8 @@ class LLMEngine:
         per_head = usage.global_tokens + usage.ring_tokens
         kv.kept_per_head = per_head.tolist()
         kv.kept_per_layer = (per_head.sum(-1) // per_head.shape[-1]).tolist()
+        if isinstance(request.policy_state, dict):
+            kv.counters = dict(request.policy_state.get("counters", {}))
 
     # ------------------------------------------------------------------ outputs
 
@@ -359,6 +405,8 @@ class LLMEngine:
             text=text,
             finished=request.finished,
             finish_reason=request.finish_reason,
-            kv=dataclasses.replace(request.kv, kept_per_layer=list(request.kv.kept_per_layer)),
+            kv=dataclasses.replace(
+                request.kv, kept_per_layer=list(request.kv.kept_per_layer), counters=dict(request.kv.counters)
+            ),
             num_preemptions=request.num_preemptions,
         )

@@ -31,6 +31,7 @@ class KVStats:
     compression_seconds: float = 0.0
     kept_per_layer: list[int] = field(default_factory=list)  # mean entries per KV head of each layer
     kept_per_head: list[list[int]] = field(default_factory=list)  # [layer][KV head] entries, ring included
+    counters: dict[str, int] = field(default_factory=dict)  # policy event counts, e.g. eviction triggers
 
     @property
     def retention(self) -> float:
@@ -57,6 +58,8 @@ class Request:
     kv: KVStats = field(default_factory=KVStats)
     policy_state: Any = None
     capture: Any = None  # PrefillCapture while a compressing policy's prefill runs
+    admission: Any = None  # the policy's `Admission` (WG-KV write gate) bound to the model, if any
+    admitted: list[list[torch.Tensor]] | None = None  # per layer, admission flags [H, n] of each prefill chunk
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:

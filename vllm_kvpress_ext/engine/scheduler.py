@@ -117,6 +117,7 @@ class Scheduler:
         request.num_preemptions += 1
         request.policy_state = None
         request.capture = None
+        request.admitted = None
         self.waiting.appendleft(request)
         return request
 

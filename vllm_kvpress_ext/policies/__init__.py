@@ -15,6 +15,7 @@ from vllm_kvpress_ext.policies.pyramidkv import PyramidKVPolicy
 from vllm_kvpress_ext.policies.registry import create_policy, load_policy, policy_class, policy_names, register
 from vllm_kvpress_ext.policies.snapkv import SnapKVPolicy
 from vllm_kvpress_ext.policies.streaming_llm import StreamingLLMPolicy
+from vllm_kvpress_ext.policies.wgkv import WGKVPolicy
 from vllm_kvpress_ext.policies.xkv import XKVPolicy
 
 _BUILT_IN: tuple[type[KVPolicy], ...] = (
@@ -28,6 +29,7 @@ _BUILT_IN: tuple[type[KVPolicy], ...] = (
     XKVPolicy,
     KVECPolicy,
     LavaPolicy,
+    WGKVPolicy,
 )
 for _policy in _BUILT_IN:
     register(_policy)
@@ -44,6 +46,7 @@ __all__ = [
     "PyramidKVPolicy",
     "SnapKVPolicy",
     "StreamingLLMPolicy",
+    "WGKVPolicy",
     "XKVPolicy",
     "create_policy",
     "load_policy",

@@ -31,7 +31,8 @@ Budget semantics (`Budget`):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, is_dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -61,6 +62,9 @@ class LayerPrefill:
     capture: LayerCapture | None
     model: LlamaFamilyForCausalLM
     scale: float
+    # [Hkv, N] entry positions per head (-1 = padding) when heads already differ (after admission);
+    # None while every head holds the same prompt entries (`positions`).
+    head_positions: torch.Tensor | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -144,6 +148,22 @@ class Budget:
         return self.tokens if self.tokens is not None else self.per_head(length)
 
 
+class Admission(Protocol):
+    """A write-time admission rule (WG-KV): flags decide which keys enter the global region.
+
+    A request whose policy has one gets a local ring of `window` tokens: prefill attends under the
+    vertical-slash mask, and at prefill completion the cache keeps the last `window` tokens in the
+    ring and only the admitted older ones (`PagedKVCache.start_ring`); during decode each new token's
+    flags are set as it is written (`PagedKVCache.admit`), and lazy promotion does the rest.
+    """
+
+    window: int
+
+    def flags(self, layer: int, k_pre_rope: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Bool `[n, Hkv]` for the keys `[n, Hkv, d]` (before and after RoPE) just written in `layer`."""
+        ...
+
+
 class KVPolicy:
     """Base class: keeps everything and evicts nothing. Subclasses are dataclasses."""
 
@@ -155,6 +175,10 @@ class KVPolicy:
 
     def capture_spec(self) -> CaptureSpec:
         return CaptureSpec()
+
+    def admission(self, model_dir: str | Path, device: torch.device) -> Admission | None:
+        """The write-time admission rule for a model, or None (every key is written; the default)."""
+        return None
 
     @property
     def compresses(self) -> bool:
@@ -260,6 +284,7 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 __all__ = [
     "GQA_REDUCTIONS",
+    "Admission",
     "Budget",
     "DecodeEviction",
     "DecodeLayer",

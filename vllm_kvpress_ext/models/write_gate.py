@@ -1,0 +1,179 @@
+"""Write gates for KV admission (WG-KV): one small MLP per (layer, KV head) that scores each new key.
+
+Paper: "KV Admission: Learning What to Write for Efficient Long-Context Inference" (Write-Gated KV).
+For token j in layer l, KV head h the gate reads the key twice, before and after RoPE:
+
+    x_j = [RMSNorm(k_pre_rope_j) ; RMSNorm(k_j)]                       (2 d inputs)
+    g_j = sigmoid(w2 . GELU(W1 x_j + b1) + b2)   in [0, 1]
+
+and the token is *admitted* to the long-lived global cache iff g_j >= tau. Pre-RoPE keys carry the
+content, post-RoPE keys its position; both are normalised so the gate sees directions, not the
+scale a layer happens to use.
+
+Size. The paper reports gates of about 0.4% of the parameters of an 8B model. At Llama-3-8B scale
+(32 layers x 8 KV heads, head_dim 128) that is ~32M / 256 = ~125K parameters per gate, which a
+hidden width of 4 x head_dim gives: 2d x 4d + 4d + 4d + 1 = 132K (0.42% of 8B). `hidden = 4 x head_dim`
+is therefore the default here. On a tiny model the same width is a larger share of the (tiny) whole,
+which is said in the shipped gates' metadata (`parameters`, `model_parameters`).
+
+Divergences (documented choices):
+- RMSNorm without a learned scale: the first linear layer can absorb any per-channel scale.
+- The output bias starts at `init_bias` (+3, g ~ 0.95) so training starts near full attention and
+  the sparsity penalty decides what to drop, rather than starting from a random admission pattern.
+
+Gates are stored as safetensors *next to* a model directory (never inside it, so the model
+directory stays a plain HF checkpoint), with the shape and training facts in the metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GATE_SUFFIX = ".wgkv.safetensors"
+RMS_EPS = 1e-6
+
+
+def default_gate_path(model_dir: str | Path) -> Path:
+    """Where a model's gates live by default: `<model_dir><GATE_SUFFIX>`, beside the directory."""
+    model_dir = Path(model_dir).resolve()
+    return model_dir.parent / f"{model_dir.name}{GATE_SUFFIX}"
+
+
+def _rms_normalise(x: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS)
+
+
+class WriteGates(nn.Module):
+    """All gates of a model: weights batched as `[L, H, ...]` so one layer's heads run in one einsum."""
+
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, hidden: int | None = None, init_bias: float = 3.0
+    ) -> None:
+        super().__init__()
+        if min(num_layers, num_kv_heads, head_dim) < 1:
+            raise ValueError("num_layers, num_kv_heads and head_dim must be >= 1")
+        hidden = 4 * head_dim if hidden is None else hidden
+        if hidden < 1:
+            raise ValueError(f"hidden must be >= 1, got {hidden}")
+        self.num_layers, self.num_kv_heads, self.head_dim, self.hidden = num_layers, num_kv_heads, head_dim, hidden
+        self.w1 = nn.Parameter(torch.randn(num_layers, num_kv_heads, 2 * head_dim, hidden) / math.sqrt(2 * head_dim))
+        self.b1 = nn.Parameter(torch.zeros(num_layers, num_kv_heads, hidden))
+        self.w2 = nn.Parameter(torch.randn(num_layers, num_kv_heads, hidden) * (0.1 / math.sqrt(hidden)))
+        self.b2 = nn.Parameter(torch.full((num_layers, num_kv_heads), float(init_bias)))
+
+    def logits(self, layer: int, k_pre_rope: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Pre-sigmoid gate values `[n, H]` for keys `[n, H, d]` of `layer` (fp32)."""
+        x = torch.cat([_rms_normalise(k_pre_rope), _rms_normalise(k)], dim=-1)  # [n, H, 2d]
+        w1, b1, w2, b2 = (p[layer].float() for p in (self.w1, self.b1, self.w2, self.b2))
+        h = F.gelu(torch.einsum("nhi,hio->nho", x, w1) + b1)
+        return torch.einsum("nho,ho->nh", h, w2) + b2
+
+    def forward(self, layer: int, k_pre_rope: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Gate values g `[n, H]` in [0, 1]."""
+        return torch.sigmoid(self.logits(layer, k_pre_rope, k))
+
+    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, where: str = "gates") -> None:
+        """Raise a clear error when these gates were made for a model of another shape."""
+        have = (self.num_layers, self.num_kv_heads, self.head_dim)
+        want = (num_layers, num_kv_heads, head_dim)
+        if have != want:
+            raise ValueError(
+                f"{where} are for a model with (layers, KV heads, head_dim) = {have}, but the model has {want}"
+            )
+
+    def save(self, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shape = {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden": self.hidden,
+            "parameters": sum(p.numel() for p in self.parameters()),
+        }
+        meta = {"format": "wgkv-gates-v1", "shape": json.dumps(shape), "info": json.dumps(metadata or {})}
+        tensors = {name: p.detach().float().contiguous().cpu() for name, p in self.named_parameters()}
+        save_file(tensors, str(path), metadata=meta)
+        return path
+
+
+def gate_metadata(path: str | Path) -> dict[str, Any]:
+    """The training facts stored with gates (`info`), e.g. the window and lambda they were trained with."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        meta = handle.metadata() or {}
+    return dict(json.loads(meta.get("info", "{}")))
+
+
+def load_gates(path: str | Path, device: torch.device | str = "cpu") -> WriteGates:
+    """Gates saved by `WriteGates.save`; a missing or foreign file raises a clear error."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no write gates at {path} (train them with `kvpress train-gate MODEL_DIR --out {path}`)"
+        )
+    with safe_open(str(path), framework="pt") as handle:
+        meta = handle.metadata() or {}
+        if meta.get("format") != "wgkv-gates-v1":
+            raise ValueError(f"{path} is not a write-gate file (format {meta.get('format')!r})")
+        shape = json.loads(meta["shape"])
+        gates = WriteGates(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], shape["hidden"])
+        state = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - safe_open is not a dict
+    gates.load_state_dict(state)
+    return gates.to(device).eval()
+
+
+def write_gated_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    gates: torch.Tensor,
+    window: int,
+    scale: float,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """The student attention gates are trained with: softmax(q k^T * scale + log m) v, causal.
+
+    query `[B, T, Hq, d]`, keys/values `[B, T, Hkv, d]`, gates `[B, T, Hkv]`. m[i, j] = 1 inside the
+    local window (i - j < window) and g_j outside it, so a gate only matters once its token has left
+    the window. `eps` keeps log(g) finite for training; with eps = 0 and binary gates this is exactly
+    the vertical-slash mask (log 0 = -inf). Returns `[B, T, Hq, d]` in fp32.
+    """
+    batch, length, num_q_heads, _ = query.shape
+    num_kv_heads = keys.shape[2]
+    group = num_q_heads // num_kv_heads
+    i = torch.arange(length, device=query.device).view(length, 1)
+    j = torch.arange(length, device=query.device).view(1, length)
+    local = (i - j < window) & (j <= i)  # [T, T]
+    log_gate = torch.log(gates.float() + eps).transpose(1, 2).unsqueeze(2)  # [B, Hkv, 1, T] per key column
+    bias = torch.where(local, torch.zeros((), device=query.device), log_gate)
+    bias = bias.masked_fill(j > i, float("-inf"))  # [B, Hkv, T, T]
+    q = query.float().view(batch, length, num_kv_heads, group, -1).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, d]
+    k = keys.float().transpose(1, 2)  # [B, Hkv, T, d]
+    v = values.float().transpose(1, 2)
+    scores = torch.einsum("bhgtd,bhsd->bhgts", q, k) * scale + bias.unsqueeze(2)
+    out = torch.einsum("bhgts,bhsd->bhgtd", torch.softmax(scores, dim=-1), v)
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, length, num_q_heads, -1)
+
+
+__all__ = [
+    "GATE_SUFFIX",
+    "WriteGates",
+    "default_gate_path",
+    "gate_metadata",
+    "load_gates",
+    "write_gated_attention",
+]

@@ -1,0 +1,226 @@
+"""`wgkv`: learned write-gate admission into a local ring + global cache, optionally under a hard cap.
+
+Paper: "KV Admission: Learning What to Write for Efficient Long-Context Inference" (Write-Gated KV).
+Gates (`models/write_gate.py`, trained by `kvpress train-gate`) score each key as it is written:
+g_j in [0, 1] per (layer, KV head, token), admitted iff g_j >= tau.
+
+    prefill:  M[i, j] = (j <= i) and (i - j < W_local  or  g_j >= tau)      vertical-slash attention
+    cache:    the last W_local tokens -> each head's local ring, with their admission flags;
+              older tokens -> the global region only if admitted (per head: global lengths differ)
+    decode:   the new token enters the ring (its flag set from its own gate); the token it overwrites
+              is promoted to the global region only if it was admitted (lazy promotion)
+
+So each head holds exactly its admitted tokens plus the last W_local, and attention during decode
+reads ring + global. With every gate = 1, or W_local >= the sequence, this is full attention.
+
+Composition with eviction (the paper's Appendix K), on when `cap` is set: admission decides what is
+written; a SnapKV-like score decides what is dropped when a layer's global region exceeds a hard
+average cap of `cap` entries per KV head (ring excluded). At prefill the admitted entries are scored
+by the observation window's attention (`observation_window` last queries, pooled as SnapKV does) and
+cut to the cap at once; during decode every time a layer is over its cap, the lowest-scoring
+`evict_fraction` (10%) of that layer's global entries, ranked across its heads, are evicted. Each
+event counts as one eviction trigger (`counters["eviction_triggers"]` in the request's KV stats).
+
+Defaults: tau = 0.1 (the paper's threshold); W_local = 64 tokens (a multiple of the engine's page
+size, since the ring is whole pages; the paper's models use longer windows for longer contexts, this
+one fits the bundled 1-2K-token model) unless the gate file records the window it was trained with.
+
+Divergences:
+- Decode-time scores: SnapKV scores with the last w queries; past queries are not kept in the cache,
+  so here each entry's score is an exponential moving average of the attention it receives, with
+  rate 1 / observation_window (a soft window of the last w queries). An entry just promoted from the
+  ring starts at this step's attention.
+- The cap counts the global region only; the ring adds W_local entries per head on top.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_kvpress_ext.cache import KeepPlan
+from vllm_kvpress_ext.models.write_gate import WriteGates, default_gate_path, gate_metadata, load_gates
+from vllm_kvpress_ext.policies.base import (
+    GQA_REDUCTIONS,
+    DecodeEviction,
+    DecodeStep,
+    KVPolicy,
+    LayerPrefill,
+    PolicyConfigError,
+    RequestPrefill,
+    check_choice,
+    pool_scores,
+    reduce_group,
+)
+from vllm_kvpress_ext.policies.capture import CaptureSpec
+from vllm_kvpress_ext.policies.h2o import realign, reduce_decode_attention
+from vllm_kvpress_ext.policies.streaming_llm import evictions
+
+DEFAULT_WINDOW = 64
+
+
+@dataclass
+class GateAdmission:
+    """A bound write gate (an `Admission`): what the engine calls while writing keys."""
+
+    gates: WriteGates
+    tau: float
+    window: int
+
+    @torch.no_grad()
+    def flags(self, layer: int, k_pre_rope: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Admission flags `[n, H]` (g >= tau) for the keys `[n, H, d]` just written in `layer`."""
+        return self.gates(layer, k_pre_rope, k) >= self.tau
+
+
+_GATES: dict[tuple[Path, str], WriteGates] = {}
+
+
+def _cached_gates(path: Path, device: torch.device) -> WriteGates:
+    key = (path.resolve(), str(device))
+    if key not in _GATES:
+        _GATES[key] = load_gates(path, device)
+    return _GATES[key]
+
+
+@dataclass
+class WGKVPolicy(KVPolicy):
+    """WG-KV; equations, defaults and divergences in the module docstring."""
+
+    name = "wgkv"
+    summary = "learned write-gate admission: local ring + global cache, lazy promotion (WG-KV)"
+
+    gates: str | None = None
+    tau: float = 0.1
+    local_window: int | None = None
+    cap: int | None = None
+    evict_fraction: float = 0.1
+    observation_window: int = 32
+    kernel_size: int = 5
+    pooling: str = "avgpool"
+    gqa_reduction: str = "mean"
+
+    def validate(self) -> None:
+        if not 0.0 <= self.tau <= 1.0:
+            raise PolicyConfigError(f"tau (admission threshold on g in [0, 1]) must lie in [0, 1], got {self.tau}")
+        if self.local_window is not None and self.local_window < 1:
+            raise PolicyConfigError(f"local_window must be >= 1, got {self.local_window}")
+        if self.cap is not None and self.cap < 1:
+            raise PolicyConfigError(f"cap (global entries per KV head, on average) must be >= 1, got {self.cap}")
+        if not 0.0 < self.evict_fraction <= 1.0:
+            raise PolicyConfigError(f"evict_fraction must lie in (0, 1], got {self.evict_fraction}")
+        if self.observation_window < 1:
+            raise PolicyConfigError(f"observation_window must be >= 1, got {self.observation_window}")
+        if self.kernel_size < 1:
+            raise PolicyConfigError(f"kernel_size must be >= 1, got {self.kernel_size}")
+        check_choice("pooling", self.pooling, ("avgpool", "maxpool"))
+        check_choice("gqa_reduction", self.gqa_reduction, GQA_REDUCTIONS)
+
+    def gate_path(self, model_dir: str | Path) -> Path:
+        return Path(self.gates) if self.gates is not None else default_gate_path(model_dir)
+
+    def admission(self, model_dir: str | Path, device: torch.device) -> GateAdmission:
+        """Load (once per file and device) the gates for `model_dir` and bind them to this policy."""
+        path = self.gate_path(model_dir)
+        gates = _cached_gates(path, device)
+        window = self.local_window
+        if window is None:
+            window = int(gate_metadata(path).get("local_window", DEFAULT_WINDOW))
+        return GateAdmission(gates=gates, tau=self.tau, window=window)
+
+    # ------------------------------------------------------------------ composition with eviction
+
+    def capture_spec(self) -> CaptureSpec:
+        return CaptureSpec(window=self.observation_window) if self.cap is not None else CaptureSpec()
+
+    @property
+    def wants_decode_steps(self) -> bool:
+        return self.cap is not None
+
+    @property
+    def wants_decode_attention(self) -> bool:
+        return self.cap is not None
+
+    def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """SnapKV scores `[H, N]` of the admitted global entries (after the ring has taken the last W_local)."""
+        if self.cap is None:
+            return None
+        capture = layer.capture
+        assert capture is not None and capture.queries is not None and capture.query_positions is not None
+        positions = (
+            layer.head_positions if layer.head_positions is not None else layer.positions.expand(layer.num_kv_heads, -1)
+        )
+        positions = positions.to(layer.keys.device)
+        heads = layer.num_kv_heads
+        group = capture.queries.shape[1] // heads
+        keys = layer.keys.float().repeat_interleave(group, dim=0)  # [Hq, N, d]
+        logits = torch.einsum("whd,hnd->hwn", capture.queries.float().to(keys.device), keys) * layer.scale
+        qpos = capture.query_positions.to(keys.device).view(1, -1, 1)
+        key_pos = positions.repeat_interleave(group, dim=0).unsqueeze(1)  # [Hq, 1, N]
+        visible = (key_pos >= 0) & (key_pos <= qpos)
+        # The ring's keys also take part in the softmax; they are not candidates, so they are left out
+        # of the normaliser too: only relative order among global entries matters for eviction.
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+        scores = pool_scores(reduce_group(probs.mean(dim=1), heads, self.gqa_reduction), self.kernel_size, self.pooling)
+        valid = positions >= 0
+        return {"scores": scores.masked_fill(~valid, 0.0).cpu(), "positions": positions.cpu().to(torch.int64)}
+
+    def plan(self, request: RequestPrefill, layer_results: list[Any], state: dict[str, Any]) -> KeepPlan | None:
+        if self.cap is None:
+            return None
+        positions = torch.stack([r["positions"] for r in layer_results])  # [L, H, N], -1 = padding
+        scores = torch.stack([r["scores"] for r in layer_results])
+        valid = positions >= 0
+        limit = self.cap * request.num_kv_heads
+        keep = valid.clone()
+        triggers = 0
+        for layer in range(positions.shape[0]):
+            total = int(valid[layer].sum())
+            if total > limit:
+                keep[layer] = _top_across_heads(scores[layer], valid[layer], limit)
+                triggers += 1
+        state["positions"] = positions.masked_fill(~keep, -1)
+        state["scores"] = scores.masked_fill(~keep, 0.0)
+        state["counters"] = {"eviction_triggers": triggers}
+        return KeepPlan.from_mask(keep)
+
+    def on_decode_step(self, step: DecodeStep, state: dict[str, Any]) -> DecodeEviction | None:
+        assert self.cap is not None
+        positions = torch.stack([layer.positions for layer in step.layers]).to(torch.int64)  # [L, H, N]
+        valid = positions >= 0
+        attention = torch.zeros(positions.shape, dtype=torch.float32)
+        for index, layer in enumerate(step.layers):
+            if layer.attention is None:
+                raise RuntimeError("wgkv with a cap needs each decode step's attention; the engine passed none")
+            probs = reduce_decode_attention(layer.attention.cpu(), self.gqa_reduction)[:, : positions.shape[-1]]
+            attention[index, :, : probs.shape[-1]] = probs
+        old_positions, old_scores = state["positions"], state["scores"]
+        seen = realign(old_positions, torch.ones_like(old_scores), positions) > 0
+        rate = 1.0 / self.observation_window
+        previous = realign(old_positions, old_scores, positions)
+        scores = torch.where(seen, (1.0 - rate) * previous + rate * attention, attention).masked_fill(~valid, 0.0)
+        limit = self.cap * positions.shape[1]
+        drop = torch.zeros_like(valid)
+        for index in range(positions.shape[0]):
+            total = int(valid[index].sum())
+            if total > limit:
+                count = max(1, math.ceil(self.evict_fraction * total))
+                drop[index] = valid[index] & ~_top_across_heads(scores[index], valid[index], total - count)
+                state["counters"]["eviction_triggers"] += 1
+        kept = valid & ~drop
+        state["positions"] = positions.masked_fill(~kept, -1)
+        state["scores"] = scores.masked_fill(~kept, 0.0)
+        return evictions(drop) if bool(drop.any()) else None
+
+
+def _top_across_heads(scores: torch.Tensor, valid: torch.Tensor, count: int) -> torch.Tensor:
+    """Bool `[H, N]`: the `count` best valid entries of a layer, ranked across its heads (ties: lower index)."""
+    flat = scores.float().masked_fill(~valid, float("-inf")).reshape(-1)
+    order = torch.sort(flat, descending=True, stable=True).indices[:count]
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    keep[order] = True
+    return keep.view(valid.shape) & valid
