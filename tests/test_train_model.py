@@ -104,3 +104,22 @@ def test_task_mixture_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert set(log[-1]["eval"]) == {"associative_recall"}
     assert main(["train-model", "--out", str(tmp_path / "bad"), "--steps", "2", "--tasks", "nope:1", *TINY]) == 2
     assert "unknown task" in capsys.readouterr().err
+
+
+def test_init_from_starts_from_another_runs_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first = tmp_path / "phase1"
+    assert main(["train-model", "--out", str(first), "--steps", "2", *TINY]) == 0
+    second = tmp_path / "phase2"
+    init = str(first / "checkpoint.pt")
+    args = ["train-model", "--out", str(second), "--steps", "1", "--init-from", init, *TINY, "--checkpoint-every", "1"]
+    assert main(args) == 0
+    start = torch.load(first / "checkpoint.pt", weights_only=False)["model"]
+    after = torch.load(second / "checkpoint.pt", weights_only=False)
+    assert after["step"] == 1  # a fresh schedule
+    # One small step away from phase 1's weights, not from a fresh initialisation.
+    drift = max(float((after["model"][k] - start[k]).abs().max()) for k in start)
+    assert drift < 0.05
+    changed = [*TINY]
+    changed[changed.index("--hidden-size") + 1] = "64"
+    assert main(["train-model", "--out", str(tmp_path / "x"), "--steps", "1", "--init-from", init, *changed]) == 2
+    assert "another shape" in capsys.readouterr().err

@@ -318,3 +318,17 @@ def test_train_gate_rejects_bad_configs(tmp_path: Path, model_dir: Path) -> None
         train_gates(
             GateTrainConfig(model_dir=str(model_dir), out=str(tmp_path / "g"), tasks={"x": 1.0}), progress=False
         )
+
+
+def test_train_gate_command(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_kvpress_ext.cli import main
+
+    out = tmp_path / "g.wgkv.safetensors"
+    args = ["train-gate", str(model_dir), "--out", str(out), "--steps", "2", "--batch-size", "2"]
+    args += ["--context-len", "64", "--eval-samples", "2", "--local-window", "16", "--tasks", "niah_multikey:1"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "head 1" in printed and f"gates written to {out}" in printed
+    assert gate_metadata(out)["local_window"] == 16
+    assert main(["train-gate", str(tmp_path / "missing"), "--steps", "1"]) == 2
+    assert "does not exist" in capsys.readouterr().err

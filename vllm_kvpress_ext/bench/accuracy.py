@@ -6,6 +6,15 @@ request when it finished, so partial pages count). The protocol says where compr
 (see `bench/tasks/prompt.py`): `served` after the prompt, `strict` before the answer cue so every
 answer token comes from the compressed cache, `agnostic` before the question.
 
+Coverage (K-VEC's Table 6 measure, `policies/kvec.py`): when a request finishes, which prompt
+positions does the cache still hold? `coverage` is the fraction of prompt positions held by at least
+one (layer, KV head) -- unique-token coverage across heads and layers; `head_coverage` is, per layer,
+the fraction held by at least one KV head of that layer, averaged over layers. Both are means over a
+cell's requests. Retention counts entries, so a policy that keeps the same tokens in every head and
+one that spreads its budget over different tokens retain the same; coverage tells them apart. Prompt
+tokens prefilled after compression (the strict and agnostic protocols) count as kept when still
+held, generated tokens never count.
+
 Outputs: a markdown table on stdout, `results.csv` and `results.json`, and `accuracy_vs_memory.png`
 (one panel per task family, one line per policy, accuracy against mean KV MiB per request).
 """
@@ -20,13 +29,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+import torch
 from tqdm import tqdm
 
 from vllm_kvpress_ext.bench.report import format_table
 from vllm_kvpress_ext.bench.tasks import TASKS, PromptSpec, build_prompt, generate, score
 from vllm_kvpress_ext.bench.tasks.prompt import PROTOCOLS, Protocol
+from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
-from vllm_kvpress_ext.policies import create_policy, policy_class
+from vllm_kvpress_ext.engine.request import Request
+from vllm_kvpress_ext.policies import KVPolicy, create_policy, load_policy, policy_class
+from vllm_kvpress_ext.policies.kvec import head_coverage, unique_token_coverage
 
 HELD_OUT_SEED = 1_000_000  # training draws seeds below this; evaluation samples start here
 DEFAULT_POLICIES = ("full", "streaming_llm", "snapkv", "pyramidkv", "adakv", "h2o")
@@ -77,14 +90,58 @@ class Row:
     kv_bytes_p90: float
     retention: float
     seconds: float
+    coverage: float  # prompt positions held by >= 1 (layer, KV head), mean over requests
+    head_coverage: float  # per layer: prompt positions held by >= 1 of its heads; mean over layers, requests
 
 
 def budgets_for(policy: str, budgets: tuple[float, ...]) -> list[float | None]:
-    """Budget-free policies (and `full`) run once; the others once per ratio."""
-    if policy == "full":
+    """Budget-free policies (and `full`) run once; the others once per ratio.
+
+    `policy` is a registered name or a YAML preset path (e.g. WG-KV with a given gate file).
+    """
+    resolved = load_policy(policy)
+    if resolved is None or resolved.name == "full":
         return [None]
-    fields = getattr(policy_class(policy), "__dataclass_fields__", {})
+    fields = getattr(policy_class(resolved.name), "__dataclass_fields__", {})
     return list(budgets) if "ratio" in fields else [None]
+
+
+def policy_label(policy: str) -> str:
+    """How a policy is named in the results: its name, or a preset file's stem (`wgkv-lambda0.1.yaml` -> ...)."""
+    path = Path(policy)
+    return path.stem if path.suffix in (".yaml", ".yml") else policy
+
+
+def make_policy(policy: str, budget: float | None) -> KVPolicy:
+    """The policy (name or preset) with its ratio set to `budget` when one is given."""
+    resolved = load_policy(policy)
+    assert resolved is not None
+    return resolved if budget is None else create_policy(resolved.name, **{**resolved.params(), "ratio": budget})
+
+
+def prompt_coverage(cache: PagedKVCache, request_id: str, prompt_len: int) -> tuple[float, float]:
+    """(unique-token coverage, mean per-layer head coverage) of the prompt positions `request_id` holds now.
+
+    Reads the positions from the cache itself (global region and, when the request has one, its local
+    ring) rather than from a policy's plan, so decode-time evictions and protocol tails count as they
+    really are.
+    """
+    positions, _ = cache.entry_positions(request_id)  # [L, H, N], -1 as padding
+    row = cache.row_of(request_id)
+    ring = int(cache.ring_lens([row])[0])
+    if ring:  # ring entries are every head's recent tokens; they live outside the global block tables
+        heads = [
+            cache.gather(request_id, layer, head, region="ring")[2].cpu().to(torch.int64)
+            for layer in range(cache.num_layers)
+            for head in range(cache.num_kv_heads)
+        ]
+        positions = torch.cat([positions, torch.stack(heads).view(*positions.shape[:2], -1)], dim=-1)
+    # Out-of-prompt and padding entries land in one spare column, dropped after the scatter.
+    slots = torch.where((positions >= 0) & (positions < prompt_len), positions, prompt_len)
+    kept = torch.zeros(*positions.shape[:2], prompt_len + 1, dtype=torch.bool)
+    kept.scatter_(-1, slots, True)
+    kept = kept[..., :prompt_len]
+    return unique_token_coverage(kept), head_coverage(kept)
 
 
 def _p90(values: list[int]) -> float:
@@ -116,14 +173,16 @@ def run_accuracy_bench(config: AccuracyConfig) -> list[Row]:
         ]
     runs = [(p, b) for p in config.policies for b in budgets_for(p, config.budgets)]
     for name, budget in runs:  # validate every policy before spending time
-        create_policy(name, **({} if budget is None else {"ratio": budget}))
+        make_policy(name, budget)
     rows: list[Row] = []
     total = len(runs) * len(config.tasks) * config.samples
     with tqdm(total=total, desc="accuracy", unit="sample") as bar:
         for name, budget in runs:
-            policy = create_policy(name, **({} if budget is None else {"ratio": budget}))
+            policy = make_policy(name, budget)
             for task in config.tasks:
-                rows.append(_run_cell(engine, policy, name, budget, task, specs[task], config.protocol, bar))
+                rows.append(
+                    _run_cell(engine, policy, policy_label(name), budget, task, specs[task], config.protocol, bar)
+                )
     _report(rows, config)
     return rows
 
@@ -146,14 +205,24 @@ def _run_cell(
         compress_after = spec.compress_after if spec.compress_after < len(spec.token_ids) else None
         engine.add_request(spec.token_ids, params, request_id=rid, policy=policy, compress_after=compress_after)
         pending[rid] = spec
-    correct, kv_bytes, retention = 0, [], []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished and out.request_id in pending:
-                correct += score(pending[out.request_id], out.output_token_ids)
-                kv_bytes.append(out.kv.kv_bytes)
-                retention.append(out.kv.retention)
-                bar.update(1)
+    correct, kv_bytes, retention, coverage = 0, [], [], []
+    held: dict[str, tuple[float, float]] = {}
+
+    def record_coverage(request: Request) -> None:  # runs while the finished request's entries are still held
+        held[request.request_id] = prompt_coverage(engine.cache, request.request_id, len(request.prompt_token_ids))
+
+    engine.finish_hooks.append(record_coverage)
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished and out.request_id in pending:
+                    correct += score(pending[out.request_id], out.output_token_ids)
+                    kv_bytes.append(out.kv.kv_bytes)
+                    retention.append(out.kv.retention)
+                    coverage.append(held.pop(out.request_id))
+                    bar.update(1)
+    finally:
+        engine.finish_hooks.remove(record_coverage)
     return Row(
         task=task,
         policy=name,
@@ -165,13 +234,18 @@ def _run_cell(
         kv_bytes_p90=_p90(kv_bytes),
         retention=sum(retention) / len(retention),
         seconds=time.perf_counter() - start,
+        coverage=sum(c for c, _ in coverage) / len(coverage),
+        head_coverage=sum(h for _, h in coverage) / len(coverage),
     )
 
 
 def _report(rows: list[Row], config: AccuracyConfig) -> None:
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    headers = ["task", "policy", "budget", "protocol", "n", "accuracy", "KV KiB mean", "KV KiB p90", "retention"]
+    headers = [
+        *("task", "policy", "budget", "protocol", "n", "accuracy", "KV KiB mean", "KV KiB p90", "retention"),
+        *("coverage", "head cov"),
+    ]
     table = [
         [
             r.task,
@@ -183,6 +257,8 @@ def _report(rows: list[Row], config: AccuracyConfig) -> None:
             f"{r.kv_bytes_mean / 1024:.1f}",
             f"{r.kv_bytes_p90 / 1024:.1f}",
             f"{r.retention:.3f}",
+            f"{r.coverage:.3f}",
+            f"{r.head_coverage:.3f}",
         ]
         for r in rows
     ]
@@ -243,4 +319,4 @@ def _plot(rows: list[Row], path: Path, config: AccuracyConfig) -> None:
     plt.close(fig)
 
 
-__all__ = ["AccuracyConfig", "Row", "run_accuracy_bench"]
+__all__ = ["AccuracyConfig", "Row", "prompt_coverage", "run_accuracy_bench"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,9 @@ class LLMEngine:
         self.scale = self.config.head_dim**-0.5
         self._ids = itertools.count()
         self.eos_token_ids = set(self.config.eos_token_ids)
+        # Called with each request as it finishes, while its entries are still in the cache (benches
+        # read what a policy really kept here, e.g. prompt coverage).
+        self.finish_hooks: list[Callable[[Request], None]] = []
 
     # ------------------------------------------------------------------ requests
 
@@ -384,6 +388,8 @@ class LLMEngine:
     def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         if request.row is not None:
             self._update_kv_stats(request)
+            for hook in self.finish_hooks:
+                hook(request)
         request.finish_reason = reason
         request.stop_reason = stop_reason
         self.scheduler.finish(request)

@@ -34,9 +34,16 @@ Budgets, exactly one of (none given: `ratio` 0.25, the SnapKV family's default):
   the kept entries per head is B exactly. A ratio budget below the window keeps the last B entries.
 - `target_ratio` R* in (0, 1]: the per-request minimal N reaching R_avg >= R* (memory then
   differs per request: XKV's "personalized" mode).
-- `profile` (a YAML file written by `XKVProfile.save`): per-layer kept fractions f_l measured
-  offline; with no budget each layer keeps m_l = round(f_l P), with `ratio`/`tokens` the total
-  L (B - w) is shared in proportion to f_l (capped at P per layer, exact integer total).
+- `profile` (a YAML file written by `XKVProfile.save`, e.g. by `kvpress profile xkv`): per-layer
+  kept fractions f_l measured offline; with no budget each layer keeps m_l = round(f_l P), with
+  `ratio`/`tokens` the total L (B - w) is shared in proportion to f_l (capped at P per layer, exact
+  integer total). So with no budget the profile also fixes the memory: a prompt of n entries keeps
+  about w + (sum_l f_l / L) P entries per (layer, KV head) on average (each m_l is rounded); with
+  a budget only the proportions f_l / sum_l f_l matter.
+
+Profiling (`profile_xkv`, the command `kvpress profile xkv`): sampled prompts run once each in the
+`target_ratio` mode; f_l is the mean over those requests of m_l / P (requests with P = 0 skipped),
+so each f_l lies in [0, 1] and sum_l f_l / L is the mean share of the ranked prefix they kept.
 
 Defaults: ows = 8 (`window`) and average pooling of size 7 (`kernel_size`, `pooling`), the
 paper's settings; `gqa_reduction` mean (the project's SnapKV-family default).
@@ -45,8 +52,10 @@ Divergences:
 - The paper profiles the allocation offline (a mini, sampled inference on a light model variant)
   and compresses layer by layer during prefill. Here the allocation is computed per request from
   the request's own window attention once prefill completes (the engine's `plan` hook), which is
-  the same Algorithm 1 on exact rather than sampled scores. Saved profiles (`profile`) are applied
-  at the same point: layer-by-layer compression during prefill needs engine support.
+  the same Algorithm 1 on exact rather than sampled scores. The offline mode exists too: `kvpress
+  profile xkv` runs sampled prompts of the synthetic suite (training seeds) through the full model,
+  not a lighter variant, and saves the mean allocation. Saved profiles (`profile`) are applied at
+  the same point: layer-by-layer compression during prefill needs engine support.
 - GQA: per-head selection under the shared per-layer count (the paper does not treat heads).
 - The pooled vector is normalised by its own sum (pooling changes the mass slightly).
 """
@@ -380,7 +389,7 @@ def profile_xkv(
 ) -> XKVProfile:
     """Run `prompts` (token ids) once each with XKV's R_avg mode and return the mean per-layer fractions.
 
-    What a `kvpress profile xkv` command would call; save the result with `XKVProfile.save`.
+    `kvpress profile xkv` calls this on sampled suite prompts; save the result with `XKVProfile.save`.
     """
     from vllm_kvpress_ext.engine import LLMEngine, SamplingParams  # the engine imports policies
 

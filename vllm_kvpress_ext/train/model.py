@@ -78,6 +78,7 @@ class TrainConfig:
     checkpoint_every: int = 500
     seed: int = 0
     threads: int = 0  # 0: torch's default
+    init_from: str | None = None  # checkpoint.pt whose weights start this run (optimizer and schedule fresh)
 
     def context_at(self, step: int) -> int:
         """The curriculum: context length used at `step`."""
@@ -272,6 +273,14 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> P
     )
     rng = random.Random(config.seed)
     step = 0
+    if config.init_from is not None and not (resume and checkpoint_path.exists()):
+        source = torch.load(config.init_from, weights_only=False)
+        try:
+            model.load_state_dict(source["model"])
+        except RuntimeError as err:
+            raise ValueError(
+                f"--init-from {config.init_from}: the checkpoint's model has another shape ({err})"
+            ) from err
     if resume and checkpoint_path.exists():
         state = torch.load(checkpoint_path, weights_only=False)
         saved = {
