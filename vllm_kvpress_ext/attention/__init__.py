@@ -1,22 +1,29 @@
 """Attention ops over the ragged per-head paged cache.
 
-`reference` holds the pure-torch oracles; accelerated kernels dispatch from here on CUDA tensors.
+`reference` holds the pure-torch oracles; `ops` dispatches each public op to a Triton kernel when its
+tensors are on CUDA (see `ops.py` for the rule) and to the reference everywhere else.
 """
 
-from vllm_kvpress_ext.attention.reference import (
+from vllm_kvpress_ext.attention.ops import (
     causal_attention,
+    copy_slots,
     gather_paged,
     paged_decode_attention,
     paged_prefill_attention,
     varlen_causal_attention,
     vertical_slash_attention,
+    window_scores,
+    write_kv,
 )
 
 __all__ = [
     "causal_attention",
+    "copy_slots",
     "gather_paged",
     "paged_decode_attention",
     "paged_prefill_attention",
     "varlen_causal_attention",
     "vertical_slash_attention",
+    "window_scores",
+    "write_kv",
 ]

@@ -1,0 +1,212 @@
+"""Public attention and cache-data ops: one entry point each, dispatched to a kernel or the reference.
+
+Dispatch rule (checked on every call, so tests and operators can flip it at run time):
+
+- Triton kernel (`vllm_kvpress_ext.kernels`) when every tensor argument is on CUDA, `triton` is
+  importable, `KVPRESS_DISABLE_TRITON` is unset (or "0"), and the call is one the kernel serves
+  (`paged_decode_attention` with `probs_out` goes to the reference: the kernel never materialises
+  the probabilities, which is the point of it).
+- For `paged_decode_attention` only, the CUDA extension built from `csrc/` when
+  `KVPRESS_BUILD_CUDA=1` and it supports the shape (head_dim 64 or 128, group <= 16, one dtype);
+  it is JIT-compiled on first use, and a failed build falls back to Triton with one warning.
+- Otherwise the pure-torch reference (`reference.py`): CPU tensors, no Triton, or disabled.
+
+Why the CPU never runs a kernel: Triton only targets GPUs (its interpreter, which the tests use on
+CPU, is orders of magnitude slower than torch), and the references are what the CPU path was
+tuned for. Triton is imported lazily and only here, so the package imports without it.
+
+`gather_paged`, `paged_prefill_attention`, `causal_attention` (SDPA, already fused on GPU) and
+`varlen_causal_attention` have no kernel and always run the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import warnings
+from types import ModuleType
+
+import torch
+
+from vllm_kvpress_ext.attention import reference
+from vllm_kvpress_ext.attention.reference import (
+    causal_attention,
+    gather_paged,
+    paged_prefill_attention,
+    varlen_causal_attention,
+)
+
+DISABLE_TRITON_ENV = "KVPRESS_DISABLE_TRITON"
+BUILD_CUDA_ENV = "KVPRESS_BUILD_CUDA"
+
+__all__ = [
+    "BUILD_CUDA_ENV",
+    "DISABLE_TRITON_ENV",
+    "backend",
+    "causal_attention",
+    "copy_slots",
+    "gather_paged",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "varlen_causal_attention",
+    "vertical_slash_attention",
+    "window_scores",
+    "write_kv",
+]
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a half-installed or stubbed-out package
+        return False
+
+
+@functools.cache
+def _kernel_module(name: str) -> ModuleType | None:
+    """`vllm_kvpress_ext.kernels.<name>`, or None (with one warning) if it fails to import."""
+    try:
+        return importlib.import_module(f"vllm_kvpress_ext.kernels.{name}")
+    except Exception as exc:  # a broken Triton install must not take serving down
+        warnings.warn(f"kernel module {name} unavailable ({exc}); using the fallback", stacklevel=3)
+        return None
+
+
+def _on_cuda(tensors: tuple[torch.Tensor | None, ...]) -> bool:
+    present = [t for t in tensors if t is not None]
+    return bool(present) and all(t.is_cuda for t in present)
+
+
+def triton_enabled(*tensors: torch.Tensor | None) -> bool:
+    """True when a call on these tensors would run a Triton kernel (see the module docstring)."""
+    return not _flag(DISABLE_TRITON_ENV) and _on_cuda(tensors) and _triton_importable()
+
+
+def _triton(name: str, *tensors: torch.Tensor | None) -> ModuleType | None:
+    return _kernel_module(name) if triton_enabled(*tensors) else None
+
+
+def _cuda_decode(query: torch.Tensor, kv_pool: torch.Tensor, num_kv_heads: int) -> ModuleType | None:
+    """The CUDA-extension wrapper when it is requested, present and serves this shape."""
+    if not _flag(BUILD_CUDA_ENV) or not query.is_cuda:
+        return None
+    module = _kernel_module("cuda_decode")
+    if module is None or not module.supports(query, kv_pool, num_kv_heads):
+        return None
+    return module if module.extension_loaded() else None
+
+
+def backend(*tensors: torch.Tensor | None) -> str:
+    """Return "triton" or "reference": what a Triton-served op would run on these tensors (benches, logs).
+
+    The opt-in CUDA decode extension is not reported here: whether it serves a call also depends on
+    the shape and on its build succeeding.
+    """
+    return "triton" if triton_enabled(*tensors) else "reference"
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    position_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    ring_tables: torch.Tensor | None = None,
+    ring_lens: torch.Tensor | None = None,
+    probs_out: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Decode attention over the ragged paged cache; see `reference.paged_decode_attention`."""
+    if probs_out is None:
+        cuda = _cuda_decode(query, kv_pool, block_tables.shape[1])
+        if cuda is not None:
+            out: torch.Tensor = cuda.paged_decode_attention(
+                query, kv_pool, position_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens
+            )
+            return out
+        kernel = _triton("decode_attention", query, kv_pool, block_tables, seq_lens, ring_tables)
+        if kernel is not None:
+            out = kernel.paged_decode_attention(
+                query, kv_pool, position_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens
+            )
+            return out
+    return reference.paged_decode_attention(
+        query, kv_pool, position_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens, probs_out
+    )
+
+
+def vertical_slash_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    admitted: torch.Tensor,
+    window: int,
+    scale: float,
+    query_start: int = 0,
+) -> torch.Tensor:
+    """Prefill attention under the vertical-slash mask; see `reference.vertical_slash_attention`."""
+    kernel = _triton("vertical_slash", query, keys, values)
+    if kernel is not None and query.dtype == keys.dtype == values.dtype:
+        out: torch.Tensor = kernel.vertical_slash_attention(query, keys, values, admitted, window, scale, query_start)
+        return out
+    return reference.vertical_slash_attention(query, keys, values, admitted, window, scale, query_start)
+
+
+def write_kv(
+    kv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position_pool: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> None:
+    """Store K/V (and positions) at flat slots in place; see `reference.write_kv`."""
+    kernel = _triton("kv_write", kv_pool, keys, values, position_pool)
+    if kernel is not None:
+        kernel.write_kv(kv_pool, slots, keys, values, position_pool, positions)
+    else:
+        reference.write_kv(kv_pool, slots, keys, values, position_pool, positions)
+
+
+def copy_slots(
+    kv_pool: torch.Tensor, position_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, disjoint: bool = False
+) -> None:
+    """Copy K, V and positions between flat slots in place; see `reference.copy_slots`.
+
+    `disjoint=True` promises no slot is both a source and a destination (tail-into-hole eviction), which
+    lets the kernel copy in one pass instead of staging; the reference ignores it.
+    """
+    kernel = _triton("compaction", kv_pool, position_pool)
+    if kernel is not None:
+        kernel.copy_slots(kv_pool, position_pool, src, dst, disjoint=disjoint)
+    else:
+        reference.copy_slots(kv_pool, position_pool, src, dst)
+
+
+def window_scores(
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float,
+    window_reduction: str = "sum",
+    group_reduction: str = "mean",
+) -> torch.Tensor:
+    """Observation-window scores `[Hkv, n]` fp32; see `reference.window_scores`."""
+    kernel = _triton("window_scores", queries, keys)
+    if kernel is not None:
+        out: torch.Tensor = kernel.window_scores(
+            queries, query_positions, keys, key_positions, scale, window_reduction, group_reduction
+        )
+        return out
+    return reference.window_scores(
+        queries, query_positions, keys, key_positions, scale, window_reduction, group_reduction
+    )
