@@ -121,8 +121,8 @@ def test_bench_accuracy_takes_presets_such_as_wgkv_gates(
     gate_file = gates.save(tmp_path / "ones.wgkv.safetensors", {"local_window": 16})
     preset = tmp_path / "wgkv-all.yaml"
     preset.write_text(f"name: wgkv\ngates: {gate_file}\n")
-    argv = ["bench", "accuracy", "--model", str(suite_model), "--policies", f"full,{preset}", "--tasks", "niah_multikey"]
-    argv += ["--samples", "3", "--context-len", "200", "--out", str(tmp_path / "out")]
+    argv = ["bench", "accuracy", "--model", str(suite_model), "--policies", f"full,{preset}"]
+    argv += ["--tasks", "niah_multikey", "--samples", "3", "--context-len", "200", "--out", str(tmp_path / "out")]
     assert main(argv) == 0
     rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
     by_policy = {r["policy"]: r for r in rows}
