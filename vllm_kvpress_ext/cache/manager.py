@@ -97,6 +97,9 @@ class PagedKVCache:
         self.device_block_tables = self.block_tables.to(self.device) if self._mirror else self.block_tables
         self.device_seq_lens = self.seq_lens.to(self.device) if self._mirror else self.seq_lens
         self.device_ring_tables = self.ring_tables.to(self.device) if self._mirror else self.ring_tables
+        # High-water mark of pages each row has held since it was added: updated at every allocation
+        # (the only event that can raise it), so it is exact, not sampled.
+        self._peak_pages = torch.zeros(max_requests, dtype=torch.int64)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self._row_of: dict[Hashable, int] = {}
 
@@ -129,6 +132,7 @@ class PagedKVCache:
         ring_pages = self.ring_tables[:, row]
         self.pool.free(torch.cat([pages[pages >= 0], ring_pages[ring_pages >= 0]]).to(torch.int64))
         self._reset_row(row)
+        self._peak_pages[row] = 0
         self.ring_window[row] = 0
         self.ring_count[row] = 0
         del self._row_of[request_id]
@@ -226,6 +230,33 @@ class PagedKVCache:
         )
         return device_slots
 
+    def append_layer_slots(self, layer: int, row: int, positions: torch.Tensor) -> torch.Tensor:
+        """Reserve slots for `n` new tokens in every KV head of one layer of one row; `[H, n]` slots.
+
+        Layer-wise prefill compression allocates a layer's pages only when the forward pass reaches
+        it, after the earlier layers have been compressed, so the full prompt KV of all layers never
+        coexists. Rows with a local ring are refused (their prompt goes through `start_ring`).
+        Raises PoolExhaustedError (cache unchanged) when the pages do not fit.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+        if int(self.ring_window[row]):
+            raise ValueError("requests with a local ring cannot append layer by layer")
+        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        num_tokens = positions.numel()
+        rows = torch.tensor([row], dtype=torch.int64)
+        counts = torch.zeros((self.num_layers, 1, self.num_kv_heads), dtype=torch.int64)
+        counts[layer] = num_tokens
+        starts = self._grow(rows, counts)[layer, 0]  # [H]
+        ps = self.page_size
+        entries = starts.unsqueeze(-1) + torch.arange(num_tokens)  # [H, n]
+        pages = self.block_tables[layer, row].gather(-1, torch.div(entries, ps, rounding_mode="floor"))
+        slots = (pages.to(torch.int64) * ps + entries % ps).to(self.device)
+        self.pool.positions.view(-1)[slots.reshape(-1)] = (
+            positions.expand(self.num_kv_heads, -1).reshape(-1).to(device=self.device, dtype=torch.int32)
+        )
+        return slots
+
     def _clear_flags(self, rows: torch.Tensor, ring_slot: torch.Tensor) -> None:
         layers, heads = self.num_layers, self.num_kv_heads
         self.ring_flags[
@@ -256,7 +287,17 @@ class PagedKVCache:
             h_idx = group % heads
             self._write_table(l_idx, r_idx, h_idx, page_index, pages.to(torch.int32))
         self._write_lens(rows, new_lens)
+        if total:
+            self._note_peak(rows)
         return lens
+
+    def _pages_held(self, rows: torch.Tensor) -> torch.Tensor:
+        """Pages held by each row `[B]`: global pages (partial last pages whole) plus ring pages."""
+        global_pages = _ceil_div(self.seq_lens[:, rows].to(torch.int64), self.page_size).sum(dim=(0, 2))
+        return global_pages + (self.ring_tables[:, rows] >= 0).sum(dim=(0, 2, 3))
+
+    def _note_peak(self, rows: torch.Tensor) -> None:
+        self._peak_pages[rows] = torch.maximum(self._peak_pages[rows], self._pages_held(rows))
 
     def _ensure_table_width(self, width: int) -> None:
         current = self.block_tables.shape[-1]
@@ -278,10 +319,20 @@ class PagedKVCache:
             dev = self.device
             self.device_block_tables[l_idx.to(dev), r_idx.to(dev), h_idx.to(dev), p_idx.to(dev)] = values.to(dev)
 
-    def _write_lens(self, rows: torch.Tensor, lens: torch.Tensor) -> None:
-        self.seq_lens[:, rows] = lens.to(torch.int32)
+    def _write_lens(self, rows: torch.Tensor, lens: torch.Tensor, layers: torch.Tensor | None = None) -> None:
+        """Set `seq_lens` of `rows` to `lens[L', B, H]`, L' = `layers` (default: every layer)."""
+        if layers is None:
+            self.seq_lens[:, rows] = lens.to(torch.int32)
+            if self._mirror:
+                self.device_seq_lens[:, rows.to(self.device)] = lens.to(device=self.device, dtype=torch.int32)
+            return
+        index = (layers.view(-1, 1), rows.view(1, -1))
+        self.seq_lens[index] = lens.to(torch.int32)
         if self._mirror:
-            self.device_seq_lens[:, rows.to(self.device)] = lens.to(device=self.device, dtype=torch.int32)
+            dev = self.device
+            self.device_seq_lens[layers.view(-1, 1).to(dev), rows.view(1, -1).to(dev)] = lens.to(
+                device=dev, dtype=torch.int32
+            )
 
     # ------------------------------------------------------------------ data
 
@@ -331,52 +382,74 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ compaction
 
-    def apply_keep_plan(self, request_id: Hashable, plan: KeepPlan) -> int:
+    def apply_keep_plan(self, request_id: Hashable, plan: KeepPlan, layers: list[int] | None = None) -> int:
         """Keep only the plan's entries of the request's global region; return the pages freed.
 
         Kept entries are packed, in order, into the head's first pages; the pages past the new
         length go back to the pool. No free page is needed, so this works on a full pool.
+        `layers` (distinct, in any order) restricts the plan to those layers, plan row i covering
+        `layers[i]`; the others are untouched. Layer-wise prefill compression uses it to compact a
+        layer as soon as its forward pass is over, and to re-compress earlier layers.
         """
         row = self.row_of(request_id)
-        lens = self.seq_lens[:, row].to(torch.int64)  # [L, H]
+        layer_ids = self._layer_ids(layers)
+        lens = self.seq_lens[layer_ids, row].to(torch.int64)  # [L', H]
         keep = plan.to_mask(lens)  # validates; raises before any change
-        return self._compact(torch.tensor([row]), keep.unsqueeze(1))
+        return self._compact(torch.tensor([row]), keep.unsqueeze(1), None if layers is None else layer_ids)
 
-    def _compact(self, rows: torch.Tensor, keep: torch.Tensor) -> int:
-        """Order-preserving compaction of `keep[L, B, H, n]` (n >= every current length)."""
-        lens = self.seq_lens[:, rows].to(torch.int64)
+    def _layer_ids(self, layers: list[int] | None) -> torch.Tensor:
+        if layers is None:
+            return torch.arange(self.num_layers)
+        ids = torch.as_tensor(layers, dtype=torch.int64).reshape(-1)
+        if ids.numel() == 0 or bool(((ids < 0) | (ids >= self.num_layers)).any()):
+            raise InvalidPlanError(f"layers must be a non-empty list in [0, {self.num_layers}), got {layers}")
+        if torch.unique(ids).numel() != ids.numel():
+            raise InvalidPlanError(f"layers must be distinct, got {layers}")
+        return ids
+
+    def _compact(self, rows: torch.Tensor, keep: torch.Tensor, layers: torch.Tensor | None = None) -> int:
+        """Order-preserving compaction of `keep[L', B, H, n]` (n >= every current length).
+
+        Dimension 0 of `keep` covers `layers` (default: every layer, in order).
+        """
+        layer_ids = torch.arange(self.num_layers) if layers is None else layers
+        lens = self.seq_lens[layer_ids][:, rows].to(torch.int64)
         new_lens = keep.sum(-1)
         new_index = keep.cumsum(-1) - 1
-        src_entry = keep.nonzero()  # [M, 4]: l, b, h, e
-        l_idx, b_idx, h_idx, e = src_entry.unbind(-1)
-        dst_e = new_index[l_idx, b_idx, h_idx, e]
+        src_entry = keep.nonzero()  # [M, 4]: l (into layer_ids), b, h, e
+        li, b_idx, h_idx, e = src_entry.unbind(-1)
+        dst_e = new_index[li, b_idx, h_idx, e]
         moving = dst_e != e
         if bool(moving.any()):
+            l_idx = layer_ids[li[moving]]
             r_idx = rows[b_idx[moving]]
-            src = self._slot(l_idx[moving], r_idx, h_idx[moving], e[moving])
-            dst = self._slot(l_idx[moving], r_idx, h_idx[moving], dst_e[moving])
+            src = self._slot(l_idx, r_idx, h_idx[moving], e[moving])
+            dst = self._slot(l_idx, r_idx, h_idx[moving], dst_e[moving])
             self._copy_slots(src.to(self.device), dst.to(self.device))
-        return self._truncate(rows, lens, new_lens)
+        return self._truncate(rows, lens, new_lens, layers)
 
     def _slot(self, l_idx: torch.Tensor, r_idx: torch.Tensor, h_idx: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         ps = self.page_size
         page = self.block_tables[l_idx, r_idx, h_idx, torch.div(e, ps, rounding_mode="floor")].to(torch.int64)
         return page * ps + e % ps
 
-    def _truncate(self, rows: torch.Tensor, lens: torch.Tensor, new_lens: torch.Tensor) -> int:
-        """Shrink lengths `[L, B, H]` to `new_lens` and free the pages past them."""
+    def _truncate(
+        self, rows: torch.Tensor, lens: torch.Tensor, new_lens: torch.Tensor, layers: torch.Tensor | None = None
+    ) -> int:
+        """Shrink lengths `[L', B, H]` of `layers` (default: all) to `new_lens` and free the pages past them."""
         ps = self.page_size
+        layer_ids = torch.arange(self.num_layers) if layers is None else layers
         have = _ceil_div(lens, ps).reshape(-1)
         keep_pages = _ceil_div(new_lens, ps).reshape(-1)
         group, page_index = _ranges(keep_pages, have - keep_pages)
         _layers, batch, heads = lens.shape
-        l_idx = group // (batch * heads)
+        l_idx = layer_ids[group // (batch * heads)]
         r_idx = rows[(group // heads) % batch]
         h_idx = group % heads
         freed = self.block_tables[l_idx, r_idx, h_idx, page_index].to(torch.int64)
         self.pool.free(freed)
         self._write_table(l_idx, r_idx, h_idx, page_index, torch.full_like(freed, -1, dtype=torch.int32))
-        self._write_lens(rows, new_lens)
+        self._write_lens(rows, new_lens, layers)
         return freed.numel()
 
     def evict(
@@ -523,6 +596,7 @@ class PagedKVCache:
         row_flags[..., e % window] = admitted[..., n - in_ring :].cpu()
         self.ring_window[row] = window
         self.ring_count[row] = n
+        self._note_peak(torch.tensor([row]))
         return int(_ceil_div(lens, ps).sum()) - pages_after_compaction - pages_needed
 
     def ring_lens(self, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
@@ -591,6 +665,10 @@ class PagedKVCache:
             global_tokens=lens,
             ring_tokens=ring_tokens,
         )
+
+    def peak_pages(self, request_id: Hashable) -> int:
+        """Most pages the request has held at once since it was added (exact: updated at every allocation)."""
+        return int(self._peak_pages[self.row_of(request_id)])
 
     def pages_per_head(self, request_id: Hashable) -> torch.Tensor:
         """Pages held per (layer, head) `[L, H]`, ring included."""

@@ -3,11 +3,18 @@
 One context serves one engine step, which is either a prefill step (chunks of one or more
 requests, each attending to its cached prefix and itself) or a decode step (one token for each
 of a batch of requests, attending over their ragged per-head caches).
+
+A prefill segment normally arrives with its slots for every layer already allocated. A segment
+with `layerwise` set (the last chunk of a request whose policy compresses layer by layer) instead
+asks for each layer's slots when the forward pass reaches that layer and hands the layer back for
+compression right after its attention, so the next layer allocates from a pool that already got
+the dropped pages back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,6 +30,18 @@ from vllm_kvpress_ext.policies.base import Admission
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 
 
+class LayerwisePrefill(Protocol):
+    """Per-layer allocation and compression of one segment (implemented by the engine)."""
+
+    def slots(self, layer: int) -> torch.Tensor:
+        """Allocate the segment's slots in `layer` now; `[Hkv, n]` flat slot ids."""
+        ...
+
+    def compress(self, layer: int) -> None:
+        """`layer` is written, attended and captured: compress it (and maybe earlier layers)."""
+        ...
+
+
 @dataclass
 class PrefillSegment:
     """Tokens [start, end) of one request in a prefill step, at [offset, offset + end - start) of the batch."""
@@ -31,10 +50,11 @@ class PrefillSegment:
     start: int
     end: int
     offset: int
-    slots: torch.Tensor  # [L, 1, H, n] from `append_slots`
+    slots: torch.Tensor | None  # [L, 1, H, n] from `append_slots`; None when `layerwise` allocates per layer
     capture: PrefillCapture | None = None
     admission: Admission | None = None
     admitted: list[list[torch.Tensor]] | None = None  # the request's flags so far, per layer [H, n] chunks
+    layerwise: LayerwisePrefill | None = None
 
     @property
     def length(self) -> int:
@@ -61,7 +81,12 @@ class PrefillContext:
         out = torch.empty_like(q)
         for seg in self.segments:
             sl = slice(seg.offset, seg.offset + seg.length)
-            cache.write(seg.slots[layer_idx, 0].transpose(0, 1), k[sl], v[sl])
+            if seg.layerwise is not None:
+                slots = seg.layerwise.slots(layer_idx)
+            else:
+                assert seg.slots is not None
+                slots = seg.slots[layer_idx, 0]
+            cache.write(slots.transpose(0, 1), k[sl], v[sl])
             if seg.admission is not None and self._gated(seg, layer_idx, q[sl], k[sl], v[sl], k_pre_rope[sl], out[sl]):
                 pass
             elif seg.start == 0:
@@ -78,6 +103,8 @@ class PrefillContext:
                 )
             if seg.capture is not None:
                 seg.capture.record(layer_idx, self.positions[sl], hidden[sl], q[sl], k[sl], k_pre_rope[sl])
+            if seg.layerwise is not None:
+                seg.layerwise.compress(layer_idx)
         return out
 
     def _gated(

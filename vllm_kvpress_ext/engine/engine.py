@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vllm_kvpress_ext.cache import PagedKVCache, PagePool
+from vllm_kvpress_ext.cache import KeepPlan, PagedKVCache, PagePool
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
 from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestStatus
 from vllm_kvpress_ext.engine.sampler import sample
@@ -24,7 +24,14 @@ from vllm_kvpress_ext.engine.scheduler import ScheduledChunk, Scheduler
 from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.loader import resolve_dtype
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
-from vllm_kvpress_ext.policies.base import Admission, DecodeLayer, DecodeStep, LayerPrefill, RequestPrefill
+from vllm_kvpress_ext.policies.base import (
+    Admission,
+    DecodeLayer,
+    DecodeStep,
+    LayerKeep,
+    LayerPrefill,
+    RequestPrefill,
+)
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 
 DEFAULT_KV_MEMORY = 1 << 30
@@ -33,6 +40,105 @@ PolicySpec = str | Path | dict[str, Any] | KVPolicy
 
 class RequestRejectedError(ValueError):
     """The request can never run on this engine (too long for the model or for the whole pool)."""
+
+
+class _LayerwiseCompression:
+    """Layer-wise prefill compression of one request, during the forward pass of its last prefill chunk.
+
+    The attention context asks for layer l's slots when the forward pass reaches layer l (earlier
+    chunks already hold the prefix in every layer; this chunk's pages are allocated here, one layer
+    at a time) and calls `compress(l)` right after layer l's attention: the policy scores the layer
+    (`on_layer_prefilled`, with exactly what end-of-prefill compression would see: every prompt
+    entry of the layer and its captures), `plan_layer` returns keep masks, and the cache compacts
+    those layers at once, returning their pages before layer l + 1 allocates. No later layer
+    reads layer l's cache, so hidden states and logits are those of the ordinary path.
+    """
+
+    def __init__(self, engine: LLMEngine, request: Request, start: int, end: int) -> None:
+        assert request.policy is not None and request.row is not None
+        self.engine = engine
+        self.request = request
+        self.policy: KVPolicy = request.policy
+        self.positions = torch.arange(start, end)
+        self.state: dict[str, Any] = {}
+        request.policy_state = self.state
+        self.summary = RequestPrefill(
+            request_id=request.request_id,
+            num_layers=engine.config.num_hidden_layers,
+            num_kv_heads=engine.config.num_key_value_heads,
+            num_q_heads=engine.config.num_attention_heads,
+            length=end,
+        )
+        self.results: list[Any] = []
+        # Per layer, which prompt entries it still holds ([H, n]; None while it holds them all): how the
+        # policy's masks over prompt entries map onto the layer's current (compacted) entries.
+        self.held: list[torch.Tensor | None] = [None] * engine.config.num_hidden_layers
+        self.seconds = 0.0
+
+    def slots(self, layer: int) -> torch.Tensor:
+        """This chunk's slots in `layer`. Cannot exhaust the pool: admission reserved the uncompressed peak."""
+        assert self.request.row is not None
+        return self.engine.cache.append_layer_slots(layer, self.request.row, self.positions)
+
+    def compress(self, layer: int) -> None:
+        start = time.perf_counter()
+        engine, request = self.engine, self.request
+        keys, values, positions, _ = engine.cache.gather_layer(request.request_id, layer)
+        capture = request.capture
+        self.results.append(
+            self.policy.on_layer_prefilled(
+                LayerPrefill(
+                    layer=layer,
+                    num_layers=self.summary.num_layers,
+                    keys=keys,
+                    values=values,
+                    positions=positions[0],
+                    capture=capture.layers[layer] if capture is not None else None,
+                    model=engine.model,
+                    scale=engine.scale,
+                ),
+                self.state,
+            )
+        )
+        keep = self.policy.plan_layer(self.summary, layer, self.results, self.state)
+        if keep is not None:
+            self._apply(keep, layer)
+        self.seconds += time.perf_counter() - start
+
+    def _apply(self, keep: LayerKeep, layer: int) -> None:
+        """Compact the layers of `keep`; its masks are over prompt entries, the cache wants current entries."""
+        if not keep.layers:
+            return
+        heads, n = self.summary.num_kv_heads, self.summary.length
+        masks = keep.masks.cpu()
+        if masks.dtype != torch.bool or masks.shape != (len(keep.layers), heads, n):
+            raise ValueError(
+                f"plan_layer must return bool masks [{len(keep.layers)}, {heads}, {n}], "
+                f"got {masks.dtype} {tuple(masks.shape)}"
+            )
+        if any(not 0 <= m <= layer for m in keep.layers):
+            raise ValueError(f"plan_layer after layer {layer} may only cover layers 0..{layer}, got {keep.layers}")
+        relative = []
+        for m, mask in zip(keep.layers, masks, strict=True):
+            held = self.held[m]
+            if held is None:
+                relative.append(mask)
+            else:
+                if bool((mask & ~held).any()):
+                    raise ValueError(f"plan_layer re-planned layer {m} with entries it had already dropped")
+                # Entry e of the prompt now sits at index (number of held entries before it) of its head.
+                h_idx, e_idx = held.nonzero(as_tuple=True)
+                current = torch.zeros(heads, n, dtype=torch.bool)
+                current[h_idx, (held.cumsum(-1) - 1)[h_idx, e_idx]] = mask[h_idx, e_idx]
+                relative.append(current)
+            self.held[m] = mask
+        plan = KeepPlan.from_mask(torch.stack(relative))
+        self.engine.cache.apply_keep_plan(self.request.request_id, plan, layers=list(keep.layers))
+
+    def finish(self) -> None:
+        """Prefill is over and every layer compressed: drop the captures, account the time."""
+        self.request.capture = None
+        self.request.kv.compression_seconds += self.seconds
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
@@ -200,17 +306,30 @@ class LLMEngine:
         segments: list[PrefillSegment] = []
         token_ids: list[int] = []
         positions: list[int] = []
+        layerwise: dict[str, _LayerwiseCompression] = {}
         for chunk in chunks:
             req = chunk.request
             assert req.row is not None
-            pos = torch.arange(chunk.start, chunk.end)
-            slots = self.cache.append_slots([req.row], pos.view(1, -1))
             capture = self._capture_for(req)
+            compression = None
+            if self._compresses_layerwise(req, chunk):
+                compression = layerwise[req.request_id] = _LayerwiseCompression(self, req, chunk.start, chunk.end)
+                slots = None  # allocated layer by layer inside the forward pass
+            else:
+                slots = self.cache.append_slots([req.row], torch.arange(chunk.start, chunk.end).view(1, -1))
             if req.admission is not None and chunk.start == 0:
                 req.admitted = [[] for _ in range(self.config.num_hidden_layers)]
             segments.append(
                 PrefillSegment(
-                    req.row, chunk.start, chunk.end, len(token_ids), slots, capture, req.admission, req.admitted
+                    req.row,
+                    chunk.start,
+                    chunk.end,
+                    len(token_ids),
+                    slots,
+                    capture,
+                    req.admission,
+                    req.admitted,
+                    compression,
                 )
             )
             token_ids += req.all_token_ids[chunk.start : chunk.end]
@@ -223,7 +342,7 @@ class LLMEngine:
         for chunk in chunks:
             chunk.request.num_processed = chunk.end
             if chunk.end == chunk.request.prefill_target:
-                self._on_prefill_complete(chunk.request)
+                self._on_prefill_complete(chunk.request, layerwise.get(chunk.request.request_id))
         if sampling:
             last = torch.tensor([s.offset + s.length - 1 for _, s in sampling], device=self.device)
             logits = self.model.compute_logits(hidden[last])
@@ -268,11 +387,33 @@ class LLMEngine:
             request.capture = PrefillCapture(spec, self.config.num_hidden_layers)
         return request.capture
 
-    def _on_prefill_complete(self, request: Request) -> None:
-        """Prefill reached `prefill_target`: the policy scores every layer, plans, and the cache compacts."""
+    @staticmethod
+    def _compresses_layerwise(request: Request, chunk: ScheduledChunk) -> bool:
+        """Layer-wise compression runs on the chunk that completes the prefill, if the policy opts in.
+
+        Earlier chunks write every layer as usual (the policy must see the whole prompt of a layer),
+        so the prefill peak falls from the whole prompt in every layer to the earlier chunks' prefix
+        in every layer plus, for this chunk, one layer whole and the others compressed. Requests with
+        a write gate (WG-KV) keep the end-of-prefill path: their prompt goes through `start_ring`.
+        """
+        policy = request.policy
+        return bool(
+            policy is not None
+            and policy.compresses_layerwise
+            and request.admission is None
+            and chunk.end == request.prefill_target
+        )
+
+    def _on_prefill_complete(self, request: Request, layerwise: _LayerwiseCompression | None = None) -> None:
+        """Prefill reached `prefill_target`: the policy scores every layer, plans, and the cache compacts.
+
+        With `layerwise`, every layer was already compressed during the forward pass.
+        """
         request.status = RequestStatus.RUNNING
         policy = request.policy
-        if policy is not None:
+        if layerwise is not None:
+            layerwise.finish()
+        elif policy is not None:
             self._update_kv_stats(request)  # the uncompressed peak
             start = time.perf_counter()
             state: dict[str, Any] = {}
@@ -347,7 +488,10 @@ class LLMEngine:
         kv.tokens_kept = usage.tokens
         kv.tokens_full = self.config.num_hidden_layers * self.config.num_key_value_heads * request.num_processed
         kv.kv_bytes = usage.bytes
-        kv.kv_bytes_peak = max(kv.kv_bytes_peak, usage.bytes)
+        # The cache's high-water mark is exact (updated at every allocation, layer-wise prefill included);
+        # the max keeps the peak of an earlier life of a preempted request.
+        peak = self.cache.peak_pages(request.request_id) * self.cache.pool.bytes_per_page
+        kv.kv_bytes_peak = max(kv.kv_bytes_peak, usage.bytes, peak)
         per_head = usage.global_tokens + usage.ring_tokens
         kv.kept_per_head = per_head.tolist()
         kv.kept_per_layer = (per_head.sum(-1) // per_head.shape[-1]).tolist()

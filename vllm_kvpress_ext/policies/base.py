@@ -15,6 +15,14 @@ Hooks, in the order the engine calls them:
 4. `on_decode_step(step, state) -> DecodeEviction | None` - after every decode step: entries to
    evict (or nothing). The engine applies it by moving tail entries into the holes.
 
+Layer-wise prefill compression (opt-in, `compresses_layerwise`): instead of 2-3 at the end of
+prefill, the engine calls `on_layer_prefilled` and then `plan_layer` for layer l inside the forward
+pass of the last prefill chunk, right after layer l's attention and before layer l + 1 allocates
+its pages, and applies the returned `LayerKeep` at once. Only a policy whose keep decision for layer
+l needs nothing from later layers can opt in (XKV with a saved profile; LAVa's cascading form,
+which may also shrink earlier layers). The prefill peak is then about one layer's full prompt KV
+plus the compressed earlier layers, instead of every layer's full KV.
+
 Budget semantics (`Budget`):
 
 - `ratio` r in (0, 1]: each (layer, KV head) keeps on average round(r * n) of the n prompt
@@ -84,6 +92,21 @@ class RequestPrefill:
     num_kv_heads: int
     num_q_heads: int
     length: int  # prompt entries per (layer, head) at compression time
+
+
+@dataclass
+class LayerKeep:
+    """What layer-wise prefill compression keeps after one layer: a keep mask for some layers.
+
+    `masks[i]` (bool `[Hkv, n]`) covers layer `layers[i]` over its prompt entries as they stood when
+    that layer finished prefill (entry e = the e-th prompt entry; before any compression, in
+    position order), so a policy never has to track where earlier compactions moved things. A layer
+    compressed before may only shrink (dropped entries are gone): its new mask must be a subset of
+    what it kept, which the engine checks.
+    """
+
+    layers: list[int]
+    masks: torch.Tensor
 
 
 @dataclass
@@ -192,6 +215,25 @@ class KVPolicy:
         return None
 
     @property
+    def compresses_layerwise(self) -> bool:
+        """True when `plan_layer` can decide layer l right after its prefill, without later layers.
+
+        The engine then compresses each layer during the last prefill chunk's forward pass (and
+        never calls `plan` for that request). Default False: compression waits for every layer.
+        """
+        return False
+
+    def plan_layer(
+        self, request: RequestPrefill, layer: int, layer_results: list[Any], state: dict[str, Any]
+    ) -> LayerKeep | None:
+        """Keep masks once layer `layer` finished prefill (`layer_results[m]` from `on_layer_prefilled`, m <= layer).
+
+        Returns masks for `layer` and, if the policy re-plans them, earlier layers; None keeps them all.
+        Called for layers 0..L-1 in order, only when `compresses_layerwise` is True.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not compress layer by layer")
+
+    @property
     def wants_decode_steps(self) -> bool:
         return False
 
@@ -290,6 +332,7 @@ __all__ = [
     "DecodeLayer",
     "DecodeStep",
     "KVPolicy",
+    "LayerKeep",
     "LayerPrefill",
     "PolicyConfigError",
     "RequestPrefill",

@@ -31,11 +31,24 @@ share T in proportion to their entropies, T_m(l) = e_m / sum_{m' <= l} e_m' * T 
 earlier layers are re-compressed to these shrinking budgets, so the prefill never holds much more
 than T + L H w + H n entries instead of L H n. `cascade_schedule` gives each step's budgets (rounded
 up at intermediate steps so they never grow back; the last step is exactly the one-shot T_l), and
-`prefill_peak_entries` the peak of both forms. Re-compressing with the same scores keeps nested
-subsets, so the final plan equals the one-shot plan. The engine compresses after the whole prefill,
-so here the cascade is computed (its schedule and peak are recorded in the request state under
-`"lava"`) but the pool's real prefill peak is the one-shot form; bounding it needs an engine hook
-that compresses each layer during the last prefill chunk's forward pass.
+`prefill_peak_entries` the peak of both forms; the schedule and that peak are recorded in the request
+state under `"lava"` in both forms.
+
+`cascading: true` makes the pool follow the cascade: the policy opts in to layer-wise prefill
+compression (`compresses_layerwise`), and during the last prefill chunk's forward pass the engine
+compresses layer l right after its attention and re-compresses layers 0..l-1 whose budget shrank
+(`plan_layer`), before layer l + 1 allocates its pages. The measured prefill peak is then about the
+cascade's, not L H n entries. With `cascading: false` (the default) compression waits for the end of
+prefill and the cascade is only computed.
+
+Kept sets: a cascading form may keep different entries than the one-shot form, because entries dropped
+at an early step cannot come back; it keeps the same ones only if every re-plan of a layer is a subset
+of its previous one. Here that holds, so the final kept sets equal the one-shot plan's: each layer is
+scored once, on its full prompt KV before anything of it is dropped (later steps reuse those scores),
+the flattened top-k of the same scores with a smaller count is a prefix of the same ranking, and the
+budgets never grow (intermediate steps round up, the last is the one-shot allocation). A variant that
+re-scored compressed layers, or rounded intermediate budgets down, would end with other (smaller) sets;
+the engine refuses any re-plan that is not a subset rather than silently keep less.
 
 Defaults, from the reference's LongBench configs (`c*_w32_k7_maxpool.json` with `--gqa_support`):
 window 32, kernel 7, max pooling, GQA max. Budget default: ratio 0.25, the project-wide default of the
@@ -68,6 +81,7 @@ import torch
 
 from vllm_kvpress_ext.cache import KeepPlan
 from vllm_kvpress_ext.policies.base import (
+    LayerKeep,
     LayerPrefill,
     RequestPrefill,
     pool_scores,
@@ -199,6 +213,7 @@ class LavaPolicy(ObservationWindowScores):
     kernel_size: int = 7
     pooling: str = "maxpool"
     gqa_reduction: str = "max"
+    cascading: bool = False
 
     def lava_scores(self, layer: LayerPrefill, prefix: int) -> torch.Tensor:
         """s[h, i] of the `prefix` ranked entries, `[H, prefix]` (see the module docstring)."""
@@ -242,11 +257,50 @@ class LavaPolicy(ObservationWindowScores):
             record["layer_budgets"] = [heads * min(n, budget)] * num_layers
             return KeepPlan.from_mask(keep.expand(num_layers, heads, n).contiguous())
         selectable = record["cascade"][-1]  # the last cascade step is the one-shot allocation
-        protected = recent_window(n, window).expand(heads, n)
         masks = [
-            flattened_keep(torch.cat([scores, torch.zeros(heads, window)], dim=-1), protected, count)
-            for scores, count in zip(layer_results, selectable, strict=True)
+            self._layer_keep(scores, count, n, window) for scores, count in zip(layer_results, selectable, strict=True)
         ]
-        record["layer_budgets"] = [count + heads * window for count in selectable]
-        record["prefill_peak_entries"] = prefill_peak_entries(record["cascade"], heads, n, window)
+        self._note_final(record, heads, n, window)
         return KeepPlan.from_mask(torch.stack(masks))
+
+    @staticmethod
+    def _layer_keep(scores: torch.Tensor, count: int, length: int, window: int) -> torch.Tensor:
+        """Keep mask `[H, n]` of one layer: the window plus the `count` best ranked entries over all heads."""
+        heads = scores.shape[0]
+        protected = recent_window(length, window).expand(heads, length)
+        return flattened_keep(torch.cat([scores, torch.zeros(heads, window)], dim=-1), protected, count)
+
+    @staticmethod
+    def _note_final(record: dict[str, Any], heads: int, length: int, window: int) -> None:
+        record["layer_budgets"] = [count + heads * window for count in record["cascade"][-1]]
+        record["prefill_peak_entries"] = prefill_peak_entries(record["cascade"], heads, length, window)
+
+    @property
+    def compresses_layerwise(self) -> bool:
+        """The cascading form compresses (and re-compresses) layers during the last prefill chunk."""
+        return self.cascading
+
+    def plan_layer(
+        self, request: RequestPrefill, layer: int, layer_results: list[Any], state: dict[str, Any]
+    ) -> LayerKeep:
+        """Cascade step `layer`: the new layer at its budget, and the earlier layers whose budget shrank.
+
+        Masks are over each layer's prompt entries (see `LayerKeep`) and only ever shrink a layer
+        (see the module docstring), so after the last layer every layer holds its one-shot B_l.
+        """
+        num_layers, heads, n = request.num_layers, request.num_kv_heads, request.length
+        budget, window, ranked = self._shape(n)
+        record = state.setdefault(STATE_KEY, {"entropies": [], "cascade": []})
+        if not ranked:
+            if layer == num_layers - 1:
+                record["layer_budgets"] = [heads * min(n, budget)] * num_layers
+            keep = recent_window(n, n if budget >= n else window)
+            return LayerKeep([layer], keep.expand(1, heads, n).contiguous())
+        cascade = record["cascade"]
+        step = cascade[layer]
+        previous = cascade[layer - 1] if layer else []
+        layers = [m for m in range(layer) if step[m] != previous[m]] + [layer]
+        masks = torch.stack([self._layer_keep(layer_results[m], step[m], n, window) for m in layers])
+        if layer == num_layers - 1:
+            self._note_final(record, heads, n, window)
+        return LayerKeep(layers, masks)

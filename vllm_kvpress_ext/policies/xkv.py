@@ -54,10 +54,19 @@ Divergences:
   the request's own window attention once prefill completes (the engine's `plan` hook), which is
   the same Algorithm 1 on exact rather than sampled scores. The offline mode exists too: `kvpress
   profile xkv` runs sampled prompts of the synthetic suite (training seeds) through the full model,
-  not a lighter variant, and saves the mean allocation. Saved profiles (`profile`) are applied at
-  the same point: layer-by-layer compression during prefill needs engine support.
+  not a lighter variant, and saves the mean allocation. A saved `profile` is applied layer by layer
+  during prefill, as in the paper (below).
 - GQA: per-head selection under the shared per-layer count (the paper does not treat heads).
 - The pooled vector is normalised by its own sum (pooling changes the mass slightly).
+
+Layer-wise prefill compression: with a saved `profile` the per-layer sizes m_l depend only on the
+prompt length, so they are known before the prompt runs and layer l's keep set (its heads' own top
+m_l + window) needs nothing from later layers. The policy then opts in (`compresses_layerwise`):
+the engine compresses each layer right after its prefill, as the paper does, and the prefill peak
+is one layer's full prompt KV plus the compressed earlier layers instead of every layer's full KV.
+The kept entries are exactly those of end-of-prefill compression (same scores, same m_l). Without a
+profile the allocation (Algorithm 1) ranks every layer's scores together, so compression waits for
+the last layer.
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ import yaml
 from vllm_kvpress_ext.cache import KeepPlan
 from vllm_kvpress_ext.policies.base import (
     Budget,
+    LayerKeep,
     LayerPrefill,
     PolicyConfigError,
     RequestPrefill,
@@ -327,12 +337,27 @@ class XKVPolicy(ObservationWindowScores):
     def allocation(self, coverage: list[torch.Tensor], length: int) -> tuple[list[int], int]:
         """(m_l per layer, protected window) for a prompt of `length` entries: Algorithm 1 in the chosen mode."""
         num_layers = len(coverage)
+        fixed = self.score_free_allocation(num_layers, length)
+        if fixed is not None:
+            return fixed
+        window = min(self.window, length)
+        if self.target_ratio is not None:
+            return allocation_for_target(coverage, self.target_ratio), window
+        return greedy_allocation(coverage, num_layers * (self.budget.per_head(length) - window)), window
+
+    def score_free_allocation(self, num_layers: int, length: int) -> tuple[list[int], int] | None:
+        """(m_l, window) when no score enters it, else None (Algorithm 1 must rank every layer's scores).
+
+        Score-free: a prompt within the window, a saved profile, a budget that keeps everything or
+        only a shrunk window. A profile always lands here, which is what makes layer-wise prefill
+        compression possible.
+        """
         window = min(self.window, length)
         prefix = length - window
         if prefix == 0:
             return [0] * num_layers, length
         if self.target_ratio is not None:
-            return allocation_for_target(coverage, self.target_ratio), window
+            return None
         profile = self.load_profile()
         if profile is not None and profile.num_layers != num_layers:
             raise ValueError(f"XKV profile {self.profile} has {profile.num_layers} layers, the model {num_layers}")
@@ -344,25 +369,51 @@ class XKVPolicy(ObservationWindowScores):
         effective = self.effective_window(length, budget)
         if effective < window:  # a ratio budget below the window: the window shrinks to it
             return [0] * num_layers, effective
-        total = num_layers * (budget - window)
         if profile is not None:
-            return allocation_from_fractions(profile.fractions, prefix, total), window
-        return greedy_allocation(coverage, total), window
+            return allocation_from_fractions(profile.fractions, prefix, num_layers * (budget - window)), window
+        return None
+
+    @staticmethod
+    def _layer_mask(result: XKVLayerScores, size: int, window: int, length: int) -> torch.Tensor:
+        """Algorithm 2 for one layer: each KV head keeps the window plus its own top `size` entries, `[Hkv, n]`."""
+        heads = result.scores.shape[0]
+        protected = recent_window(length, window).expand(heads, length)
+        return keep_top(result.scores, torch.full((heads,), size + window), protected)
 
     def plan(self, request: RequestPrefill, layer_results: list[Any], state: dict[str, Any]) -> KeepPlan:
         results: list[XKVLayerScores] = layer_results
         n = request.length
         coverage = [r.coverage for r in results]
         sizes, window = self.allocation(coverage, n)
+        self._note_allocation(state, coverage, sizes, n)
+        return KeepPlan.from_mask(
+            torch.stack([self._layer_mask(r, m, window, n) for r, m in zip(results, sizes, strict=True)])
+        )
+
+    def _note_allocation(
+        self, state: dict[str, Any], coverage: list[torch.Tensor], sizes: list[int], length: int
+    ) -> None:
+        """The request's allocation, capacity P and coverage R_avg, in the request state."""
         state["allocation"] = sizes
-        state["capacity"] = n - min(self.window, n)
+        state["capacity"] = length - min(self.window, length)
         state["r_avg"] = coverage_ratio(coverage, sizes) if state["capacity"] else 1.0
-        masks = []
-        for result, size in zip(results, sizes, strict=True):
-            heads = result.scores.shape[0]
-            protected = recent_window(n, window).expand(heads, n)
-            masks.append(keep_top(result.scores, torch.full((heads,), size + window), protected))
-        return KeepPlan.from_mask(torch.stack(masks))
+
+    @property
+    def compresses_layerwise(self) -> bool:
+        """With a saved profile the sizes depend only on the prompt length: compress each layer after its prefill."""
+        return self.profile is not None
+
+    def plan_layer(
+        self, request: RequestPrefill, layer: int, layer_results: list[Any], state: dict[str, Any]
+    ) -> LayerKeep:
+        """Layer `layer`'s keep mask, the same one `plan` would give it (the profile fixes every m_l up front)."""
+        n = request.length
+        fixed = self.score_free_allocation(request.num_layers, n)
+        assert fixed is not None, "layer-wise XKV needs a profile"
+        sizes, window = fixed
+        if layer == request.num_layers - 1:
+            self._note_allocation(state, [r.coverage for r in layer_results], sizes, n)
+        return LayerKeep([layer], self._layer_mask(layer_results[layer], sizes[layer], window, n).unsqueeze(0))
 
 
 @dataclass

@@ -1,0 +1,148 @@
+"""`kvpress bench prefill-peak`: KV memory held at the prefill peak vs after compression.
+
+End-of-prefill compression holds the whole prompt in every layer before the policy runs, so the
+pool must have room for it even when the request ends up keeping a quarter of it. Layer-wise
+prefill compression (XKV with a saved profile, LAVa's cascading form) compresses each layer right
+after its attention during the forward pass, so the peak is about one layer's full prompt KV plus
+the compressed earlier layers. This bench runs one prompt per row and reports both figures from
+the pool's own accounting:
+
+- prefill peak: the request's high-water mark of pages held (`KVStats.kv_bytes_peak`; exact, the
+  cache updates it at every allocation) with `max_tokens=1`, so no decode step adds to it;
+- after prefill: what the request holds once compression is done;
+- reserved at admission: what the scheduler sets aside for the request (the uncompressed peak,
+  for every policy: admission stays conservative, see docs/architecture.md).
+
+Rows: full (no compression); XKV with its per-request allocation (Algorithm 1 ranks every layer's
+scores together, so it compresses at the end of prefill); XKV with a saved profile, layer-wise;
+LAVa one-shot (end of prefill); LAVa cascading (layer-wise, earlier layers re-compressed to their
+shrinking budgets). XKV and LAVa share one `ratio` budget, so their final memory is comparable;
+the profile row uses the same budget, the profile only sets the per-layer proportions. Without
+`--profile`, a profile is measured first (`profile_xkv`) on prompts other than the bench prompt.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_kvpress_ext.bench.models import model_or_bench_model
+from vllm_kvpress_ext.bench.report import format_table
+from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
+from vllm_kvpress_ext.models import load_config
+from vllm_kvpress_ext.policies.xkv import profile_xkv
+
+PAGE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class PrefillPeakConfig:
+    model: str | None = None
+    context_len: int = 2048
+    ratio: float = 0.25
+    max_batched_tokens: int | None = None  # None: the whole prompt in one prefill chunk
+    profile: str | None = None  # an XKV profile; None: measure one on two other prompts first
+    profile_target: float = 0.9  # R_avg target of that measurement
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+
+def run_prefill_peak_bench(config: PrefillPeakConfig) -> list[dict[str, Any]]:
+    """Print the table and return its rows as dicts (byte figures as ints)."""
+    if config.context_len < 2:
+        raise ValueError(f"context_len must be >= 2, got {config.context_len}")
+    if not 0.0 < config.ratio <= 1.0:
+        raise ValueError(f"ratio must lie in (0, 1], got {config.ratio}")
+    if config.max_batched_tokens is not None and config.max_batched_tokens < 1:
+        raise ValueError(f"max_batched_tokens must be >= 1, got {config.max_batched_tokens}")
+    with model_or_bench_model(config.model, config.seed) as model_dir, tempfile.TemporaryDirectory() as tmp:
+        return _run(config, model_dir, Path(tmp))
+
+
+def _engine_kwargs(config: PrefillPeakConfig, layers: int, kv_heads: int) -> dict[str, Any]:
+    """A pool that holds one uncompressed prompt (plus a page per head), not the engine's 1 GiB default."""
+    return {
+        "dtype": config.dtype,
+        "device": config.device,
+        "num_pages": layers * kv_heads * (-(-(config.context_len + 1) // PAGE_SIZE) + 1),
+        "page_size": PAGE_SIZE,
+        "max_num_seqs": 1,
+        "max_num_batched_tokens": config.max_batched_tokens or config.context_len,
+        "max_model_len": config.context_len + 2,
+    }
+
+
+def _run(config: PrefillPeakConfig, model_dir: Path, tmp: Path) -> list[dict[str, Any]]:
+    model_config = load_config(model_dir)
+    positions = model_config.max_position_embeddings
+    if config.context_len + 2 > positions:
+        raise ValueError(f"context_len {config.context_len} (+2) exceeds the model's {positions} positions")
+    layers, kv_heads = model_config.num_hidden_layers, model_config.num_key_value_heads
+    kwargs = _engine_kwargs(config, layers, kv_heads)
+    g = torch.Generator().manual_seed(config.seed)
+    prompt = torch.randint(0, model_config.vocab_size, (config.context_len,), generator=g).tolist()
+    profile = config.profile
+    profile_note = profile
+    if profile is None:
+        others = [torch.randint(0, model_config.vocab_size, (config.context_len,), generator=g).tolist()]
+        others.append(torch.randint(0, model_config.vocab_size, (config.context_len,), generator=g).tolist())
+        measured = profile_xkv(model_dir, others, target_ratio=config.profile_target, **kwargs)
+        profile = str(measured.save(tmp / "xkv-profile.yaml"))
+        profile_note = f"measured on 2 other prompts (R_avg target {config.profile_target:g})"
+    r = config.ratio
+    rows_spec: list[tuple[str, str, Any]] = [
+        ("full", "none", "full"),
+        ("xkv", "end of prefill (per-request allocation)", {"name": "xkv", "ratio": r}),
+        ("xkv + profile", "layer-wise", {"name": "xkv", "ratio": r, "profile": profile}),
+        ("lava", "end of prefill (one-shot)", {"name": "lava", "ratio": r}),
+        ("lava cascading", "layer-wise (cascade)", {"name": "lava", "ratio": r, "cascading": True}),
+    ]
+    engine = LLMEngine(model_dir, **kwargs)
+    page_bytes = engine.cache.pool.bytes_per_page
+    reserved = engine.cache.pages_for_prompt(config.context_len) * page_bytes
+    print(f"config: {asdict(config)}")
+    print(
+        f"model: {model_dir} ({layers} layers, {kv_heads} KV heads, head_dim {model_config.head_dim}), "
+        f"page {PAGE_SIZE} tokens = {page_bytes} B; XKV profile: {profile_note}"
+    )
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    results: list[dict[str, Any]] = []
+    for label, form, policy in rows_spec:
+        engine.add_request(prompt, params, policy=policy)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += [o for o in engine.step() if o.finished]
+        kv = outputs[0].kv
+        results.append(
+            {
+                "policy": label,
+                "compression": form,
+                "prefill_peak_bytes": kv.kv_bytes_peak,
+                "final_bytes": kv.kv_bytes,
+                "reserved_bytes": reserved,
+            }
+        )
+    full_peak = results[0]["prefill_peak_bytes"]
+    rows = [
+        [
+            r["policy"],
+            r["compression"],
+            _mib(r["prefill_peak_bytes"]),
+            _mib(r["final_bytes"]),
+            f"{r['prefill_peak_bytes'] / full_peak:.3f}",
+            _mib(r["reserved_bytes"]),
+        ]
+        for r in results
+    ]
+    headers = ["policy", "compression", "prefill peak", "after prefill", "peak / full", "reserved at admission"]
+    print(format_table(headers, rows))
+    return results
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.3f} MiB"
