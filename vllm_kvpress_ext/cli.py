@@ -10,6 +10,7 @@ import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from vllm_kvpress_ext import __version__
 
@@ -133,6 +134,133 @@ def _cmd_bench_accuracy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_error(message: str) -> int:
+    print(f"kvpress profile xkv: {message}", file=sys.stderr)
+    return 2
+
+
+def _cmd_profile_xkv(args: argparse.Namespace) -> int:
+    """Sample suite prompts (training seeds), run XKV's R_avg mode on each, save the mean per-layer fractions.
+
+    Arguments are checked before any model is loaded so that a typo costs nothing. Without --model
+    the random-weight suite bench model is profiled (loudly: its fractions describe noise).
+    """
+    import tempfile
+
+    from vllm_kvpress_ext.bench.accuracy import DEFAULT_TASKS, HELD_OUT_SEED
+    from vllm_kvpress_ext.bench.tasks import TASKS
+
+    tasks = DEFAULT_TASKS if args.tasks is None else tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    unknown = [t for t in tasks if t not in TASKS]
+    if not tasks or unknown:
+        return _profile_error(
+            f"unknown task(s) {', '.join(unknown) or repr(args.tasks)}; known: {', '.join(sorted(TASKS))}"
+        )
+    if args.samples < 1:
+        return _profile_error(f"--samples must be >= 1, got {args.samples}")
+    if args.context_len < 1:
+        return _profile_error(f"--context-len must be >= 1, got {args.context_len}")
+    if not 0.0 < args.budget <= 1.0:
+        return _profile_error(f"--budget (the R_avg coverage target) must lie in (0, 1], got {args.budget}")
+    if args.seed < 0 or args.seed + args.samples > HELD_OUT_SEED:
+        return _profile_error(
+            f"seeds {args.seed}..{args.seed + args.samples - 1} are not all training seeds: profiles must not "
+            f"see the held-out evaluation samples (seeds >= {HELD_OUT_SEED})"
+        )
+    if Path(args.out).is_dir():
+        return _profile_error(
+            f"--out {args.out} is a directory; give the profile's file name, e.g. {args.out}/xkv.yaml"
+        )
+    if args.model is not None:
+        return _profile_xkv(args, Path(args.model), tasks, str(args.model))
+    from vllm_kvpress_ext.bench.models import suite_bench_model_dir
+
+    print(
+        "kvpress profile xkv: no --model: profiling the RANDOM-WEIGHT suite bench model (seed 0); its fractions "
+        "describe noise, use them only to try the command (or with `kvpress serve --random-model`).",
+        file=sys.stderr,
+    )
+    with tempfile.TemporaryDirectory(prefix="kvpress-profile-model-") as tmp:
+        return _profile_xkv(args, suite_bench_model_dir(tmp), tasks, "random suite bench model (seed 0)")
+
+
+def _profile_xkv(args: argparse.Namespace, model_dir: Path, tasks: tuple[str, ...], model_label: str) -> int:
+    from vllm_kvpress_ext.bench.report import format_table
+    from vllm_kvpress_ext.bench.tasks import build_prompt, generate
+    from vllm_kvpress_ext.bench.tokenizer import load_tokenizer
+    from vllm_kvpress_ext.models.loader import load_config
+    from vllm_kvpress_ext.policies.xkv import profile_xkv
+
+    try:
+        config = load_config(model_dir)
+    except (ValueError, OSError) as exc:
+        return _profile_error(f"--model: {exc}")
+    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return _profile_error(
+            f"--model: {model_dir} has no tokenizer; profiling samples the synthetic suite and needs its tokenizer"
+        )
+    tokenizer = load_tokenizer(model_dir)
+    prompts: list[list[int]] = []
+    try:
+        for task in tasks:
+            for i in range(args.samples):
+                sample = generate(task, args.seed + i, context_length=args.context_len)
+                spec = build_prompt(sample, tokenizer, args.protocol)
+                # What the policy sees under this protocol: the tokens prefilled before compression.
+                prompts.append(spec.token_ids[: spec.compress_after])
+    except ValueError as exc:
+        return _profile_error(f"cannot build the prompts: {exc}")
+    longest = max(len(p) for p in prompts)
+    if longest >= config.max_position_embeddings:
+        return _profile_error(
+            f"prompts reach {longest} tokens but the model takes {config.max_position_embeddings} positions; "
+            "lower --context-len"
+        )
+    # A pool for the requests run at once, not the engine's 1 GiB default (profiling runs beside other jobs).
+    max_seqs = min(len(prompts), 16)
+    page_size = 16
+    pages = config.num_hidden_layers * config.num_key_value_heads * -(-(longest + 1) // page_size)
+    print(f"profiling XKV on {len(prompts)} prompts ({', '.join(tasks)}) of {model_label}...", file=sys.stderr)
+    try:
+        profile = profile_xkv(
+            model_dir,
+            prompts,
+            target_ratio=args.budget,
+            dtype=args.dtype,
+            device=args.device,
+            num_pages=pages * max_seqs,
+            page_size=page_size,
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=max(2048, longest + 64),
+        )
+    except ValueError as exc:
+        return _profile_error(str(exc))
+    profile.metadata.update(
+        {
+            "model": model_label,
+            "tasks": list(tasks),
+            "samples_per_task": args.samples,
+            "seeds": [args.seed, args.seed + args.samples - 1],
+            "context_len": args.context_len,
+            "protocol": args.protocol,
+            "mean_fraction": sum(profile.fractions) / profile.num_layers,
+        }
+    )
+    path = profile.save(args.out)
+    total = sum(profile.fractions)
+    rows = [
+        [layer, f"{f:.4f}", f"{100 * f / total:.1f}%" if total else "-"] for layer, f in enumerate(profile.fractions)
+    ]
+    print(format_table(["layer", "fraction kept", "share of kept"], rows))
+    print(
+        f"mean fraction {total / profile.num_layers:.4f} over {profile.metadata['requests']} request(s) "
+        f"(R_avg target {args.budget:g}, protocol {args.protocol})"
+    )
+    print(f"wrote {path}")
+    print(f'use it: kv_policy {{"name": "xkv", "profile": "{path.resolve()}"}}, or a preset YAML with those two keys')
+    return 0
+
+
 def _task_weights(text: str) -> dict[str, float]:
     weights: dict[str, float] = {}
     for item in text.split(","):
@@ -147,6 +275,11 @@ def _task_weights(text: str) -> dict[str, float]:
 def _cmd_train_model(args: argparse.Namespace) -> int:
     from vllm_kvpress_ext.train.model import TrainConfig, train
 
+    try:
+        task_params = _task_params_arg(args.task_param)
+    except ValueError as err:
+        print(f"kvpress train-model: {err}", file=sys.stderr)
+        return 2
     config = TrainConfig(
         out=args.out,
         steps=args.steps,
@@ -165,6 +298,8 @@ def _cmd_train_model(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         seed=args.seed,
         threads=args.threads,
+        init_from=args.init_from,
+        task_params=task_params,
         **({"tasks": args.tasks} if args.tasks else {}),
     )
     try:
@@ -173,6 +308,65 @@ def _cmd_train_model(args: argparse.Namespace) -> int:
         print(f"kvpress train-model: {err}", file=sys.stderr)
         return 2
     print(f"model written to {model_dir}")
+    return 0
+
+
+def _task_params_arg(items: list[str] | None) -> dict[str, dict[str, Any]]:
+    """`TASK.PARAM=VALUE` items (values parsed as YAML scalars) -> {task: {param: value}}."""
+    import yaml
+
+    params: dict[str, dict[str, Any]] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        task, dot, key = name.partition(".")
+        if not (sep and dot and task and key):
+            raise ValueError(f"--task-param wants TASK.PARAM=VALUE, got {item!r}")
+        params.setdefault(task, {})[key] = yaml.safe_load(value)
+    return params
+
+
+def _cmd_train_gate(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.bench.report import format_table
+    from vllm_kvpress_ext.models.write_gate import default_gate_path
+    from vllm_kvpress_ext.train.gate import GateTrainConfig, admitted_heatmap, train_gates
+
+    out = args.out if args.out is not None else str(default_gate_path(args.model_dir))
+    config = GateTrainConfig(
+        model_dir=args.model_dir,
+        out=out,
+        lam=args.lam,
+        local_window=args.local_window,
+        tau=args.tau,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        context_len=args.context_len,
+        lr=args.lr,
+        eval_samples=args.eval_samples,
+        seed=args.seed,
+        threads=args.threads,
+        **({"tasks": args.tasks} if args.tasks else {}),
+    )
+    try:
+        path, summary = train_gates(config)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"kvpress train-gate: {err}", file=sys.stderr)
+        return 2
+    fractions = summary["admitted_per_layer_head"]
+    headers = ["layer", *(f"head {h}" for h in range(len(fractions[0]))), "mean"]
+    rows = [
+        [str(layer), *(f"{x:.3f}" for x in row), f"{sum(row) / len(row):.3f}"] for layer, row in enumerate(fractions)
+    ]
+    print(format_table(headers, rows))
+    print(
+        f"gates written to {path}: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
+        f"admitted {summary['admitted_fraction']:.1%} at tau {config.tau} (held-out samples), "
+        f"{summary['train_seconds']:.0f} s, {summary['parameters']} gate parameters"
+    )
+    plot = admitted_heatmap(
+        fractions, Path(path).with_suffix(".png"), f"admitted fraction, lambda {config.lam}, W {config.local_window}"
+    )
+    if plot is not None:
+        print(f"heatmap: {plot}")
     return 0
 
 
@@ -363,6 +557,159 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction[argparse.Argum
     bs.set_defaults(handler=_cmd_bench_serve)
 
 
+def _add_profile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    profile = sub.add_parser(
+        "profile",
+        help="offline profiles for policies that can use one (xkv)",
+        description="Measure a policy's per-model settings offline on sampled prompts and save them as YAML.",
+    )
+    profile_sub = profile.add_subparsers(dest="profile_command", metavar="POLICY")
+    profile.set_defaults(handler=lambda _args: _usage_error(profile))
+
+    xkv = profile_sub.add_parser(
+        "xkv",
+        help="XKV's sampling-based profile: mean per-layer cache fractions, saved as YAML",
+        description="Runs --samples prompts per task of the synthetic suite (training seeds, never the held-out "
+        "evaluation seeds) through the model once each with XKV's R_avg mode (target --budget), averages each "
+        "layer's kept fraction m_l / P (entries kept beyond the window / entries ranked) and saves them, with how "
+        "they were measured, to --out. Each fraction lies in [0, 1]; their mean is the share of the ranked prompt "
+        "the profile keeps when applied with no budget. Apply it with the xkv policy's `profile` field, e.g. "
+        'kv_policy {"name": "xkv", "profile": "PROFILE.yaml"}; with a ratio/tokens budget only the '
+        "proportions between layers are used. Without --model, the random-weight suite bench model is profiled.",
+    )
+    xkv.add_argument(
+        "--model",
+        default=None,
+        help="HF-format model directory with the suite's tokenizer (default: the random-weight suite bench model)",
+    )
+    xkv.add_argument("--out", required=True, metavar="PROFILE.yaml", help="where to write the profile")
+    xkv.add_argument("--samples", type=int, default=8, help="prompts per task (default: 8)")
+    xkv.add_argument(
+        "--tasks",
+        default=None,
+        help="comma-separated task families (default: those `kvpress bench accuracy` runs: the needle, tracking and "
+        "aggregation tasks)",
+    )
+    xkv.add_argument("--context-len", type=int, default=1024, help="context tokens per prompt (default: 1024)")
+    xkv.add_argument(
+        "--budget",
+        type=float,
+        default=0.9,
+        metavar="R",
+        help="R_avg coverage target in (0, 1] each profiled request is sized for (xkv's target_ratio; default: 0.9)",
+    )
+    xkv.add_argument(
+        "--protocol",
+        choices=("served", "strict", "agnostic"),
+        default="strict",
+        help="compression point profiled: prompts are cut where this protocol compresses (default: strict, as "
+        "kvpress bench accuracy)",
+    )
+    xkv.add_argument("--seed", type=int, default=0, help="first training seed; seeds SEED..SEED+samples-1 (default: 0)")
+    xkv.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    xkv.add_argument("--dtype", default="float32", help="model dtype (default: float32)")
+    xkv.set_defaults(handler=_cmd_profile_xkv)
+
+
+def _cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.bench.kernels_bench import (
+        KernelsBenchConfig,
+        KernelsBenchUnavailableError,
+        run_kernels_bench,
+    )
+
+    config = KernelsBenchConfig(
+        requests=args.requests,
+        kept_tokens=args.kept_tokens,
+        full_context=args.full_context,
+        retentions=args.retentions,
+        prefill_lens=args.prefill_lens,
+        admission=args.admission,
+        window=args.window,
+        dtype=args.dtype,
+        repeats=args.repeats,
+        cuda_ext=args.cuda_ext,
+    )
+    try:
+        run_kernels_bench(config)
+    except KernelsBenchUnavailableError as exc:
+        print(f"kvpress bench kernels: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_bench_kernels_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bk = bench_sub.add_parser(
+        "kernels",
+        help="GPU only: decode bandwidth vs device copy, decode and vertical-slash prefill speedups over dense SDPA",
+        description="Needs a CUDA device and triton (exits with status 2 otherwise). Measures the device copy "
+        "bandwidth, the Triton decode kernel's effective bandwidth (kept K/V bytes / time) as a share of it, decode "
+        "speedup over dense SDPA on the unpruned cache at several retentions, and vertical-slash prefill speedup "
+        "over dense causal SDPA. CUDA-event timing, warm-up, medians.",
+    )
+    bk.add_argument("--requests", type=int, default=32, help="decode batch (default: 32)")
+    bk.add_argument("--kept-tokens", type=int, default=8192, help="mean kept tokens per head (default: 8192)")
+    bk.add_argument("--full-context", type=int, default=16384, help="unpruned tokens per head (default: 16384)")
+    bk.add_argument("--retentions", type=_float_list, default=(0.1, 0.25, 0.5), help="default: 0.1,0.25,0.5")
+    bk.add_argument(
+        "--prefill-lens", type=_int_list, default=(32768, 65536, 131072), help="default: 32768,65536,131072"
+    )
+    bk.add_argument("--admission", type=float, default=0.25, help="admitted fraction in prefill (default: 0.25)")
+    bk.add_argument("--window", type=int, default=1024, help="vertical-slash local band (default: 1024)")
+    bk.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"), help="default: float16")
+    bk.add_argument("--repeats", type=int, default=10, help="timed calls per decode point, median (default: 10)")
+    bk.add_argument("--cuda-ext", action="store_true", help="also build and time the CUDA decode kernel in csrc/")
+    bk.set_defaults(handler=_cmd_bench_kernels)
+
+
+def _cmd_bench_prefill_peak(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.bench.prefill_peak import PrefillPeakConfig, run_prefill_peak_bench
+
+    try:
+        run_prefill_peak_bench(
+            PrefillPeakConfig(
+                model=args.model,
+                context_len=args.context_len,
+                ratio=args.ratio,
+                max_batched_tokens=args.max_batched_tokens,
+                profile=args.profile,
+                dtype=args.dtype,
+                device=args.device,
+                seed=args.seed,
+            )
+        )
+    except ValueError as exc:
+        print(f"kvpress bench prefill-peak: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_bench_prefill_peak_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    pp = bench_sub.add_parser(
+        "prefill-peak",
+        help="KV memory at the prefill peak vs after compression: end-of-prefill vs layer-wise compression",
+        description="One prompt per row (full, xkv, xkv with a profile compressed layer by layer, lava one-shot, "
+        "lava cascading), all at one ratio budget: the request's exact high-water mark of KV pages during prefill, "
+        "what it holds after compression, and what admission reserves. Without --model, the random-weight bench "
+        "model is used; without --profile, an XKV profile is measured first on two other prompts.",
+    )
+    pp.add_argument("--model", default=None, help="HF-format model directory (default: random bench model)")
+    pp.add_argument("--context-len", type=int, default=2048, help="prompt tokens (default: 2048)")
+    pp.add_argument("--ratio", type=float, default=0.25, help="mean fraction kept by xkv and lava (default: 0.25)")
+    pp.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="prefill chunk size (default: the whole prompt in one chunk; layer-wise compression only lowers "
+        "the peak of the last chunk)",
+    )
+    pp.add_argument("--profile", default=None, help="XKV profile YAML (default: measure one first)")
+    pp.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    pp.add_argument("--dtype", default="float32", help="model dtype (default: float32)")
+    pp.add_argument("--seed", type=int, default=0, help="default: 0")
+    pp.set_defaults(handler=_cmd_bench_prefill_peak)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpress",
@@ -432,8 +779,48 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="task mixture as name:weight,... (default: associative_recall:2,niah_multikey:2, the other families 1)",
     )
+    tm.add_argument(
+        "--task-param",
+        action="append",
+        default=None,
+        metavar="TASK.PARAM=VALUE",
+        help="a task generator parameter, repeatable, e.g. associative_recall.num_records=8 (see kvpress.bench.tasks)",
+    )
     tm.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    tm.add_argument(
+        "--init-from",
+        default=None,
+        metavar="CHECKPOINT",
+        help="start from the weights of another run's checkpoint.pt (fresh optimizer and schedule), e.g. to go "
+        "on to longer contexts or another task mixture",
+    )
     tm.set_defaults(handler=_cmd_train_model)
+
+    tg = sub.add_parser(
+        "train-gate",
+        help="train WG-KV write gates for a frozen model (self-distillation)",
+        description="Trains one write gate per (layer, KV head) of MODEL_DIR, the model frozen: the loss is the L2 "
+        "distance of the final hidden states under write-gated attention to those under full attention, plus "
+        "lambda * mean(g + g(1 - g)). Gates are saved as safetensors beside the model directory (default "
+        "MODEL_DIR.wgkv.safetensors, which policy wgkv loads by default); the admitted fraction per layer and head "
+        "on held-out samples is printed and drawn as a heatmap.",
+    )
+    tg.add_argument("model_dir", metavar="MODEL_DIR", help="HF-format model directory")
+    tg.add_argument("--out", default=None, help="gate file (default: MODEL_DIR.wgkv.safetensors beside the model)")
+    tg.add_argument(
+        "--lambda", dest="lam", type=float, default=0.05, help="sparsity weight: higher admits less (default: 0.05)"
+    )
+    tg.add_argument("--local-window", type=int, default=64, help="W_local, tokens always kept (default: 64)")
+    tg.add_argument("--tau", type=float, default=0.1, help="admission threshold for reporting (default: 0.1)")
+    tg.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
+    tg.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
+    tg.add_argument("--context-len", type=int, default=512, help="suite sample length in tokens (default: 512)")
+    tg.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default: 1e-3)")
+    tg.add_argument("--eval-samples", type=int, default=16, help="held-out samples for the admitted fraction")
+    tg.add_argument("--seed", type=int, default=0, help="default: 0")
+    tg.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    tg.add_argument("--tasks", type=_task_weights, default=None, help="task mixture as name:weight,... (default: all)")
+    tg.set_defaults(handler=_cmd_train_gate)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
@@ -490,10 +877,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     acc = bench_sub.add_parser(
         "accuracy",
-        help="accuracy vs KV memory actually held, per policy x budget x task",
+        help="accuracy and prompt coverage vs KV memory actually held, per policy x budget x task",
         description="Runs the synthetic long-context suite through the engine with real compression and reports, "
-        "per policy x budget x task, exact-match accuracy and the KV bytes the pool held (mean, p90) and "
-        "retention: a table on stdout, results.md/.csv/.json and accuracy_vs_memory.png in --out.",
+        "per policy x budget x task, exact-match accuracy, the KV bytes the pool held (mean, p90), retention, and "
+        "coverage: the share of prompt positions still held by at least one (layer, KV head) when a request "
+        "finishes (and per layer by at least one of its heads, averaged over layers: head cov). Output: a table on "
+        "stdout, results.md/.csv/.json and accuracy_vs_memory.png in --out.",
     )
     acc.add_argument("--model", default=None, help="HF-format model directory with the suite's tokenizer (required)")
     acc.add_argument("--policies", default=None, help="comma-separated policies (default: full and the baselines)")
@@ -518,6 +907,9 @@ def build_parser() -> argparse.ArgumentParser:
     acc.set_defaults(handler=_cmd_bench_accuracy)
 
     _add_bench_serve_parser(bench_sub)
+    _add_bench_kernels_parser(bench_sub)
+    _add_bench_prefill_peak_parser(bench_sub)
+    _add_profile_parser(sub)
     return parser
 
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from vllm_kvpress_ext.attention import causal_attention
-from vllm_kvpress_ext.bench.tasks import TASKS, generate, training_example
+from vllm_kvpress_ext.bench.tasks import TASKS, generate, make, training_example
 from vllm_kvpress_ext.bench.tokenizer import EOS, PAD, VOCABULARY, save_tokenizer
 from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
@@ -78,6 +78,8 @@ class TrainConfig:
     checkpoint_every: int = 500
     seed: int = 0
     threads: int = 0  # 0: torch's default
+    # Per-task generator parameters (e.g. {"associative_recall": {"num_records": 8, "num_queries": 4}}).
+    task_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     init_from: str | None = None  # checkpoint.pt whose weights start this run (optimizer and schedule fresh)
 
     def context_at(self, step: int) -> int:
@@ -120,9 +122,11 @@ class TrainConfig:
             raise ValueError("steps and batch_size must be >= 1")
         if not self.tasks or min(self.tasks.values()) < 0 or sum(self.tasks.values()) <= 0:
             raise ValueError("tasks must map task names to non-negative weights, not all zero")
-        unknown = sorted(set(self.tasks) - set(TASKS))
+        unknown = sorted((set(self.tasks) | set(self.task_params)) - set(TASKS))
         if unknown:
             raise ValueError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(sorted(TASKS))}")
+        for task, params in self.task_params.items():
+            make(task, **{"context_length": None if task == "associative_recall" else self.context_len, **params})
 
 
 class BatchedCausalContext:
@@ -147,10 +151,11 @@ class BatchedCausalContext:
         return out.reshape(q.shape)
 
 
-def _task_params(task: str, context_len: int) -> dict[str, Any]:
+def _task_params(config: TrainConfig, task: str, context_len: int) -> dict[str, Any]:
+    base: dict[str, Any] = {"context_length": context_len}
     if task == "associative_recall":
-        return {"context_length": None}  # no filler: dense supervision, every record queried
-    return {"context_length": context_len}
+        base = {"context_length": None}  # no filler: dense supervision, every record queried
+    return {**base, **config.task_params.get(task, {})}
 
 
 def make_batch(
@@ -162,7 +167,7 @@ def make_batch(
     rows = []
     for i in range(config.batch_size):
         task = rng.choices(names, weights)[0]
-        sample = generate(task, seed_base + step * config.batch_size + i, **_task_params(task, context_len))
+        sample = generate(task, seed_base + step * config.batch_size + i, **_task_params(config, task, context_len))
         rows.append(training_example(sample))
     length = max(len(r.token_ids) for r in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
@@ -197,7 +202,11 @@ def evaluate(model: LlamaFamilyForCausalLM, config: TrainConfig, context_len: in
             count = min(config.batch_size, config.eval_samples - start)
             rows = [
                 training_example(
-                    generate(task, HELD_OUT_SEED + task_index * 100_000 + start + i, **_task_params(task, context_len)),
+                    generate(
+                        task,
+                        HELD_OUT_SEED + task_index * 100_000 + start + i,
+                        **_task_params(config, task, context_len),
+                    ),
                     all_turns=False,
                 )
                 for i in range(count)
