@@ -102,9 +102,11 @@ def test_prompt_coverage_reads_the_positions_the_cache_holds() -> None:
     assert prompt_coverage(cache, "b", n) == pytest.approx((5 / n, (4 / n + 5 / n) / 2))
 
 
-def test_bench_accuracy_needs_a_model(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "accuracy"]) == 2
-    assert "--model is required" in capsys.readouterr().err
+def test_bench_accuracy_rejects_a_directory_without_a_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "accuracy", "--model", str(tmp_path)]) == 2
+    assert "not a model directory" in capsys.readouterr().err
 
 
 def test_bench_accuracy_takes_presets_such_as_wgkv_gates(

@@ -44,15 +44,15 @@ def n_tokens(text: str) -> int:
 
 
 def parse_records(context: str) -> list[tuple[str, str]]:
-    """``key K... is V... .`` records as (key, value) strings, in order of appearance."""
+    """``key K... V... .`` records as (key, value) strings, in order of appearance (keys are words, values numbers)."""
     words, out, i = context.split(), [], 0
     while i < len(words):
         if words[i] != "key":
             i += 1
             continue
-        j = words.index("is", i)
-        k = words.index(".", j)
-        out.append((" ".join(words[i + 1 : j]), " ".join(words[j + 1 : k])))
+        k = words.index(".", i)
+        j = next(p for p in range(i + 1, k) if words[p].isdigit())
+        out.append((" ".join(words[i + 1 : j]), " ".join(words[j:k])))
         i = k + 1
     return out
 
@@ -175,7 +175,7 @@ def test_multikey_property(
     seed: int, length: int, records: int, key_length: int, value_length: int, filler: str, depth: float | None
 ) -> None:
     params = {"num_records": records, "key_length": key_length, "value_length": value_length}
-    needed = records * (key_length + value_length + 3) + key_length + 6
+    needed = records * (key_length + value_length + 2) + key_length + 6
     if needed > length:
         with pytest.raises(ValueError, match="too short"):
             generate("niah_multikey", seed, context_length=length, **params)
@@ -238,7 +238,7 @@ def test_samples_do_not_depend_on_the_process() -> None:
 def test_golden_sample_pins_the_generator() -> None:
     """Changing this output changes every dataset and trained checkpoint: do it on purpose only."""
     sample = generate("niah_multikey", 0, context_length=None, num_records=3)
-    assert sample.context == "key snail is 33 . key trout is 65 . key clam is 62 ."
+    assert sample.context == "key snail 33 . key trout 65 . key clam 62 ."
     assert (sample.question, sample.answer) == ("what is key trout ? answer :", "65")
 
 
@@ -296,7 +296,7 @@ def test_build_prompt_evidence_holds_the_answer() -> None:
     sample = generate("niah_multikey", 2, context_length=300, key_length=2, value_length=2)
     spec = build_prompt(sample, protocol="strict")
     [(start, end)] = spec.evidence
-    assert TOK.decode(spec.token_ids[start:end]).endswith(f"is {sample.answer} .")
+    assert TOK.decode(spec.token_ids[start:end]).endswith(f"{sample.metadata['query_key']} {sample.answer} .")
 
 
 def test_build_prompt_matches_hf_chat_template(tmp_path: Any) -> None:

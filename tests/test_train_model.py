@@ -123,3 +123,29 @@ def test_init_from_starts_from_another_runs_weights(tmp_path: Path, capsys: pyte
     changed[changed.index("--hidden-size") + 1] = "64"
     assert main(["train-model", "--out", str(tmp_path / "x"), "--steps", "1", "--init-from", init, *changed]) == 2
     assert "another shape" in capsys.readouterr().err
+
+
+def test_copy_task_supervises_the_repeat_and_task_params_reach_the_generators(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import random
+
+    from vllm_kvpress_ext.train.model import COPY_TASK, copy_example
+
+    example = copy_example(seed=3, length=21)
+    half = (len(example.token_ids) - 1) // 2
+    assert example.token_ids[1 : 1 + half] == example.token_ids[1 + half :]
+    assert example.answer_spans == [(half + 2, len(example.token_ids))]  # the first repeated word is a guess
+    config = TrainConfig(
+        batch_size=4,
+        tasks={COPY_TASK: 1.0, "associative_recall": 1.0},
+        task_params={"associative_recall": {"num_records": 3, "num_queries": 1}, COPY_TASK: {"length": 21}},
+    )
+    config.validate()
+    ids, labels = make_batch(config, 0, 96, 0, 0, random.Random(0))
+    assert ids.shape[0] == 4 and bool((labels != -100).any())
+    args = ["train-model", "--out", str(tmp_path / "r"), "--steps", "1", *TINY]
+    assert main([*args, "--task-param", "associative_recall.num_records=0"]) == 2
+    assert "num_records" in capsys.readouterr().err
+    assert main([*args, "--task-param", "oops"]) == 2
+    assert "TASK.PARAM=VALUE" in capsys.readouterr().err

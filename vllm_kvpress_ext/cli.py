@@ -115,7 +115,15 @@ def _cmd_bench_accuracy(args: argparse.Namespace) -> int:
     from vllm_kvpress_ext.bench.accuracy import AccuracyConfig, run_accuracy_bench
 
     if args.model is None:
-        print("kvpress bench accuracy: --model is required (no bundled model ships yet)", file=sys.stderr)
+        from vllm_kvpress_ext.assets import default_model_dir
+
+        try:
+            args.model = str(default_model_dir())
+        except FileNotFoundError as err:
+            print(f"kvpress bench accuracy: {err}", file=sys.stderr)
+            return 2
+    elif not (Path(args.model) / "config.json").is_file():
+        print(f"kvpress bench accuracy: {args.model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
     if args.quick:
         config = AccuracyConfig.quick(args.model, out_dir=args.out or "runs/accuracy-quick")
@@ -129,8 +137,17 @@ def _cmd_bench_accuracy(args: argparse.Namespace) -> int:
         "samples": args.samples,
         "context_len": args.context_len,
     }
+    try:
+        overrides["task_params"] = _task_params_arg(args.task_param) or None
+    except ValueError as err:
+        print(f"kvpress bench accuracy: {err}", file=sys.stderr)
+        return 2
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
-    run_accuracy_bench(config)
+    try:
+        run_accuracy_bench(config)
+    except ValueError as err:
+        print(f"kvpress bench accuracy: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -341,6 +358,7 @@ def _cmd_train_gate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         context_len=args.context_len,
         lr=args.lr,
+        init_bias=args.init_bias,
         eval_samples=args.eval_samples,
         seed=args.seed,
         threads=args.threads,
@@ -479,7 +497,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=None,
         metavar="MODEL_DIR",
         help="HF-format model directory (config.json, safetensors, tokenizer); default: the bundled model "
-        "vllm_kvpress_ext/assets/default_model, which does not ship yet, so this is required for now",
+        "vllm_kvpress_ext/assets/default_model (docs/model.md)",
     )
     serve.add_argument(
         "--kv-policy",
@@ -816,6 +834,9 @@ def build_parser() -> argparse.ArgumentParser:
     tg.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
     tg.add_argument("--context-len", type=int, default=512, help="suite sample length in tokens (default: 512)")
     tg.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default: 1e-3)")
+    tg.add_argument(
+        "--init-bias", type=float, default=1.0, help="gates' initial output bias: sigmoid(1) = 0.73 open (default: 1)"
+    )
     tg.add_argument("--eval-samples", type=int, default=16, help="held-out samples for the admitted fraction")
     tg.add_argument("--seed", type=int, default=0, help="default: 0")
     tg.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
@@ -884,7 +905,9 @@ def build_parser() -> argparse.ArgumentParser:
         "finishes (and per layer by at least one of its heads, averaged over layers: head cov). Output: a table on "
         "stdout, results.md/.csv/.json and accuracy_vs_memory.png in --out.",
     )
-    acc.add_argument("--model", default=None, help="HF-format model directory with the suite's tokenizer (required)")
+    acc.add_argument(
+        "--model", default=None, help="HF-format model directory with the suite's tokenizer (default: the bundled model)"
+    )
     acc.add_argument("--policies", default=None, help="comma-separated policies (default: full and the baselines)")
     acc.add_argument("--budgets", type=_float_list, default=None, help="ratios (default: 0.5,0.25,0.1,0.05)")
     acc.add_argument(
@@ -899,6 +922,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="where compression happens (default: strict)",
     )
     acc.add_argument("--samples", type=int, default=None, help="held-out samples per task (default: 20)")
+    acc.add_argument(
+        "--task-param",
+        action="append",
+        default=None,
+        metavar="TASK.PARAM=VALUE",
+        help="a task generator parameter, repeatable, e.g. associative_recall.num_records=8",
+    )
     acc.add_argument("--context-len", type=int, default=None, help="context tokens per sample (default: 1024)")
     acc.add_argument("--out", default=None, help="output directory (default: runs/accuracy)")
     acc.add_argument(

@@ -18,8 +18,10 @@ which is said in the shipped gates' metadata (`parameters`, `model_parameters`).
 
 Divergences (documented choices):
 - RMSNorm without a learned scale: the first linear layer can absorb any per-channel scale.
-- The output bias starts at `init_bias` (+3, g ~ 0.95) so training starts near full attention and
-  the sparsity penalty decides what to drop, rather than starting from a random admission pattern.
+- The output bias starts at `init_bias` (`kvpress train-gate --init-bias`, default +1, g ~ 0.73): gates
+  start mostly open, so training starts near full attention and the penalty decides what to drop,
+  but not so saturated (the sigmoid's slope at +3 is a quarter of that at +1) that a short run at
+  the paper's lr 1e-3 cannot close them.
 
 Gates are stored as safetensors *next to* a model directory (never inside it, so the model
 directory stays a plain HF checkpoint), with the shape and training facts in the metadata.

@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import vllm_kvpress_ext
+from vllm_kvpress_ext.assets import DEFAULT_MODEL_DIR
 
-#: Where a bundled model would live. It does not ship yet; `kvpress serve` then needs MODEL_DIR.
-BUNDLED_MODEL_DIR = Path(vllm_kvpress_ext.__file__).resolve().parent / "assets" / "default_model"
+#: The model `kvpress serve` serves when no MODEL_DIR is given (shipped inside the package).
+BUNDLED_MODEL_DIR = DEFAULT_MODEL_DIR
 
 _UNITS = {
     "": 1,
@@ -59,10 +59,10 @@ def resolve_model_dir(model_dir: str | Path | None) -> Path:
     like a working server that answers nonsense.
     """
     if model_dir is None:
-        if BUNDLED_MODEL_DIR.is_dir():
+        if (BUNDLED_MODEL_DIR / "config.json").is_file():
             return BUNDLED_MODEL_DIR
         raise ModelDirError(
-            f"a model directory is required: no bundled model ships yet (looked in {BUNDLED_MODEL_DIR}); "
+            f"the bundled model is missing from this installation (looked in {BUNDLED_MODEL_DIR}); "
             "pass MODEL_DIR, an HF-format directory with config.json, safetensors weights and a tokenizer"
         )
     path = Path(model_dir)

@@ -56,6 +56,7 @@ class GateTrainConfig:
     min_lr_ratio: float = 0.1
     eps: float = 1e-6
     hidden: int | None = None
+    init_bias: float = 1.0  # gates start at sigmoid(1) = 0.73: mostly open, quick to move either way
     tasks: dict[str, float] = field(default_factory=lambda: {name: 1.0 for name in TASKS})
     eval_samples: int = 16
     seed: int = 0
@@ -196,7 +197,7 @@ def train_gates(config: GateTrainConfig, progress: bool = True) -> tuple[Path, d
     model = load_model(config.model_dir, dtype=torch.float32)
     model.requires_grad_(False)
     mc = model.config
-    gates = WriteGates(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.hidden)
+    gates = WriteGates(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.hidden, config.init_bias)
     optimizer = torch.optim.AdamW(gates.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     pad_id = list(VOCABULARY).index(PAD)
     rng = random.Random(config.seed)

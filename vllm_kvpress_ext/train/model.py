@@ -35,7 +35,9 @@ from tqdm import tqdm
 
 from vllm_kvpress_ext.attention import causal_attention
 from vllm_kvpress_ext.bench.tasks import TASKS, generate, make, training_example
-from vllm_kvpress_ext.bench.tokenizer import EOS, PAD, VOCABULARY, save_tokenizer
+from vllm_kvpress_ext.bench.tasks.records import record
+from vllm_kvpress_ext.bench.tasks.training import TrainingExample
+from vllm_kvpress_ext.bench.tokenizer import BOS, EOS, KEY_WORDS, PAD, VALUE_WORDS, VOCABULARY, save_tokenizer
 from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
 
@@ -122,10 +124,12 @@ class TrainConfig:
             raise ValueError("steps and batch_size must be >= 1")
         if not self.tasks or min(self.tasks.values()) < 0 or sum(self.tasks.values()) <= 0:
             raise ValueError("tasks must map task names to non-negative weights, not all zero")
-        unknown = sorted((set(self.tasks) | set(self.task_params)) - set(TASKS))
+        unknown = sorted((set(self.tasks) | set(self.task_params)) - set(TASKS) - set(TRAINING_ONLY_TASKS))
         if unknown:
             raise ValueError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(sorted(TASKS))}")
         for task, params in self.task_params.items():
+            if task in TRAINING_ONLY_TASKS:
+                continue
             make(task, **{"context_length": None if task == "associative_recall" else self.context_len, **params})
 
 
@@ -158,6 +162,56 @@ def _task_params(config: TrainConfig, task: str, context_len: int) -> dict[str, 
     return {**base, **config.task_params.get(task, {})}
 
 
+COPY_TASK = "copy"  # training-only: a random word sequence, then the same sequence again
+REPEAT_TASK = "record_repeat"  # training-only: key/value records, then the same records in another order
+TRAINING_ONLY_TASKS = (COPY_TASK, REPEAT_TASK)
+
+
+def copy_example(seed: int, length: int, chunk: int = 0) -> TrainingExample:
+    """`<bos> w_1 .. w_m` then the same words again, over the suite's key and value words; the repeat supervised.
+
+    With `chunk = 0` the repeat keeps the order (every target after the first can be had by
+    continuing the copy). With `chunk = c` the repeat is the sequence cut into c-word chunks in a
+    shuffled order, and only the words after the first of each chunk are targets: each must be
+    found by matching the word before it, which is how a value is found from its key.
+    """
+    rng = random.Random(seed)
+    words = [*KEY_WORDS, *VALUE_WORDS]
+    m = max(2, (length - 1) // 2)
+    if chunk:
+        m = max(chunk, m - m % chunk)
+    first = [VOCABULARY.index(w) for w in rng.sample(words, min(m, len(words)))]
+    ids = [VOCABULARY.index(BOS), *first]
+    if not chunk:
+        ids += first
+        return TrainingExample(token_ids=ids, answer_spans=[(len(first) + 2, len(ids))])
+    spans = []
+    pieces = [first[i : i + chunk] for i in range(0, len(first), chunk)]
+    for piece in rng.sample(pieces, len(pieces)):
+        ids += piece
+        spans.append((len(ids) - len(piece) + 1, len(ids)))
+    return TrainingExample(token_ids=ids, answer_spans=spans)
+
+
+def record_repeat_example(seed: int, num_records: int, num_keys: int) -> TrainingExample:
+    """`<bos> key k1 v1 . ... key kn vn .`, then the same records shuffled; the repeated values supervised.
+
+    The step between the copy task and the suite's questions: the suite's record format, every
+    repeated record a retrieval target (a question supervises one).
+    """
+    rng = random.Random(seed)
+    keys = rng.sample(KEY_WORDS[:num_keys], num_records)
+    values = rng.sample(VALUE_WORDS, num_records)
+    ids = [VOCABULARY.index(BOS)]
+    for k, v in zip(keys, values, strict=True):
+        ids += [VOCABULARY.index(w) for w in record((k,), (v,))]
+    spans = []
+    for i in rng.sample(range(num_records), num_records):
+        ids += [VOCABULARY.index(w) for w in record((keys[i],), (values[i],))]
+        spans.append((len(ids) - 2, len(ids) - 1))  # the value, just before the closing "."
+    return TrainingExample(token_ids=ids, answer_spans=spans)
+
+
 def make_batch(
     config: TrainConfig, step: int, context_len: int, seed_base: int, pad_id: int, rng: random.Random
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +221,18 @@ def make_batch(
     rows = []
     for i in range(config.batch_size):
         task = rng.choices(names, weights)[0]
-        sample = generate(task, seed_base + step * config.batch_size + i, **_task_params(config, task, context_len))
+        seed = seed_base + step * config.batch_size + i
+        if task == COPY_TASK:
+            params = config.task_params.get(COPY_TASK, {})
+            rows.append(copy_example(seed, int(params.get("length", 128)), int(params.get("chunk", 0))))
+            continue
+        if task == REPEAT_TASK:
+            params = config.task_params.get(REPEAT_TASK, {})
+            rows.append(
+                record_repeat_example(seed, int(params.get("num_records", 8)), int(params.get("num_keys", len(KEY_WORDS))))
+            )
+            continue
+        sample = generate(task, seed, **_task_params(config, task, context_len))
         rows.append(training_example(sample))
     length = max(len(r.token_ids) for r in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
@@ -197,6 +262,8 @@ def evaluate(model: LlamaFamilyForCausalLM, config: TrainConfig, context_len: in
     model.eval()
     results: dict[str, float] = {}
     for task_index, task in enumerate(config.tasks):
+        if task in TRAINING_ONLY_TASKS:
+            continue
         correct = 0
         for start in range(0, config.eval_samples, config.batch_size):
             count = min(config.batch_size, config.eval_samples - start)

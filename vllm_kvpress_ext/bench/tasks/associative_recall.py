@@ -16,7 +16,7 @@ training sequence with the answer spans marked.
 
 Example (3 records)::
 
-    context:  key owl is 17 . key fox is 53 . key cat is 8 .
+    context:  key owl 17 . key fox 53 . key cat 8 .
     turns:    what is key fox ? answer : -> 53 | what is key cat ? answer : -> 8 | what is key owl ? answer : -> 17
 """
 

@@ -5,7 +5,7 @@ enough: a policy must keep the queried record's value, which only the question i
 
 Example (``context_length=None``, 3 records)::
 
-    context:  key owl is 17 . key fox is 53 . key cat is 8 .
+    context:  key owl 17 . key fox 53 . key cat 8 .
     question: what is key fox ? answer :
     answer:   53
 """

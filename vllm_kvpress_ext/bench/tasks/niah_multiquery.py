@@ -5,7 +5,7 @@ per-layer budget allocation more than a single needle does.
 
 Example (``context_length=None``, 3 records, 2 queries)::
 
-    context:  key owl is 17 . key fox is 53 . key cat is 8 .
+    context:  key owl 17 . key fox 53 . key cat 8 .
     question: what are keys cat , owl ? answer :
     answer:   8 , 17
 """

@@ -6,7 +6,7 @@ deterministic order makes exact match well defined).
 
 Example (``context_length=None``, 2 values, 1 distractor)::
 
-    context:  key fox is 53 . key owl is 17 . key fox is 8 .
+    context:  key fox 53 . key owl 17 . key fox 8 .
     question: what are all values of key fox ? answer :
     answer:   53 , 8
 """

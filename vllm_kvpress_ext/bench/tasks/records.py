@@ -1,9 +1,15 @@
 """Key/value records, shared by the needle families and associative recall.
 
-A record reads ``key <key words> is <value words> .`` -- e.g. ``key fox is 53 .`` -- and the question
-about it ``what is key fox ? answer :``. The ``key`` / ``is`` / ``.`` markers delimit the roles, and
-keys (animals) and values (numbers) come from disjoint word sets, so a multi-token key or value is
-still unambiguous to read.
+A record reads ``key <key words> <value words> .`` -- e.g. ``key fox 53 .`` -- and the question
+about it ``what is key fox ? answer :``. The ``key`` / ``.`` markers delimit records, and keys
+(animals) and values (numbers) come from disjoint word sets, so a multi-token key or value is still
+unambiguous to read.
+
+Why the value follows the key directly: a model finds a value by matching the token before it
+against the queried key. With a word in between (the first format was ``key fox 53 .``) that
+match is two tokens back, a circuit a small model trained on this project's CPU did not find in
+thousands of steps; one token back is the classic induction pattern, which it learns in a few
+hundred (measured with `kvpress train-model`, see docs/model.md).
 
 Curriculum knobs: ``num_keys`` and ``num_values`` take the *first* N words of each role set (a fixed
 pool, so a curriculum that grows the pool keeps the words already learned); ``key_length`` and
@@ -96,13 +102,13 @@ def draw_distinct(rng: random.Random, pool: tuple[str, ...], length: int, n: int
 
 
 def record(key: Words, value: Words) -> list[str]:
-    """``key <key> is <value> .``"""
-    return ["key", *key, "is", *value, "."]
+    """``key <key> <value> .``"""
+    return ["key", *key, *value, "."]
 
 
 def record_length(key_length: int, value_length: int) -> int:
     """Tokens in one record."""
-    return key_length + value_length + 3
+    return key_length + value_length + 2
 
 
 def key_question(key: Words) -> list[str]:
