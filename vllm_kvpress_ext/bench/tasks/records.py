@@ -6,10 +6,10 @@ about it ``what is key fox ? answer :``. The ``key`` / ``.`` markers delimit rec
 unambiguous to read.
 
 Why the value follows the key directly: a model finds a value by matching the token before it
-against the queried key. With a word in between (the first format was ``key fox 53 .``) that
-match is two tokens back, a circuit a small model trained on this project's CPU did not find in
-thousands of steps; one token back is the classic induction pattern, which it learns in a few
-hundred (measured with `kvpress train-model`, see docs/model.md).
+against the queried key. With a word in between (the first format was ``key fox is 53 .``) the
+match is two tokens back; with the value right after the key it is the one-token-back pattern of
+induction heads, the simplest retrieval circuit a small model can form (docs/model.md records
+what training found).
 
 Curriculum knobs: ``num_keys`` and ``num_values`` take the *first* N words of each role set (a fixed
 pool, so a curriculum that grows the pool keeps the words already learned); ``key_length`` and
