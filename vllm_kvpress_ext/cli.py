@@ -906,7 +906,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stdout, results.md/.csv/.json and accuracy_vs_memory.png in --out.",
     )
     acc.add_argument(
-        "--model", default=None, help="HF-format model directory with the suite's tokenizer (default: the bundled model)"
+        "--model", default=None, help="HF-format model directory with the suite's tokenizer (default: bundled model)"
     )
     acc.add_argument("--policies", default=None, help="comma-separated policies (default: full and the baselines)")
     acc.add_argument("--budgets", type=_float_list, default=None, help="ratios (default: 0.5,0.25,0.1,0.05)")

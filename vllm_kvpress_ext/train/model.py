@@ -228,9 +228,8 @@ def make_batch(
             continue
         if task == REPEAT_TASK:
             params = config.task_params.get(REPEAT_TASK, {})
-            rows.append(
-                record_repeat_example(seed, int(params.get("num_records", 8)), int(params.get("num_keys", len(KEY_WORDS))))
-            )
+            records, keys = int(params.get("num_records", 8)), int(params.get("num_keys", len(KEY_WORDS)))
+            rows.append(record_repeat_example(seed, records, keys))
             continue
         sample = generate(task, seed, **_task_params(config, task, context_len))
         rows.append(training_example(sample))
