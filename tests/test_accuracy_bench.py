@@ -102,9 +102,7 @@ def test_prompt_coverage_reads_the_positions_the_cache_holds() -> None:
     assert prompt_coverage(cache, "b", n) == pytest.approx((5 / n, (4 / n + 5 / n) / 2))
 
 
-def test_bench_accuracy_rejects_a_directory_without_a_model(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bench_accuracy_rejects_a_directory_without_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "accuracy", "--model", str(tmp_path)]) == 2
     assert "not a model directory" in capsys.readouterr().err
 
