@@ -265,6 +265,13 @@ def test_composition_holds_the_cap_and_counts_triggers(tmp_path: Path, model_dir
     assert final is not None and final.finished
     # Prefill cut once per layer; then every layer went over the cap again within 60 promotions.
     assert final.kv.counters["eviction_triggers"] > engine.config.num_hidden_layers
+    # A prompt the ring holds whole leaves an empty global region: nothing to score, nothing to cut.
+    short = engine.add_request([11, 12, 13], SamplingParams(max_tokens=40, temperature=0.0), policy=policy)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            final = output
+    assert final.request_id == short and final.finished and final.kv.counters["eviction_triggers"] >= 1
+    assert engine.cache.pool.num_used == 0
 
 
 # ---------------------------------------------------------------------- training

@@ -156,6 +156,9 @@ class WGKVPolicy(KVPolicy):
         )
         positions = positions.to(layer.keys.device)
         heads = layer.num_kv_heads
+        if positions.shape[-1] == 0:  # the ring holds the whole prompt, or nothing older was admitted
+            empty = torch.zeros(heads, 0)
+            return {"scores": empty, "positions": empty.to(torch.int64)}
         group = capture.queries.shape[1] // heads
         keys = layer.keys.float().repeat_interleave(group, dim=0)  # [Hq, N, d]
         logits = torch.einsum("whd,hnd->hwn", capture.queries.float().to(keys.device), keys) * layer.scale
