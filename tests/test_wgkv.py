@@ -274,6 +274,22 @@ def test_composition_holds_the_cap_and_counts_triggers(tmp_path: Path, model_dir
     assert engine.cache.pool.num_used == 0
 
 
+def test_composition_with_layers_that_admit_differently(model_dir: Path) -> None:
+    cap, window = 12, 16
+    policy = RecordingWGKV(recorder=RecordingAdmission(window), local_window=window, cap=cap)
+    engine = LLMEngine(model_dir, num_pages=512, page_size=PAGE)
+    engine.add_request(prompts(1, 90, seed=5)[0], SamplingParams(max_tokens=30, temperature=0.0), policy=policy)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                assert output.kv.counters["eviction_triggers"] >= 1
+        for request_id in engine.requests:
+            if engine.requests[request_id].policy_state:
+                usage = engine.cache.usage(request_id)
+                assert bool((usage.global_tokens.float().mean(-1) <= cap).all())
+    assert engine.cache.pool.num_used == 0
+
+
 # ---------------------------------------------------------------------- training
 
 

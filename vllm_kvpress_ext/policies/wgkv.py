@@ -175,8 +175,13 @@ class WGKVPolicy(KVPolicy):
     def plan(self, request: RequestPrefill, layer_results: list[Any], state: dict[str, Any]) -> KeepPlan | None:
         if self.cap is None:
             return None
-        positions = torch.stack([r["positions"] for r in layer_results])  # [L, H, N], -1 = padding
-        scores = torch.stack([r["scores"] for r in layer_results])
+        # Layers admitted different numbers of tokens: pad every layer to the widest (-1 = no entry).
+        width = max(r["positions"].shape[-1] for r in layer_results)
+        pad = [(0, width - r["positions"].shape[-1]) for r in layer_results]
+        positions = torch.stack(
+            [torch.nn.functional.pad(r["positions"], p, value=-1) for r, p in zip(layer_results, pad, strict=True)]
+        )  # [L, H, N]
+        scores = torch.stack([torch.nn.functional.pad(r["scores"], p) for r, p in zip(layer_results, pad, strict=True)])
         valid = positions >= 0
         limit = self.cap * request.num_kv_heads
         keep = valid.clone()
