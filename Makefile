@@ -32,11 +32,10 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# No trained model ships yet: until one does, `make serve` serves a random-weight model (text is noise;
-# the API, the compression and the KV figures are real) with the snapkv policy on 127.0.0.1:8000.
-SERVE_ARGS ?= --random-model --kv-policy snapkv
+# `make serve` serves the bundled model (vllm_kvpress_ext/assets/default_model, docs/model.md) with the
+# snapkv policy on 127.0.0.1:8000. Another model: make serve SERVE_ARGS="path/to/model --kv-policy snapkv".
+SERVE_ARGS ?= --kv-policy snapkv
 serve: install
-	@echo "make serve: no trained model ships yet, so this serves a random-weight model: its text is noise."
 	$(KVPRESS) serve $(SERVE_ARGS)
 
 bench: install
