@@ -111,7 +111,9 @@ def test_init_from_starts_from_another_runs_weights(tmp_path: Path, capsys: pyte
     assert main(["train-model", "--out", str(first), "--steps", "2", *TINY]) == 0
     second = tmp_path / "phase2"
     init = str(first / "checkpoint.pt")
-    args = ["train-model", "--out", str(second), "--steps", "1", "--init-from", init, *TINY, "--checkpoint-every", "1"]
+    # Another seed: a fresh initialisation would then be far from phase 1, so a small drift proves the load.
+    args = ["train-model", "--out", str(second), "--steps", "1", "--seed", "7", "--init-from", init, *TINY]
+    args += ["--checkpoint-every", "1"]
     assert main(args) == 0
     start = torch.load(first / "checkpoint.pt", weights_only=False)["model"]
     after = torch.load(second / "checkpoint.pt", weights_only=False)
