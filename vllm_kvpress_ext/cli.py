@@ -308,8 +308,11 @@ def _cmd_train_model(args: argparse.Namespace) -> int:
         num_layers=args.layers,
         num_heads=args.heads,
         num_kv_heads=args.kv_heads,
+        rope_theta=args.rope_theta,
+        init_std=args.init_std,
         lr=args.lr,
         warmup=args.warmup,
+        final_share=args.final_share,
         eval_every=args.eval_every,
         eval_samples=args.eval_samples,
         checkpoint_every=args.checkpoint_every,
@@ -777,15 +780,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--curriculum",
         type=_int_list,
         default=(128, 256, 512),
-        help="context lengths before the final one, equal shares of the first 60%% of steps (default: 128,256,512)",
+        help="context lengths before the final one, equal shares of the steps outside --final-share "
+        "(default: 128,256,512)",
     )
-    tm.add_argument("--hidden-size", type=int, default=256, help="default: 256")
-    tm.add_argument("--intermediate-size", type=int, default=768, help="default: 768")
+    tm.add_argument("--hidden-size", type=int, default=128, help="default: 128")
+    tm.add_argument("--intermediate-size", type=int, default=384, help="default: 384")
     tm.add_argument("--layers", type=int, default=4, help="default: 4")
-    tm.add_argument("--heads", type=int, default=8, help="query heads (default: 8)")
+    tm.add_argument("--heads", type=int, default=4, help="query heads (default: 4)")
     tm.add_argument("--kv-heads", type=int, default=2, help="KV heads (default: 2)")
-    tm.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    tm.add_argument("--rope-theta", type=float, default=500_000.0, help="RoPE base (default: 500000)")
+    tm.add_argument("--init-std", type=float, default=0.02, help="std of the normal weight init (default: 0.02)")
+    tm.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
     tm.add_argument("--warmup", type=int, default=200, help="warm-up steps (default: 200)")
+    tm.add_argument(
+        "--final-share",
+        type=float,
+        default=0.4,
+        help="fraction of steps at --context-len; the curriculum shares the rest (default: 0.4)",
+    )
     tm.add_argument("--eval-every", type=int, default=500, help="default: 500")
     tm.add_argument("--eval-samples", type=int, default=32, help="held-out samples per task (default: 32)")
     tm.add_argument("--checkpoint-every", type=int, default=500, help="default: 500")
@@ -809,7 +821,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--init-from",
         default=None,
         metavar="CHECKPOINT",
-        help="start from the weights of another run's checkpoint.pt (fresh optimizer and schedule), e.g. to go "
+        help="start from the weights and optimizer moments of another run's checkpoint.pt (step and learning-rate "
+        "schedule start afresh), e.g. to go "
         "on to longer contexts or another task mixture",
     )
     tm.set_defaults(handler=_cmd_train_model)

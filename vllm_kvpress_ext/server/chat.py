@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from vllm_kvpress_ext.engine.llm import chat_token_ids
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle
@@ -17,13 +18,12 @@ from vllm_kvpress_ext.server.serving import (
     ServerState,
     check_model,
     check_unsupported,
-    engine_failure,
+    final_response,
     include_usage,
     new_id,
     sampling_params,
     submit,
     usage,
-    wait_final,
 )
 from vllm_kvpress_ext.server.streaming import DONE, AbortingStreamingResponse, TextDeltas, sse
 
@@ -88,19 +88,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return AbortingStreamingResponse(
             _stream(handle, payload, params.stop, include_usage(body)), on_close=handle.abort
         )
-    try:
-        final = await wait_final(handle, request.is_disconnected)
-    except EngineStepError as exc:
-        raise engine_failure(exc) from None
-    if final is None:
-        return Response(status_code=499)  # client closed the connection; nobody reads this
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": final.text},
-        "logprobs": None,
-        "finish_reason": final.finish_reason,
-    }
-    return JSONResponse({**payload("chat.completion", choice), "usage": usage(handle, final)})
+    return await final_response(
+        handle,
+        request,
+        partial(payload, "chat.completion"),
+        lambda final: {
+            "index": 0,
+            "message": {"role": "assistant", "content": final.text},
+            "logprobs": None,
+            "finish_reason": final.finish_reason,
+        },
+    )
 
 
 async def _stream(handle: RequestHandle, payload: Any, stop: tuple[str, ...], with_usage: bool) -> AsyncIterator[str]:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle
 from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
@@ -16,13 +16,12 @@ from vllm_kvpress_ext.server.serving import (
     ServerState,
     check_model,
     check_unsupported,
-    engine_failure,
+    final_response,
     include_usage,
     new_id,
     sampling_params,
     submit,
     usage,
-    wait_final,
 )
 from vllm_kvpress_ext.server.streaming import DONE, AbortingStreamingResponse, TextDeltas, sse
 
@@ -72,15 +71,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         return AbortingStreamingResponse(
             _stream(handle, payload, params.stop, include_usage(body)), on_close=handle.abort
         )
-    try:
-        final = await wait_final(handle, request.is_disconnected)
-    except EngineStepError as exc:
-        raise engine_failure(exc) from None
-    if final is None:
-        return Response(status_code=499)  # client closed the connection; nobody reads this
-    body_out = payload({"index": 0, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason})
-    body_out["usage"] = usage(handle, final)
-    return JSONResponse(body_out)
+    return await final_response(
+        handle,
+        request,
+        payload,
+        lambda final: {"index": 0, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason},
+    )
 
 
 async def _stream(handle: RequestHandle, payload: Any, stop: tuple[str, ...], with_usage: bool) -> AsyncIterator[str]:

@@ -13,6 +13,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
 from vllm_kvpress_ext.engine import LLMEngine, RequestRejectedError, SamplingParams
 from vllm_kvpress_ext.policies import PolicyConfigError
 from vllm_kvpress_ext.server.config import ServerConfig
@@ -156,6 +159,22 @@ async def wait_final(handle: RequestHandle, is_disconnected: Callable[[], Awaita
 
 def engine_failure(exc: EngineStepError) -> APIError:
     return APIError(500, str(exc), type="server_error", code="engine_error")
+
+
+async def final_response(
+    handle: RequestHandle,
+    request: Request,
+    payload: Callable[..., dict[str, Any]],
+    choice: Callable[[Update], dict[str, Any]],
+) -> Response:
+    """The non-streaming answer: wait for the finished update, then one JSON body with its usage."""
+    try:
+        final = await wait_final(handle, request.is_disconnected)
+    except EngineStepError as exc:
+        raise engine_failure(exc) from None
+    if final is None:
+        return Response(status_code=499)  # client closed the connection; nobody reads this
+    return JSONResponse({**payload(choice(final)), "usage": usage(handle, final)})
 
 
 def usage(handle: RequestHandle, update: Update) -> dict[str, Any]:

@@ -37,7 +37,16 @@ from vllm_kvpress_ext.attention import causal_attention
 from vllm_kvpress_ext.bench.tasks import TASKS, generate, make, training_example
 from vllm_kvpress_ext.bench.tasks.records import record
 from vllm_kvpress_ext.bench.tasks.training import TrainingExample
-from vllm_kvpress_ext.bench.tokenizer import BOS, EOS, KEY_WORDS, PAD, VALUE_WORDS, VOCABULARY, save_tokenizer
+from vllm_kvpress_ext.bench.tokenizer import (
+    BOS,
+    EOS,
+    FILLER_WORDS,
+    KEY_WORDS,
+    PAD,
+    VALUE_WORDS,
+    VOCABULARY,
+    save_tokenizer,
+)
 from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
 
@@ -63,14 +72,14 @@ class TrainConfig:
             "aggregation": 1.0,
         }
     )
-    hidden_size: int = 256
-    intermediate_size: int = 768
+    hidden_size: int = 128
+    intermediate_size: int = 384
     num_layers: int = 4
-    num_heads: int = 8
+    num_heads: int = 4  # head_dim 32: enough slowly-rotating RoPE pairs to match keys far apart
     num_kv_heads: int = 2
-    rope_theta: float = 10_000.0
-    init_std: float = 0.08
-    lr: float = 3e-3
+    rope_theta: float = 500_000.0
+    init_std: float = 0.02
+    lr: float = 1e-3
     min_lr_ratio: float = 0.05
     warmup: int = 200
     weight_decay: float = 0.01
@@ -82,7 +91,8 @@ class TrainConfig:
     threads: int = 0  # 0: torch's default
     # Per-task generator parameters (e.g. {"associative_recall": {"num_records": 8, "num_queries": 4}}).
     task_params: dict[str, dict[str, Any]] = field(default_factory=dict)
-    init_from: str | None = None  # checkpoint.pt whose weights start this run (optimizer and schedule fresh)
+    # checkpoint.pt whose weights and Adam moments start this run (step and schedule start afresh)
+    init_from: str | None = None
 
     def context_at(self, step: int) -> int:
         """The curriculum: context length used at `step`."""
@@ -122,6 +132,10 @@ class TrainConfig:
             raise ValueError("hidden_size must be a multiple of num_heads")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
+        if not 0.0 < self.final_share <= 1.0:
+            raise ValueError(f"final_share must be in (0, 1], got {self.final_share}")
+        if self.rope_theta <= 0 or self.init_std <= 0 or self.lr <= 0:
+            raise ValueError("rope_theta, init_std and lr must be > 0")
         if not self.tasks or min(self.tasks.values()) < 0 or sum(self.tasks.values()) <= 0:
             raise ValueError("tasks must map task names to non-negative weights, not all zero")
         unknown = sorted((set(self.tasks) | set(self.task_params)) - set(TASKS) - set(TRAINING_ONLY_TASKS))
@@ -162,35 +176,34 @@ def _task_params(config: TrainConfig, task: str, context_len: int) -> dict[str, 
     return {**base, **config.task_params.get(task, {})}
 
 
-COPY_TASK = "copy"  # training-only: a random word sequence, then the same sequence again
+COPY_TASK = "copy"  # training-only: key/value words, filler, the same words again (induction)
 REPEAT_TASK = "record_repeat"  # training-only: key/value records, then the same records in another order
 TRAINING_ONLY_TASKS = (COPY_TASK, REPEAT_TASK)
 
 
-def copy_example(seed: int, length: int, chunk: int = 0) -> TrainingExample:
-    """`<bos> w_1 .. w_m` then the same words again, over the suite's key and value words; the repeat supervised.
+def copy_example(seed: int, length: int, span: int = 24) -> TrainingExample:
+    """`<bos>`, filler, `span` distinct key/value words, more filler, the same words again; the repeat supervised.
 
-    With `chunk = 0` the repeat keeps the order (every target after the first can be had by
-    continuing the copy). With `chunk = c` the repeat is the sequence cut into c-word chunks in a
-    shuffled order, and only the words after the first of each chunk are targets: each must be
-    found by matching the word before it, which is how a value is found from its key.
+    The pure induction pattern: every repeated word after the first is the word that followed the
+    current one the first time. The filler before and between the two copies has a random length,
+    so the repeat sits at a different distance in every sample and cannot be found by position: the
+    model must match the current word against the context (as a value is found from its key), and
+    that dense signal (span - 1 targets per sample) is what makes the retrieval circuit form within
+    minutes rather than hours (docs/model.md).
     """
     rng = random.Random(seed)
     words = [*KEY_WORDS, *VALUE_WORDS]
-    m = max(2, (length - 1) // 2)
-    if chunk:
-        m = max(chunk, m - m % chunk)
-    first = [VOCABULARY.index(w) for w in rng.sample(words, min(m, len(words)))]
-    ids = [VOCABULARY.index(BOS), *first]
-    if not chunk:
-        ids += first
-        return TrainingExample(token_ids=ids, answer_spans=[(len(first) + 2, len(ids))])
-    spans = []
-    pieces = [first[i : i + chunk] for i in range(0, len(first), chunk)]
-    for piece in rng.sample(pieces, len(pieces)):
-        ids += piece
-        spans.append((len(ids) - len(piece) + 1, len(ids)))
-    return TrainingExample(token_ids=ids, answer_spans=spans)
+    span = max(2, min(span, len(words), (length - 1) // 2))
+    spare = max(0, length - 1 - 2 * span)
+    gap = rng.randint(0, spare)
+    prefix = rng.randint(0, spare - gap)
+    ids = [VOCABULARY.index(BOS), *(VOCABULARY.index(rng.choice(FILLER_WORDS)) for _ in range(prefix))]
+    chosen = [VOCABULARY.index(w) for w in rng.sample(words, span)]
+    ids += chosen
+    ids += [VOCABULARY.index(rng.choice(FILLER_WORDS)) for _ in range(gap)]
+    start = len(ids)
+    ids += chosen
+    return TrainingExample(token_ids=ids, answer_spans=[(start + 1, len(ids))])
 
 
 def record_repeat_example(seed: int, num_records: int, num_keys: int) -> TrainingExample:
@@ -224,7 +237,7 @@ def make_batch(
         seed = seed_base + step * config.batch_size + i
         if task == COPY_TASK:
             params = config.task_params.get(COPY_TASK, {})
-            rows.append(copy_example(seed, int(params.get("length", 128)), int(params.get("chunk", 0))))
+            rows.append(copy_example(seed, int(params.get("length", context_len)), int(params.get("span", 24))))
             continue
         if task == REPEAT_TASK:
             params = config.task_params.get(REPEAT_TASK, {})
@@ -356,6 +369,10 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> P
             raise ValueError(
                 f"--init-from {config.init_from}: the checkpoint's model has another shape ({err})"
             ) from err
+        # Carry the Adam moments over too: with fresh moments the first steps of a new stage are
+        # full-size updates in directions the new data picks, and they undid a learned circuit
+        # (docs/model.md).
+        optimizer.load_state_dict(source["optimizer"])
     if resume and checkpoint_path.exists():
         state = torch.load(checkpoint_path, weights_only=False)
         saved = {
