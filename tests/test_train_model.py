@@ -71,6 +71,18 @@ def test_train_resume_and_export(tmp_path: Path) -> None:
     assert ours == ref
 
 
+def test_stop_after_cuts_a_run_short_on_the_full_schedule(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert main(["train-model", "--out", str(out), "--steps", "4", "--stop-after", "2", *TINY]) == 0
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 2
+    assert log[-1]["step"] == 2 and log[-1]["lr"] == TrainConfig(steps=4, warmup=2).lr_at(1)
+    # The rest of the schedule follows on resume.
+    assert main(["train-model", "--out", str(out), "--steps", "4", "--resume", *TINY]) == 0
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 4
+    assert main(["train-model", "--out", str(tmp_path / "bad"), "--steps", "4", "--stop-after", "0", *TINY]) == 2
+
+
 def test_resume_refuses_a_different_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     assert main(["train-model", "--out", str(out), "--steps", "2", *TINY]) == 0

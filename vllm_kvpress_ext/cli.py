@@ -319,6 +319,7 @@ def _cmd_train_model(args: argparse.Namespace) -> int:
         seed=args.seed,
         threads=args.threads,
         init_from=args.init_from,
+        stop_after=args.stop_after,
         task_params=task_params,
         **({"tasks": args.tasks} if args.tasks else {}),
     )
@@ -774,6 +775,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tm.add_argument("--out", default="runs/model", help="output directory (default: runs/model)")
     tm.add_argument("--steps", type=int, default=20_000, help="optimizer steps (default: 20000)")
+    tm.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="stop after this step, keeping the learning-rate and context schedule of --steps",
+    )
     tm.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: 16)")
     tm.add_argument("--context-len", type=int, default=1024, help="final context length (default: 1024)")
     tm.add_argument(

@@ -93,6 +93,12 @@ class TrainConfig:
     task_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     # checkpoint.pt whose weights and Adam moments start this run (step and schedule start afresh)
     init_from: str | None = None
+    # Stop after this step while keeping the schedule of `steps` (a stage cut short, reproducibly).
+    stop_after: int | None = None
+
+    @property
+    def last_step(self) -> int:
+        return self.steps if self.stop_after is None else min(self.steps, self.stop_after)
 
     def context_at(self, step: int) -> int:
         """The curriculum: context length used at `step`."""
@@ -132,6 +138,8 @@ class TrainConfig:
             raise ValueError("hidden_size must be a multiple of num_heads")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"stop_after must be >= 1, got {self.stop_after}")
         if not 0.0 < self.final_share <= 1.0:
             raise ValueError(f"final_share must be in (0, 1], got {self.final_share}")
         if self.rope_theta <= 0 or self.init_std <= 0 or self.lr <= 0:
@@ -378,7 +386,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> P
         saved = {
             k: v
             for k, v in state["config"].items()
-            if k not in ("out", "steps", "eval_every", "checkpoint_every", "threads")
+            if k not in ("out", "steps", "stop_after", "eval_every", "checkpoint_every", "threads")
         }
         mismatched = [k for k, v in saved.items() if _as_json(getattr(config, k)) != _as_json(v)]
         if mismatched:
@@ -392,9 +400,9 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> P
     pad_id = list(VOCABULARY).index(PAD)
     log = (out / "log.jsonl").open("a")
     model.train()
-    bar = tqdm(total=config.steps, initial=step, disable=not progress, desc="train", unit="step")
+    bar = tqdm(total=config.last_step, initial=step, disable=not progress, desc="train", unit="step")
     window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
-    while step < config.steps:
+    while step < config.last_step:
         context_len = config.context_at(step)
         ids, labels = make_batch(config, step, context_len, config.seed * 10_000_000, pad_id, rng)
         lr = config.lr_at(step)
@@ -411,7 +419,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> P
         window_tokens += ids.numel()
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", ctx=context_len, lr=f"{lr:.1e}")
-        if step % config.eval_every == 0 or step == config.steps:
+        if step % config.eval_every == 0 or step == config.last_step:
             elapsed = time.perf_counter() - window_start
             record: dict[str, Any] = {
                 "step": step,
@@ -431,7 +439,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> P
                 + ", ".join(f"{k} {v:.0%}" for k, v in record["eval"].items())
             )
             window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
-        if step % config.checkpoint_every == 0 or step == config.steps:
+        if step % config.checkpoint_every == 0 or step == config.last_step:
             _save_checkpoint(checkpoint_path, model, optimizer, step, config, rng)
             _export(model, config, out)
     bar.close()
