@@ -9,7 +9,10 @@ prompt tokens are prefilled on top of the compressed cache, then the answer is d
   is immune to compression; this protocol flatters policies on short answers.
 - ``"strict"``: compress before the answer cue ``answer :`` (and the chat ``<|assistant|>`` marker).
   The question itself is seen before compression, so query-aware policies can use it, but every answer
-  token is decoded from the compressed cache.
+  token is decoded from the compressed cache. Caveat: a model can look the answer up while reading the
+  question, and the question's own entries then carry it past compression: with the bundled model a
+  5% recent window keeps full accuracy on needles here, as if it had kept them (docs/model.md).
+  ``"agnostic"`` has no such leak.
 - ``"agnostic"``: compress after the context, before the question: the policy cannot know what will
   be asked (the cache is reused for unknown future queries).
 
