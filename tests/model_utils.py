@@ -152,3 +152,17 @@ def write_suite_model(
     )
     save_model(random_model(config, seed=seed, std=std), config, path)
     return path
+
+
+def hf_greedy(model: PreTrainedModel, prompt: list[int], new_tokens: int) -> list[int]:
+    """Transformers' greedy continuation of one prompt, never stopping at `<eos>`."""
+    with torch.no_grad():
+        out = model.generate(  # type: ignore[operator]  # transformers types generate loosely
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),  # else pad-id tokens get masked
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

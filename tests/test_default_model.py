@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_utils import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from vllm_kvpress_ext.assets import DEFAULT_MODEL_DIR, default_model_dir
@@ -52,14 +53,7 @@ def test_engine_and_transformers_agree_on_greedy_output(engine: LLMEngine) -> No
         sample = generate("associative_recall", HELD_OUT_SEED + seed, num_records=8, num_queries=4, num_keys=16)
         prompt = build_prompt(sample, engine.tokenizer).token_ids
         ours = engine_greedy(engine, prompt, 6)
-        ref = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=6,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        ref = hf_greedy(hf, prompt, 6)
         assert ours == ref
 
 

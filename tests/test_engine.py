@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_utils import tiny_hf_model
+from model_utils import hf_greedy, tiny_hf_model
 from transformers import PreTrainedModel
 
 from vllm_kvpress_ext.engine import LLM, LLMEngine, RequestRejectedError, SamplingParams
@@ -23,19 +23,6 @@ def model_pair(
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return model, path
-
-
-def hf_greedy(model: PreTrainedModel, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),  # else pad-id tokens get masked
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def prompts(count: int, seed: int = 0, low: int = 5, high: int = 60) -> list[list[int]]:
@@ -64,7 +51,7 @@ def test_single_request_matches_transformers(model_pair: tuple[PreTrainedModel, 
     model, path = model_pair
     prompt = prompts(1, seed=1)[0]
     llm = LLM(path, dtype=torch.float32, num_pages=512, page_size=4)
-    assert llm.generate([prompt], GREEDY)[0].output_token_ids == hf_greedy(model, prompt)
+    assert llm.generate([prompt], GREEDY)[0].output_token_ids == hf_greedy(model, prompt, NEW_TOKENS)
     assert llm.engine.cache.pool.num_used == 0
 
 
@@ -75,7 +62,7 @@ def test_staggered_batch_matches_transformers(model_pair: tuple[PreTrainedModel,
     engine = LLMEngine(path, dtype=torch.float32, num_pages=1024, page_size=4, max_num_batched_tokens=chunk)
     outputs = run_staggered(engine, batch)
     for i, prompt in enumerate(batch):
-        assert outputs[str(i)] == hf_greedy(model, prompt), f"request {i} (chunk {chunk})"
+        assert outputs[str(i)] == hf_greedy(model, prompt, NEW_TOKENS), f"request {i} (chunk {chunk})"
     assert engine.cache.pool.num_used == 0
 
 
@@ -94,7 +81,7 @@ def test_preemption_by_recompute_keeps_greedy_output(model_pair: tuple[PreTraine
                 preemptions += out.num_preemptions
     assert preemptions > 0, "the pool should have been too small to run all requests at once"
     for i, prompt in enumerate(batch):
-        assert outputs[str(i)] == hf_greedy(model, prompt)
+        assert outputs[str(i)] == hf_greedy(model, prompt, NEW_TOKENS)
     assert engine.cache.pool.num_used == 0
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_utils import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from vllm_kvpress_ext.cli import main
@@ -60,14 +61,7 @@ def test_train_resume_and_export(tmp_path: Path) -> None:
     prompt = llm.tokenizer.encode("key trout is 65 . what is key trout ? answer :")
     ours = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].output_token_ids
     hf = AutoModelForCausalLM.from_pretrained(model_dir)
-    ref = hf.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=6,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )[0, len(prompt) :].tolist()
+    ref = hf_greedy(hf, prompt, 6)
     assert ours == ref
 
 

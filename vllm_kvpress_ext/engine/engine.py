@@ -82,24 +82,8 @@ class _LayerwiseCompression:
 
     def compress(self, layer: int) -> None:
         start = time.perf_counter()
-        engine, request = self.engine, self.request
-        keys, values, positions, _ = engine.cache.gather_layer(request.request_id, layer)
-        capture = request.capture
-        self.results.append(
-            self.policy.on_layer_prefilled(
-                LayerPrefill(
-                    layer=layer,
-                    num_layers=self.summary.num_layers,
-                    keys=keys,
-                    values=values,
-                    positions=positions[0],
-                    capture=capture.layers[layer] if capture is not None else None,
-                    model=engine.model,
-                    scale=engine.scale,
-                ),
-                self.state,
-            )
-        )
+        prefill = self.engine.layer_prefill(self.request, layer)
+        self.results.append(self.policy.on_layer_prefilled(prefill, self.state))
         keep = self.policy.plan_layer(self.summary, layer, self.results, self.state)
         if keep is not None:
             self._apply(keep, layer)
@@ -404,6 +388,25 @@ class LLMEngine:
             and chunk.end == request.prefill_target
         )
 
+    def layer_prefill(self, request: Request, layer: int, gated: bool = False) -> LayerPrefill:
+        """What a policy sees of one layer after prefill: the entries it holds and what the pass captured.
+
+        `gated` (WG-KV admission) passes every head's own positions: heads hold different entries.
+        """
+        keys, values, positions, _ = self.cache.gather_layer(request.request_id, layer)
+        capture = request.capture
+        return LayerPrefill(
+            layer=layer,
+            num_layers=self.config.num_hidden_layers,
+            keys=keys,
+            values=values,
+            positions=positions[0],
+            capture=capture.layers[layer] if capture is not None else None,
+            model=self.model,
+            scale=self.scale,
+            head_positions=positions if gated else None,
+        )
+
     def _on_prefill_complete(self, request: Request, layerwise: _LayerwiseCompression | None = None) -> None:
         """Prefill reached `prefill_target`: the policy scores every layer, plans, and the cache compacts.
 
@@ -418,30 +421,13 @@ class LLMEngine:
             start = time.perf_counter()
             state: dict[str, Any] = {}
             request.policy_state = state
-            capture = request.capture
             num_layers = self.config.num_hidden_layers
             gated = request.admission is not None
             if gated:
                 self._start_ring(request)
             results = []
             for layer in range(num_layers):
-                keys, values, positions, _ = self.cache.gather_layer(request.request_id, layer)
-                results.append(
-                    policy.on_layer_prefilled(
-                        LayerPrefill(
-                            layer=layer,
-                            num_layers=num_layers,
-                            keys=keys,
-                            values=values,
-                            positions=positions[0],
-                            capture=capture.layers[layer] if capture is not None else None,
-                            model=self.model,
-                            scale=self.scale,
-                            head_positions=positions if gated else None,
-                        ),
-                        state,
-                    )
-                )
+                results.append(policy.on_layer_prefilled(self.layer_prefill(request, layer, gated), state))
             summary = RequestPrefill(
                 request_id=request.request_id,
                 num_layers=num_layers,
