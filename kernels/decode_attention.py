@@ -44,7 +44,8 @@ import triton.language as tl
 from vllm_kvpress_ext.kernels.common import choose_splits, multiprocessor_count, next_power_of_2
 
 LOG2E = 1.4426950408889634
-DEFAULT_BLOCK_N = 64
+# 128-token tiles: the fastest of 32/64/128 on an H100 at head_dim 128 (docs/gpu.md).
+DEFAULT_BLOCK_N = 128
 
 
 @triton.jit
@@ -215,6 +216,7 @@ def paged_decode_attention(
     split_tokens: int | None = None,
     block_n: int = DEFAULT_BLOCK_N,
     num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of the reference `paged_decode_attention` (same arguments, no `probs_out`).
 
@@ -301,6 +303,7 @@ def paged_decode_attention(
         UPCAST=upcast,
         DOT_PRECISION="ieee" if compute_dtype == torch.float32 else "tf32",
         num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_q_heads)](

@@ -236,7 +236,7 @@ def test_choose_splits() -> None:
     from vllm_kvpress_ext.kernels.common import MAX_SPLITS, choose_splits
 
     # A big batch already fills the GPU: one split per head, no partials.
-    assert choose_splits(256, 8, 8192, 64, 132) == (1, 8192)
+    assert choose_splits(1024, 8, 8192, 64, 132) == (1, 8192)
     # One request, one long head: cut into chunks of whole tiles, bounded by MAX_SPLITS.
     splits, tokens = choose_splits(1, 1, 100_000, 64, 132)
     assert 1 < splits <= MAX_SPLITS and tokens % 64 == 0 and splits * tokens >= 100_000

@@ -345,8 +345,8 @@ class PagedKVCache:
             )
         rows_k = self._kv_rows(slots.reshape(-1))
         flat = self.pool.kv.view(-1, self.head_dim)
-        flat[rows_k] = keys.reshape(-1, self.head_dim).to(flat.dtype)
-        flat[rows_k + self.page_size] = values.reshape(-1, self.head_dim).to(flat.dtype)
+        flat[rows_k] = keys.reshape(-1, self.head_dim).to(device=flat.device, dtype=flat.dtype)
+        flat[rows_k + self.page_size] = values.reshape(-1, self.head_dim).to(device=flat.device, dtype=flat.dtype)
 
     def _kv_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Row of each slot's key in `pool.kv` viewed as `[num_pages * 2 * page_size, head_dim]`.
