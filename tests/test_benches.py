@@ -51,3 +51,27 @@ def test_bench_policies_runs(capsys: pytest.CaptureFixture[str]) -> None:
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("64 ")]
     assert [r[1] for r in rows] == ["full", "snapkv"]
     assert float(rows[0][6]) == 1.0 and float(rows[1][6]) < 0.6  # retention column
+
+
+def test_bench_capacity_holds_more_compressed_requests(capsys: pytest.CaptureFixture[str]) -> None:
+    """Same pool, same prompts: the count of requests held at once comes from the scheduler, pages from the pool."""
+    from vllm_kvpress_ext.bench.capacity import CapacityConfig, run_capacity_bench
+
+    # Bench model: 4 layers x 2 KV heads, head_dim 32, fp32 -> 4 KiB pages. A 256 + 8 token request
+    # needs 17 pages per head = 136 pages uncompressed; the 320-page pool admits 2 of them at once.
+    results = run_capacity_bench(
+        CapacityConfig(
+            policies=("full", "snapkv"), prompt_len=256, new_tokens=8, requests=6, kv_memory=320 * 4096, ratio=0.25
+        )
+    )
+    full, snapkv = results
+    assert full["held_peak"] == 2 and full["retention"] == 1.0
+    assert snapkv["held_peak"] >= 2 * full["held_peak"]
+    assert 0.2 < snapkv["retention"] < 0.35
+    assert "held peak" in capsys.readouterr().out
+
+
+def test_bench_capacity_cli_rejects_unknown_shape() -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "capacity", "--shape", "llama-70b"])
+    assert exc.value.code == 2

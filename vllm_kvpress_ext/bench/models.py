@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,3 +55,52 @@ def model_or_bench_model(model: str | None, seed: int = 0) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix="kvpress-bench-model-") as tmp:
         yield bench_model_dir(tmp, seed=seed)
+
+
+# Llama-3-8B's shape (32 layers, GQA 32/8, head_dim 128, 128K vocabulary), for GPU benches with random
+# weights: no weights are downloaded, so outputs are noise but every tensor and KV page has its real size.
+LLAMA3_8B = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_layers": 32,
+    "num_heads": 32,
+    "num_kv_heads": 8,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+}
+SHAPES = {"bench": BENCH_MODEL, "llama3-8b": LLAMA3_8B}
+
+
+def shaped_model_dir(shape: str, root: str | Path, dtype: str = "bfloat16", device: str = "cpu", seed: int = 0) -> Path:
+    """Write a random-weight model of a named shape, its tensors drawn on `device` in `dtype`.
+
+    Drawing on the device keeps an 8B-parameter model's set-up to seconds on a GPU; the file is the
+    same ordinary HF directory every other model is.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from vllm_kvpress_ext.models.config import ModelConfig
+    from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
+    from vllm_kvpress_ext.models.loader import _checkpoint_name, resolve_dtype
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
+    config = {**llama_config(**SHAPES[shape]), "torch_dtype": str(resolve_dtype(dtype)).removeprefix("torch.")}  # type: ignore[arg-type]
+    with torch.device("meta"):
+        model = LlamaFamilyForCausalLM(ModelConfig.from_dict(config))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, param in model.state_dict().items():
+        if name.endswith("norm.weight"):
+            value = torch.ones(param.shape, dtype=resolve_dtype(dtype), device=device)
+        else:
+            value = (torch.randn(param.shape, generator=gen, device=device) * 0.02).to(resolve_dtype(dtype))
+        tensors[_checkpoint_name(name)] = value.cpu()
+    out = Path(root)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

@@ -81,13 +81,13 @@ class _LayerwiseCompression:
         return self.engine.cache.append_layer_slots(layer, self.request.row, self.positions)
 
     def compress(self, layer: int) -> None:
-        start = time.perf_counter()
+        start = self.engine.clock()
         prefill = self.engine.layer_prefill(self.request, layer)
         self.results.append(self.policy.on_layer_prefilled(prefill, self.state))
         keep = self.policy.plan_layer(self.summary, layer, self.results, self.state)
         if keep is not None:
             self._apply(keep, layer)
-        self.seconds += time.perf_counter() - start
+        self.seconds += self.engine.clock() - start
 
     def _apply(self, keep: LayerKeep, layer: int) -> None:
         """Compact the layers of `keep`; its masks are over prompt entries, the cache wants current entries."""
@@ -184,6 +184,12 @@ class LLMEngine:
         # Called with each request as it finishes, while its entries are still in the cache (benches
         # read what a policy really kept here, e.g. prompt coverage).
         self.finish_hooks: list[Callable[[Request], None]] = []
+
+    def clock(self) -> float:
+        """Seconds for timing compression: on a GPU, after the queued work is done, so the time is its own."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     # ------------------------------------------------------------------ requests
 
@@ -418,7 +424,7 @@ class LLMEngine:
             layerwise.finish()
         elif policy is not None:
             self._update_kv_stats(request)  # the uncompressed peak
-            start = time.perf_counter()
+            start = self.clock()
             state: dict[str, Any] = {}
             request.policy_state = state
             num_layers = self.config.num_hidden_layers
@@ -439,7 +445,7 @@ class LLMEngine:
             if plan is not None:
                 self.cache.apply_keep_plan(request.request_id, plan)
             request.capture = None
-            request.kv.compression_seconds += time.perf_counter() - start
+            request.kv.compression_seconds += self.clock() - start
         self._update_kv_stats(request)
 
     def _start_ring(self, request: Request) -> None:
@@ -452,7 +458,7 @@ class LLMEngine:
     def _on_decode_step(self, request: Request, batch_index: int, context: DecodeContext) -> None:
         """Let the request's policy evict after a decode step (e.g. H2O, bounded StreamingLLM)."""
         assert request.policy is not None and request.row is not None
-        start = time.perf_counter()
+        start = self.clock()
         positions, lengths = self.cache.entry_positions(request.request_id)
         layers = []
         for layer in range(self.config.num_hidden_layers):
@@ -466,7 +472,7 @@ class LLMEngine:
         if eviction is not None and eviction.entries.numel():
             rows = torch.full_like(eviction.entries, request.row)
             self.cache.evict(rows, eviction.layers, eviction.heads, eviction.entries)
-        request.kv.compression_seconds += time.perf_counter() - start
+        request.kv.compression_seconds += self.clock() - start
 
     def _update_kv_stats(self, request: Request) -> None:
         usage = self.cache.usage(request.request_id)
