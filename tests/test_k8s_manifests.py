@@ -3,6 +3,9 @@ with the server it deploys (probe routes, ports, metric names, policy presets)."
 
 from __future__ import annotations
 
+import itertools
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from deploy_utils import (
+    DOCKER,
     K8S,
     KUBERNETES_VERSION,
     OVERLAYS,
@@ -21,6 +25,7 @@ from deploy_utils import (
     server_container,
 )
 
+from vllm_kvpress_ext.cli import build_parser
 from vllm_kvpress_ext.policies import load_policy
 from vllm_kvpress_ext.server.metrics import ServerMetrics
 from vllm_kvpress_ext.server.routes import router
@@ -206,3 +211,43 @@ def test_preset_copies_match_configs() -> None:
     assert copies == originals, "run: cp configs/*.yaml docker/k8s/base/presets/"
     listed = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["configMapGenerator"][0]["files"]
     assert sorted(listed) == [f"presets/{name}" for name in originals]
+
+
+#: Which entrypoint each overlay's image runs (docker/Dockerfile.cpu and docker/Dockerfile.vllm copy them).
+ENTRYPOINTS = {"overlays/cpu": DOCKER / "entrypoint-cpu.sh", "overlays/gpu": DOCKER / "entrypoint-vllm.sh"}
+
+
+@pytest.mark.parametrize("target", sorted(ENTRYPOINTS))
+def test_server_flags_built_from_the_pod_env_match_the_manifests(
+    rendered: dict[str, list[dict[str, Any]]], target: str, tmp_path: Path
+) -> None:
+    objects = rendered[target]
+    container = server_container(objects)
+    env = container_env(container)
+    # The ConfigMap's files where the pod mounts them (moved under tmp_path, the one change).
+    presets = tmp_path / "presets"
+    presets.mkdir()
+    for filename, text in one(objects, "ConfigMap")["data"].items():
+        (presets / filename).write_text(text)
+    env["KVPRESS_PRESETS_DIR"] = str(presets)
+    result = subprocess.run(
+        [str(ENTRYPOINTS[target])],
+        env={"PATH": os.environ["PATH"], **env, "KVPRESS_PRINT_COMMAND": "1"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    argv = result.stdout.splitlines()
+    flags = dict(itertools.pairwise(argv))
+    (container_port,) = [p["containerPort"] for p in container["ports"]]
+    assert int(flags["--port"]) == container_port and flags["--host"] == "0.0.0.0"
+    assert flags["--kv-policy"] == str(presets / f"{env['KVPRESS_KV_POLICY']}.yaml")
+    if target == "overlays/cpu":
+        args = build_parser().parse_args(argv[1:])
+        assert args.port == container_port and args.model_dir is None  # the bundled model
+    else:
+        assert argv[:3] == ["vllm", "serve", env["KVPRESS_MODEL_DIR"]]
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert env["KVPRESS_MODEL_DIR"] in mounts
