@@ -188,3 +188,16 @@ def test_every_copied_path_exists_and_is_in_the_build_context(dockerfile: str) -
     # And the context stays small: the tests, the docs and any virtual environment stay out.
     for outside in ("tests/test_server.py", "docs/server.md", ".venv/bin/python", ".git/HEAD"):
         assert not _dockerignore_allows(outside, patterns), outside
+
+
+def test_cpu_image_serves_the_bundled_model_by_default() -> None:
+    # The build stage links the installed package's bundled model at a fixed path; the final stage's
+    # KVPRESS_MODEL_DIR names that path, so the default does not follow `kvpress serve`'s own.
+    instructions = _instructions(DOCKER / "Dockerfile.cpu")
+    runs = " ".join(arg for name, arg in instructions if name == "RUN")
+    link = re.search(r"ln -s \"\$\(python -P -c '([^']*)'\)\"\s+(\S+)", runs)
+    assert link is not None, "the build stage should link the bundled model"
+    assert "default_model_dir()" in link.group(1)
+    env = " ".join(arg for name, arg in _final_stage(DOCKER / "Dockerfile.cpu") if name == "ENV")
+    assert f"KVPRESS_MODEL_DIR={link.group(2)}" in env
+    assert link.group(2).startswith("/opt/kvpress/")  # inside the environment the final stage copies
