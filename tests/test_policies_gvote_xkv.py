@@ -298,8 +298,13 @@ def xkv_layer(seed: int, n: int, layer: int, num_layers: int, window: int = 8) -
     return LayerPrefill(layer, num_layers, keys, torch.randn_like(keys), torch.arange(n), capture, None, d**-0.5)  # type: ignore[arg-type]
 
 
-def xkv_reference_scores(layer: LayerPrefill, window: int, kernel: int) -> tuple[list[list[float]], list[float]]:
-    """Per KV head pooled scores (group mean of window sums) and the layer vector w_l (mean over all query heads)."""
+def xkv_reference_scores(
+    layer: LayerPrefill, window: int, kernel: int, pooling: str = "avgpool", reduction: str = "mean"
+) -> tuple[list[list[float]], list[float]]:
+    """Per KV head pooled scores (group `reduction` of window sums) and the layer vector w_l.
+
+    w_l pools the mean over all query heads, as the paper's equation says, whatever `reduction` is.
+    """
     cap = layer.capture
     assert cap is not None and cap.queries is not None
     prefix = layer.length - window
@@ -320,12 +325,14 @@ def xkv_reference_scores(layer: LayerPrefill, window: int, kernel: int) -> tuple
 
     def pool(v: list[float]) -> list[float]:
         half = kernel // 2
-        return [
-            sum(v[max(0, j - half) : j + half + 1]) / len(v[max(0, j - half) : j + half + 1]) for j in range(len(v))
-        ]
+        spans = [v[max(0, j - half) : j + half + 1] for j in range(len(v))]
+        return [max(span) if pooling == "maxpool" else sum(span) / len(span) for span in spans]
+
+    def reduce(values: list[float]) -> float:
+        return max(values) if reduction == "max" else sum(values) / len(values)
 
     heads = [
-        pool([sum(per_q[h][j] for h in range(kv * group, (kv + 1) * group)) / group for j in range(prefix)])
+        pool([reduce([per_q[h][j] for h in range(kv * group, (kv + 1) * group)]) for j in range(prefix)])
         for kv in range(layer.num_kv_heads)
     ]
     layer_vector = pool([sum(per_q[h][j] for h in range(hq)) / hq for j in range(prefix)])
@@ -346,15 +353,27 @@ def brute_force_allocation(vectors: list[list[float]], total: int) -> list[int]:
     return arg
 
 
-@pytest.mark.parametrize("budget", [{"tokens": 20}, {"ratio": 0.3}, {"target_ratio": 0.6}, {"target_ratio": 0.93}])
-def test_xkv_plan_matches_reference(budget: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "budget, pooling, reduction",
+    [
+        ({"tokens": 20}, "avgpool", "mean"),
+        ({"ratio": 0.3}, "avgpool", "mean"),
+        ({"target_ratio": 0.6}, "avgpool", "mean"),
+        ({"target_ratio": 0.93}, "avgpool", "mean"),
+        # Where the mean of the heads' selection scores is not the pooled head mean.
+        ({"tokens": 20}, "maxpool", "mean"),
+        ({"target_ratio": 0.6}, "avgpool", "max"),
+        ({"tokens": 20}, "maxpool", "max"),
+    ],
+)
+def test_xkv_plan_matches_reference(budget: dict[str, Any], pooling: str, reduction: str) -> None:
     n, window, kernel = 40, 8, 7
-    policy = XKVPolicy(**budget)
+    policy = XKVPolicy(**budget, pooling=pooling, gqa_reduction=reduction)
     policy.validate()
     assert policy.capture_spec().window == window
     layers = [xkv_layer(20 + i, n, i, 3) for i in range(3)]
     plan, state = run_prefill(policy, layers)
-    refs = [xkv_reference_scores(layer, window, kernel) for layer in layers]
+    refs = [xkv_reference_scores(layer, window, kernel, pooling, reduction) for layer in layers]
     vectors = [r[1] for r in refs]
     if "target_ratio" in budget:
         optimum = []
