@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from model_utils import TINY
+from model_utils import TINY, budget_per_head, check_kept, hf_greedy, run_recording
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vllm_kvpress_ext.cache import KeepPlan
@@ -546,29 +546,35 @@ def test_decode_time_policies_stay_bounded_for_hundreds_of_steps(
 
 @pytest.mark.parametrize("spec", ["pyramidkv", "adakv", "streaming_llm", "h2o", *POLICY_SPECS], ids=str)
 def test_generate_end_to_end(model_dir: Path, spec: Any) -> None:
-    llm = LLM(model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64)
+    engine = LLMEngine(model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64)
     prompts = [prompt_ids(n, 10 + n) for n in (5, 48, 130)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    engine = llm.engine  # per-request policy override on the step API
-    ids = [engine.add_request(p, params, policy=spec) for p in prompts]
-    finished: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    for rid, prompt in zip(ids, prompts, strict=True):
-        out = finished[rid]
+    policy = load_policy(spec)
+    assert policy is not None
+    decoded = 11  # the 12th token is sampled, never fed back
+    finished = run_recording(engine, prompts, params, policy=spec)  # per-request policy override
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    layers, heads = engine.config.num_hidden_layers, engine.config.num_key_value_heads
+    for request, prompt in zip(finished, prompts, strict=True):
+        out, n = request.output, len(prompt)
         assert len(out.output_token_ids) == 12
-        assert out.kv.tokens_kept <= out.kv.tokens_full
-        if len(prompt) == 130:
+        per_head = budget_per_head(policy, n)
+        if policy.wants_decode_steps:  # bounded from compression on at the budget it fixed
+            cap = policy.tokens if policy.tokens is not None else per_head  # type: ignore[attr-defined]
+            held = min(cap, per_head + decoded)
+            assert all(len(positions) == held for per_layer in request.held for positions in per_layer)
+            assert out.kv.tokens_kept == layers * heads * held
+        else:
+            check_kept(request, n, decoded, per_head)
+        if out.kv.tokens_kept == out.kv.tokens_full:  # nothing dropped: exactly transformers' greedy tokens
+            assert out.output_token_ids == hf_greedy(hf, prompt, 12)
+        if n == 130:
             assert out.kv.retention < 1.0
     assert engine.cache.pool.num_used == 0
     # The offline API with the policy as the engine default gives the same greedy tokens.
-    llm2 = LLM(
-        model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64, kv_policy=spec
-    )
-    again = llm2.generate(prompts, params)
-    assert [o.output_token_ids for o in again] == [finished[r].output_token_ids for r in ids]
+    llm = LLM(model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64, kv_policy=spec)
+    again = llm.generate(prompts, params)
+    assert [o.output_token_ids for o in again] == [r.output.output_token_ids for r in finished]
 
 
 # ----------------------------------------------------------------------------- configuration

@@ -12,11 +12,12 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from model_utils import TINY, write_suite_model
+from model_utils import TINY, budget_per_head, check_kept, hf_greedy, run_recording, write_suite_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vllm_kvpress_ext.bench.tasks import TASKS, build_prompt, generate
@@ -400,6 +401,11 @@ def test_xkv_short_prompts_and_small_ratio_budgets() -> None:
     # A prompt within the window: nothing to rank, everything kept.
     plan, _ = run_prefill(XKVPolicy(target_ratio=0.5), [xkv_layer(1, 6, 0, 1, window=6)])
     assert plan.lengths.tolist() == [[6, 6]]
+    # ... unless a ratio budget asks for less: it is honoured on a short prompt too (the last B entries).
+    plan, _ = run_prefill(XKVPolicy(ratio=0.5), [xkv_layer(1, 6, 0, 1, window=6)])
+    assert kept_sets(plan) == [[{3, 4, 5}] * 2]
+    plan, _ = run_prefill(XKVPolicy(tokens=8), [xkv_layer(1, 6, 0, 1, window=6)])
+    assert plan.lengths.tolist() == [[6, 6]]
     # A ratio budget below the window keeps the last B entries, as the SnapKV family does.
     plan, _ = run_prefill(XKVPolicy(ratio=0.1), [xkv_layer(2, 40, i, 2) for i in range(2)])
     assert kept_sets(plan) == [[set(range(36, 40))] * 2] * 2
@@ -509,28 +515,40 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     ids=str,
 )
 def test_generate_end_to_end(model_dir: Path, spec: Any) -> None:
-    llm = LLM(model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64)
-    engine = llm.engine
+    engine = LLMEngine(model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64)
     prompts = [prompt_ids(n, 10 + n) for n in (5, 90)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(p, params, policy=spec) for p in prompts]
-    strict = engine.add_request(prompts[1], params, policy=spec, compress_after=80)  # the strict protocol
-    finished: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    for rid in [*ids, strict]:
-        assert len(finished[rid].output_token_ids) == 6
-        assert finished[rid].kv.tokens_kept <= finished[rid].kv.tokens_full
+    decoded = 5  # the 6th token is sampled, never fed back
+    policy = load_policy(spec)
+    finished = run_recording(engine, prompts, params, policy=spec)
+    # The strict protocol: the last 10 prompt tokens run through decode steps from the compressed cache.
+    (strict,) = run_recording(engine, prompts[1:], params, policy=spec, compress_after=80)
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # XKV with a ratio budget keeps round(0.25 n) per head on average; GVote and XKV's R_avg target are budget-free.
+    fixed = isinstance(policy, XKVPolicy) and policy.target_ratio is None
+    budget = SimpleNamespace(ratio=0.25, tokens=None)  # XKV's default: the SnapKV family's ratio
+    for request, prompt in zip(finished, prompts, strict=True):
+        n = len(prompt)
+        assert len(request.output.output_token_ids) == 6
+        check_kept(request, n, decoded, budget_per_head(budget, n) if fixed else None)
+        if request.output.kv.tokens_kept == request.output.kv.tokens_full:  # nothing dropped
+            assert request.output.output_token_ids == hf_greedy(hf, prompt, 6)
+    # The strict request compressed 80 entries; the last 10 prompt tokens entered every head afterwards.
+    check_kept(strict, 80, 10 + decoded, budget_per_head(budget, 80) if fixed else None)
+    assert len(strict.output.output_token_ids) == 6
     assert engine.cache.pool.num_used == 0
-    if spec != "gvote":  # this random model's attention is diffuse: GVote at p_nuc 0.95 keeps nearly everything
-        assert finished[ids[1]].kv.retention < 1.0
+    long = finished[1].output.kv
+    if spec == "gvote":
+        # This random model's attention is diffuse: at p_nuc 0.95 GVote keeps every entry, so the tokens are
+        # transformers' (checked above). `test_gvote_memory_differs_across_suite_requests` shows it compress.
+        assert long.tokens_kept == long.tokens_full
+    else:
+        assert long.retention < 1.0
     # Same greedy tokens with the policy as the engine default (plans are deterministic).
     again = LLM(
         model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64, kv_policy=spec
     ).generate(prompts, params)
-    assert [o.output_token_ids for o in again] == [finished[r].output_token_ids for r in ids]
+    assert [o.output_token_ids for o in again] == [r.output.output_token_ids for r in finished]
 
 
 def test_gvote_memory_differs_across_suite_requests(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from model_utils import TINY
+from model_utils import TINY, budget_per_head, check_kept, hf_greedy, run_recording
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vllm_kvpress_ext.cache import KeepPlan
@@ -561,12 +561,19 @@ def test_generate_end_to_end(model_dir: Path, spec: Any) -> None:
     llm = LLM(model_dir, dtype=torch.float32, num_pages=2048, page_size=PAGE, max_num_batched_tokens=64, kv_policy=spec)
     prompts = [prompt_ids(n, 20 + n) for n in (5, 48, 150)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(prompts, params)
-    for out, prompt in zip(outputs, prompts, strict=True):
-        assert len(out.output_token_ids) == 8
-        assert out.kv.tokens_kept <= out.kv.tokens_full
-        if len(prompt) == 150:
-            assert out.kv.retention < 0.5
+    decoded = 7  # the 8th token is sampled, never fed back
+    policy = load_policy(spec)
+    finished = run_recording(llm.engine, prompts, params)  # the engine's default policy
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for request, prompt in zip(finished, prompts, strict=True):
+        n = len(prompt)
+        assert len(request.output.output_token_ids) == 8
+        # Per-head and per-layer sizes differ, but the mean is the budget's, exactly.
+        check_kept(request, n, decoded, budget_per_head(policy, n))
+        if request.output.kv.tokens_kept == request.output.kv.tokens_full:  # nothing dropped
+            assert request.output.output_token_ids == hf_greedy(hf, prompt, 8)
+        if n == 150:
+            assert request.output.kv.retention < 0.5
     assert llm.engine.cache.pool.num_used == 0
 
 

@@ -362,7 +362,12 @@ class XKVPolicy(ObservationWindowScores):
         window = min(self.window, length)
         prefix = length - window
         if prefix == 0:
-            return [0] * num_layers, length
+            # Nothing to rank. A `ratio` / `tokens` budget still holds (base semantics: a ratio is honoured
+            # on a prompt shorter than the window): the last B entries stay. The budget-free modes keep all.
+            budget_free = self.target_ratio is not None or (
+                self.profile is not None and self.ratio is None and self.tokens is None
+            )
+            return [0] * num_layers, length if budget_free else min(length, self.budget.per_head(length))
         if self.target_ratio is not None:
             return None
         profile = self.load_profile()
