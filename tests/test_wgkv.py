@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from model_utils import write_suite_model
+from safetensors import SafetensorError
 
 from vllm_kvpress_ext.attention import causal_attention, vertical_slash_attention
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
@@ -79,7 +80,7 @@ def test_gates_round_trip_and_shape_checks(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="train-gate"):
         load_gates(tmp_path / "missing.safetensors")
     (tmp_path / "other.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(Exception):  # noqa: B017 - safetensors' own error type for a corrupt header
+    with pytest.raises(SafetensorError, match="deserializing header"):
         load_gates(tmp_path / "other.safetensors")
     assert default_gate_path(tmp_path / "model").name == "model.wgkv.safetensors"
     assert default_gate_path(tmp_path / "model").parent == tmp_path.resolve()
