@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+import yaml
 from model_utils import TINY, budget_per_head, check_kept, hf_greedy, run_recording, write_suite_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -573,9 +575,30 @@ def test_gvote_memory_differs_across_suite_requests(tmp_path: Path) -> None:
 
 def test_xkv_profile_from_engine_runs(model_dir: Path, tmp_path: Path) -> None:
     prompts = [prompt_ids(n, n) for n in (40, 70)]
-    profile = profile_xkv(model_dir, prompts, target_ratio=0.8, dtype=torch.float32, num_pages=512, page_size=PAGE)
-    assert profile.num_layers == TINY["num_hidden_layers"] and profile.metadata["requests"] == 2
-    assert all(0.0 <= f <= 1.0 for f in profile.fractions)
+    settings = {"target_ratio": 0.8, "window": 6, "kernel_size": 5, "pooling": "maxpool"}
+    profile = profile_xkv(model_dir, prompts, **settings, dtype=torch.float32, num_pages=512, page_size=PAGE)  # type: ignore[arg-type]
+    # The same prompts through XKV's R_avg mode with the same settings, one at a time: f_l = mean of m_l / P.
+    seen: list[tuple[list[int], int]] = []
+    policy = XKVPolicy(**settings)  # type: ignore[arg-type]
+    original = policy.plan
+
+    def recording_plan(request: Any, results: list[Any], state: dict[str, Any]) -> Any:
+        plan = original(request, results, state)
+        seen.append((list(state["allocation"]), state["capacity"]))
+        return plan
+
+    policy.plan = recording_plan  # type: ignore[method-assign]
+    engine = LLMEngine(model_dir, dtype=torch.float32, num_pages=512, page_size=PAGE)
+    for prompt in prompts:
+        run_recording(engine, [prompt], SamplingParams(max_tokens=1, temperature=0.0), policy=policy)
+    assert [capacity for _, capacity in seen] == [40 - 6, 70 - 6]
+    expected = [
+        sum(alloc[layer] / capacity for alloc, capacity in seen) / 2 for layer in range(TINY["num_hidden_layers"])
+    ]
+    assert profile.fractions == pytest.approx(expected, abs=1e-12)
+    assert len(set(profile.fractions)) > 1
+    assert (profile.window, profile.kernel_size, profile.pooling) == (6, 5, "maxpool")
+    assert profile.metadata == {"target_ratio": 0.8, "model": str(model_dir), "requests": 2}
     path = profile.save(tmp_path / "xkv.yaml")
     assert XKVProfile.load(path) == profile
     llm = LLM(
@@ -583,3 +606,35 @@ def test_xkv_profile_from_engine_runs(model_dir: Path, tmp_path: Path) -> None:
     )
     (out,) = llm.generate([prompt_ids(60, 3)], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(out.output_token_ids) == 3 and out.kv.retention < 1.0
+
+
+def test_xkv_profile_file_format_and_validation(tmp_path: Path) -> None:
+    profile = XKVProfile(fractions=[0.0, 0.5], window=4, kernel_size=3, pooling="maxpool", metadata={"requests": 1})
+    path = profile.save(tmp_path / "p.yaml")
+    assert yaml.safe_load(path.read_text()) == {
+        "policy": "xkv",
+        "num_layers": 2,
+        "fractions": [0.0, 0.5],
+        "window": 4,
+        "kernel_size": 3,
+        "pooling": "maxpool",
+        "metadata": {"requests": 1},
+    }
+    assert XKVProfile.load(path) == profile  # a zero fraction is a valid layer size
+    # Only `policy` and `fractions` are required; the rest take XKV's defaults.
+    assert XKVProfile.from_dict({"policy": "xkv", "fractions": [1, 0.25]}) == XKVProfile(fractions=[1.0, 0.25])
+    bad: list[tuple[Any, str]] = [
+        ([0.5], "source.yaml is not an XKV profile"),
+        ({"policy": "snapkv", "fractions": [0.5]}, "source.yaml is not an XKV profile"),
+        ({"policy": "xkv", "fractions": []}, "`fractions` must be a non-empty list"),
+        ({"policy": "xkv", "fractions": "0.5"}, "`fractions` must be a non-empty list"),
+        ({"policy": "xkv", "fractions": [True]}, "`fractions` must be a non-empty list"),
+        ({"policy": "xkv", "fractions": [-0.1]}, "`fractions` must be a non-empty list"),
+        ({"policy": "xkv", "fractions": [0.5], "num_layers": 2}, "num_layers 2 != 1 fractions"),
+        ({"policy": "xkv", "fractions": [0.5], "metadata": [1]}, "`metadata` must be a mapping"),
+    ]
+    for data, message in bad:
+        with pytest.raises(PolicyConfigError, match=re.escape(message)):
+            XKVProfile.from_dict(data, source="source.yaml")
+    with pytest.raises(ValueError, match="no profiled request had entries to score"):
+        XKVProfile.from_allocations([[0, 0]], [0])

@@ -613,3 +613,20 @@ def test_plan_frees_what_it_drops_and_keeps_the_budget(model_dir: Path, spec: di
         assert len(state["lava"]["entropies"]) == len(state["lava"]["cascade"]) == layers
         peak = state["lava"]["prefill_peak_entries"]
         assert peak["one_shot"] == layers * heads * n and peak["cascading"] < peak["one_shot"]
+
+
+def test_coverage_metrics_by_hand() -> None:
+    """Exact values on a hand-made keep set: position 0 kept by one head only, position 3 by nobody."""
+    keep = torch.zeros(2, 2, 4, dtype=torch.bool)
+    keep[0, 0, [0, 1]] = True
+    keep[1, 1, [1, 2]] = True
+    assert unique_token_coverage(keep) == 0.75  # {0, 1, 2} of 4 tokens
+    assert head_coverage(keep) == 0.5  # each layer holds 2 of 4 tokens across its heads
+    plan = KeepPlan.from_mask(keep)
+    assert unique_token_coverage(plan, 4) == 0.75
+    assert unique_token_coverage(plan, 8) == 0.375  # the same plan over a longer prompt
+    empty = torch.zeros(2, 2, 0, dtype=torch.bool)
+    assert unique_token_coverage(empty) == head_coverage(empty) == 1.0
+    assert unique_token_coverage(KeepPlan.from_mask(empty), 0) == 1.0
+    with pytest.raises(ValueError, match="needs the prompt length"):
+        unique_token_coverage(plan)
