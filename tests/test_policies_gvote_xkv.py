@@ -30,6 +30,7 @@ from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.policies import GVotePolicy, PolicyConfigError, XKVPolicy, load_policy
 from vllm_kvpress_ext.policies.base import LayerPrefill, RequestPrefill
 from vllm_kvpress_ext.policies.capture import LayerCapture
+from vllm_kvpress_ext.policies.gvote import nucleus_size
 from vllm_kvpress_ext.policies.xkv import (
     XKVProfile,
     allocation_for_target,
@@ -638,3 +639,19 @@ def test_xkv_profile_file_format_and_validation(tmp_path: Path) -> None:
             XKVProfile.from_dict(data, source="source.yaml")
     with pytest.raises(ValueError, match="no profiled request had entries to score"):
         XKVProfile.from_allocations([[0, 0]], [0])
+
+
+def test_gvote_nucleus_size_at_exact_mass_and_parameter_boundaries() -> None:
+    # Masses 0.5, 0.75, 1.0 (exact in binary): the smallest set reaching 0.75 has two entries.
+    probs = torch.tensor([[0.25, 0.5, 0.25], [1.0, 0.0, 0.0]])
+    assert nucleus_size(probs, 0.75).tolist() == [2, 1]
+    assert nucleus_size(probs, 0.5).tolist() == [1, 1]
+    assert nucleus_size(probs, 1.0).tolist() == [3, 1]
+    # The smallest legal values are accepted.
+    GVotePolicy(num_samples=1, future_positions=1, window=0, sink_tokens=0, seed=0).validate()
+    for field in ("num_samples", "future_positions"):
+        with pytest.raises(PolicyConfigError, match=f"^{field} must be >= 1, got 0$"):
+            GVotePolicy(**{field: 0}).validate()
+    for field in ("window", "sink_tokens", "seed"):
+        with pytest.raises(PolicyConfigError, match=f"^{field} must be >= 0, got -1$"):
+            GVotePolicy(**{field: -1}).validate()

@@ -630,3 +630,33 @@ def test_coverage_metrics_by_hand() -> None:
     assert unique_token_coverage(KeepPlan.from_mask(empty), 0) == 1.0
     with pytest.raises(ValueError, match="needs the prompt length"):
         unique_token_coverage(plan)
+
+
+@pytest.mark.parametrize(
+    "budget, n, kept",
+    [
+        ({"tokens": 40, "ratio": None}, 30, range(30)),  # the prompt fits the budget: all of it stays
+        ({"ratio": 0.1}, 40, range(36, 40)),  # round(0.1 * 40) = 4 < the window: the window shrinks to 4
+    ],
+    ids=["fits", "ratio-below-window"],
+)
+def test_lava_short_prompts_keep_the_budget_in_both_forms(budget: dict[str, Any], n: int, kept: range) -> None:
+    """Nothing to rank: one-shot `plan` and every cascade step keep the same last entries, at the same budgets."""
+    layers, heads = 3, 2
+    request = RequestPrefill("r", layers, heads, 4, n)
+    expected = torch.zeros(heads, n, dtype=torch.bool)
+    expected[:, list(kept)] = True
+    one_shot = LavaPolicy(window=8, **budget)
+    one_shot.validate()
+    state: dict[str, Any] = {}
+    plan = one_shot.plan(request, [torch.zeros(heads, 0)] * layers, state)
+    assert torch.equal(plan.to_mask(torch.full((layers, heads), n)), expected.expand(layers, heads, n))
+    assert state["lava"]["layer_budgets"] == [heads * len(kept)] * layers
+    cascading = LavaPolicy(window=8, cascading=True, **budget)
+    state = {}
+    for layer in range(layers):
+        keep = cascading.plan_layer(request, layer, [torch.zeros(heads, 0)] * (layer + 1), state)
+        assert keep.layers == [layer]
+        assert torch.equal(keep.masks, expected.unsqueeze(0))
+        assert ("layer_budgets" in state["lava"]) == (layer == layers - 1)  # recorded once the last layer is in
+    assert state["lava"]["layer_budgets"] == [heads * len(kept)] * layers
