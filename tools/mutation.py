@@ -7,7 +7,7 @@ one table row per package: mutants, killed, survived, timed out, not covered, an
 (killed + timed out) / mutants. The surviving mutants' names go to build/mutation/<package>/survivors.txt;
 `cd build/mutation/<package> && mutmut show <name>` prints one as a diff.
 
-Usage: python tools/mutation.py [--jobs N] cache policies engine
+Usage: python tools/mutation.py [--jobs N] [--time-limit S] [--retest-survivors] cache policies engine
 """
 
 from __future__ import annotations
@@ -115,14 +115,32 @@ def write_config(workdir: Path, package: str) -> None:
     (workdir / "setup.cfg").write_text("\n".join(lines) + "\n")
 
 
-def run_package(package: str, jobs: int, build: Path, time_limit: float | None) -> dict[str, int]:
+def unkilled(workdir: Path, env: dict[str, str]) -> list[str]:
+    """Names of the mutants an earlier run left alive (survived, or reached by no selected test)."""
+    listed = subprocess.run(
+        [sys.executable, "-m", "mutmut", "results"], cwd=workdir, env=env, check=True, capture_output=True, text=True
+    ).stdout
+    names = []
+    for line in listed.splitlines():
+        name, _, status = line.strip().rpartition(": ")
+        if status in ("survived", "no tests"):
+            names.append(name)
+    return names
+
+
+def run_package(
+    package: str, jobs: int, build: Path, time_limit: float | None, retest_survivors: bool = False
+) -> dict[str, int]:
     workdir = build / package
     copy_tree(workdir)
     write_config(workdir, package)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     mutmut = [sys.executable, "-m", "mutmut"]
+    # mutmut keeps earlier verdicts; named mutants are tested again (against the tests as they are now).
+    names = unkilled(workdir, env) if retest_survivors and (workdir / "mutants").is_dir() else []
     # Its own process group, so a time limit stops mutmut and every test process it forked.
-    run = subprocess.Popen([*mutmut, "run", "--max-children", str(jobs)], cwd=workdir, env=env, start_new_session=True)
+    command = [*mutmut, "run", "--max-children", str(jobs), *names]
+    run = subprocess.Popen(command, cwd=workdir, env=env, start_new_session=True)
     try:
         run.wait(timeout=time_limit)
     except subprocess.TimeoutExpired:
@@ -157,10 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants tested in parallel")
     parser.add_argument("--build", type=Path, default=ROOT / "build" / "mutation", help="scratch directory")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds per package (resumable)")
+    parser.add_argument(
+        "--retest-survivors", action="store_true", help="test the mutants an earlier run left alive again"
+    )
     args = parser.parse_args(argv)
     rows = []
     for package in args.packages:
-        stats = run_package(package, args.jobs, args.build, args.time_limit)
+        stats = run_package(package, args.jobs, args.build, args.time_limit, args.retest_survivors)
         rows.append((package, stats))
     header = ("package", "mutants", "tested", "killed", "timeout", "survived", "no tests", "score")
     print("| " + " | ".join(header) + " |")
