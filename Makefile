@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast serve bench lint format clean
+.PHONY: install test test-fast serve bench lint format clean mutation
 
 install: $(STAMP)
 
@@ -40,6 +40,15 @@ serve: install
 
 bench: install
 	$(KVPRESS) bench cache
+
+# Mutation testing (slow; not part of CI): mutmut mutates one package at a time and runs that package's fast
+# tests against each mutant; docs/testing.md has the scores. Resumable: a second run continues where one stopped.
+# make mutation MUTATION_PACKAGES="cache" MUTATION_ARGS="--jobs 2 --time-limit 1800"
+MUTATION_PACKAGES ?= cache policies
+MUTATION_ARGS ?=
+mutation: install
+	$(PY) -m pip install -q -e '.[mutation]'
+	$(PY) tools/mutation.py $(MUTATION_ARGS) $(MUTATION_PACKAGES)
 
 lint: install
 	$(VENV)/bin/ruff check .

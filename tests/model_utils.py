@@ -166,3 +166,62 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], new_tokens: int) -> lis
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+@dataclass
+class FinishedRequest:
+    """A finished request's output and the positions each (layer, KV head) held when it finished."""
+
+    output: Any
+    held: list[list[set[int]]]
+
+
+def run_recording(engine: Any, prompts: list[list[int]], params: Any, **kwargs: Any) -> list[FinishedRequest]:
+    """Run `prompts` together on `engine` (extra `add_request` arguments in `kwargs`), recording held positions."""
+    held: dict[str, list[list[set[int]]]] = {}
+
+    def record(request: Any) -> None:
+        positions, lengths = engine.cache.entry_positions(request.request_id)
+        held[request.request_id] = [
+            [set(positions[layer, head, : int(lengths[layer, head])].tolist()) for head in range(positions.shape[1])]
+            for layer in range(positions.shape[0])
+        ]
+
+    engine.finish_hooks.append(record)
+    try:
+        ids = [engine.add_request(p, params, **kwargs) for p in prompts]
+        outputs: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out
+    finally:
+        engine.finish_hooks.remove(record)
+    return [FinishedRequest(outputs[i], held[i]) for i in ids]
+
+
+def budget_per_head(policy: Any, n: int) -> int:
+    """Prompt entries a `ratio` / `tokens` budget keeps per (layer, KV head) on average (policies/base.py)."""
+    if getattr(policy, "tokens", None) is not None:
+        return min(n, policy.tokens)
+    return min(n, max(1, round(policy.ratio * n)))
+
+
+def check_kept(finished: FinishedRequest, prompt_len: int, decoded: int, prompt_kept: int | None) -> None:
+    """Every decoded token's entry is held by every head; the prompt entries held average `prompt_kept` exactly.
+
+    `prompt_kept` None: a budget-free policy, checked only against the prompt's length.
+    """
+    kv = finished.output.kv
+    generated = set(range(prompt_len, prompt_len + decoded))
+    layers, heads = len(finished.held), len(finished.held[0])
+    prompt_total = 0
+    for per_layer in finished.held:
+        for positions in per_layer:
+            assert generated <= positions
+            assert positions <= set(range(prompt_len + decoded))
+            prompt_total += len(positions) - decoded
+    assert kv.tokens_kept == prompt_total + layers * heads * decoded
+    assert kv.tokens_full == layers * heads * (prompt_len + decoded)
+    if prompt_kept is not None:
+        assert prompt_total == layers * heads * prompt_kept

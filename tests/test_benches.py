@@ -40,9 +40,11 @@ def test_bench_throughput_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert len([line for line in out.splitlines() if line.strip().startswith("24 ")]) == 2
 
 
-def test_bench_rejects_bad_lists() -> None:
-    with pytest.raises(SystemExit):
+def test_bench_rejects_bad_lists(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
         main(["bench", "throughput", "--batch-sizes", "0,x"])
+    assert exit_info.value.code == 2  # argparse's usage error
+    assert "argument --batch-sizes: expected comma-separated integers, got '0,x'" in capsys.readouterr().err
 
 
 def test_bench_policies_runs(capsys: pytest.CaptureFixture[str]) -> None:

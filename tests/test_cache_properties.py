@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from vllm_kvpress_ext.cache import InvalidPlanError, KeepPlan, PagedKVCache, PoolExhaustedError
+from vllm_kvpress_ext.cache import InvalidPlanError, KeepPlan, PagedKVCache, PagePool, PoolExhaustedError
 
 L, H, D, PS, PAGES, ROWS = 2, 2, 4, 4, 40, 4
 WINDOW = 8
@@ -332,3 +332,48 @@ def test_bad_arguments_raise_clear_errors() -> None:
         cache.start_ring("a", 6, torch.zeros(1, 1, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="unsupported KV dtype"):
         PagedKVCache(1, 1, 4, num_pages=8, dtype=torch.int8)
+
+
+def test_bookkeeping_queries_by_hand() -> None:
+    """Every read-only query on one hand-built request, against values worked out by hand."""
+    cache = PagedKVCache(2, 2, 4, num_pages=64, page_size=4, max_requests=2, dtype=torch.float32)
+    assert cache.pages_for_prompt(1) == 4 and cache.pages_for_prompt(8) == 8 and cache.pages_for_prompt(9) == 12
+    assert PagePool.pages_for_memory(1000, 4, 4, torch.float32) == 1000 // (2 * 4 * 4 * 4)
+    row = cache.add_request("r")
+    assert cache.pages_needed_to_append([row], 6) == 2 * 2 * 2
+    slots = cache.append_slots([row], torch.arange(6).view(1, -1))
+    cache.write(slots, torch.randn(*slots.shape, 4), torch.randn(*slots.shape, 4))
+    assert cache.pages_needed_to_append([row], 2) == 0  # entries 6 and 7 fill the second pages
+    assert cache.pages_needed_to_append([row], 3) == 2 * 2  # entry 8 opens a third page everywhere
+    keep = torch.zeros(2, 2, 6, dtype=torch.bool)
+    keep[0, 0, [0, 2, 5]] = True
+    keep[0, 1] = True
+    keep[1, 0, [1]] = True
+    keep[1, 1, [3, 4]] = True
+    plan = KeepPlan.from_mask(keep)
+    assert plan.indices.tolist() == [
+        [[0, 2, 5, -1, -1, -1], [0, 1, 2, 3, 4, 5]],
+        [[1, -1, -1, -1, -1, -1], [3, 4, -1, -1, -1, -1]],
+    ]
+    assert plan.lengths.tolist() == [[3, 6], [1, 2]]
+    cache.apply_keep_plan("r", plan)
+    positions, lengths = cache.entry_positions("r")
+    assert lengths.tolist() == [[3, 6], [1, 2]]
+    assert positions.tolist() == [
+        [[0, 2, 5, -1, -1, -1], [0, 1, 2, 3, 4, 5]],
+        [[1, -1, -1, -1, -1, -1], [3, 4, -1, -1, -1, -1]],
+    ]
+    _, _, layer_positions, layer_lengths = cache.gather_layer("r", 1)
+    assert layer_positions.tolist() == [[1, -1], [3, 4]] and layer_lengths.tolist() == [1, 2]
+    assert cache.pages_per_head("r").tolist() == [[1, 2], [1, 1]]
+    assert cache.usage("r").pages == 5
+
+
+def test_keep_plan_from_mask_edges() -> None:
+    empty = KeepPlan.from_mask(torch.zeros(1, 2, 0, dtype=torch.bool))
+    assert empty.indices.shape == (1, 2, 0) and empty.lengths.tolist() == [[0, 0]]
+    nothing = KeepPlan.from_mask(torch.zeros(1, 1, 3, dtype=torch.bool))
+    assert nothing.indices.shape == (1, 1, 0) and nothing.lengths.tolist() == [[0]]
+    for bad in (torch.ones(2, 3, dtype=torch.bool), torch.ones(1, 2, 3, dtype=torch.int64)):
+        with pytest.raises(InvalidPlanError, match=r"keep mask must be a bool tensor \[L, H, n\]"):
+            KeepPlan.from_mask(bad)

@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
+import torch
 
 import vllm_kvpress_ext
 from vllm_kvpress_ext.cli import main
@@ -48,9 +50,17 @@ def test_every_subpackage_is_listed_in_pyproject() -> None:
     assert found | {"vllm_kvpress_ext.kernels"} == listed
 
 
-def test_info_and_bad_subcommand(capsys: object) -> None:
+def test_info_and_bad_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["info"]) == 0
-    assert main(["bench"]) == 2
+    info = dict(line.split(maxsplit=1) for line in capsys.readouterr().out.splitlines() if line.strip())
+    assert info["vllm-kvpress-ext"] == vllm_kvpress_ext.__version__
+    assert info["torch"] == torch.__version__
+    assert main(["bench"]) == 2  # a bench group without a bench: its usage, listing every bench
+    listing = capsys.readouterr()
+    text = listing.out + listing.err
+    assert "usage: kvpress bench" in text
+    for bench in ("cache", "throughput", "policies", "accuracy", "serve", "kernels", "prefill-peak"):
+        assert f"\n    {bench} " in text or f"\n    {bench}\n" in text, bench
 
 
 def test_demo_frees_pages(capsys) -> None:  # type: ignore[no-untyped-def]
@@ -59,4 +69,8 @@ def test_demo_frees_pages(capsys) -> None:  # type: ignore[no-untyped-def]
     assert "does not fit" in out
     assert "more uncompressed 64-token requests" in out
     held = int(out.rsplit("now hold ", 1)[1].split()[0])
-    assert held >= 1
+    # Exactly as many 64-token requests as the free pages hold: 8 layers x 4 heads x 4 pages of 16 tokens each
+    # (the demo's cache), at most 3 per original request.
+    free = int(out.rsplit("pages used, ", 1)[1].split()[0])
+    assert held == min(free // (8 * 4 * 4), 3 * 2)
+    assert held >= 1  # compression at ratio 0.25 freed room for at least one

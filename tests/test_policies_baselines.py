@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from model_utils import TINY
+from model_utils import TINY, budget_per_head, check_kept, hf_greedy, run_recording
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vllm_kvpress_ext.cache import KeepPlan
@@ -370,12 +370,12 @@ def test_h2o_decode_matches_reference_under_shuffled_storage() -> None:
 # ----------------------------------------------------------------------------- engine runs
 
 PAGE = 4
-MAX_TOKENS_LONG = 500
+MAX_TOKENS_LONG = 200
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama (2 layers, 4 query heads, 2 KV heads) with room for 500+ generated tokens."""
+    """A tiny random Llama (2 layers, 4 query heads, 2 KV heads) with room for hundreds of generated tokens."""
     config = LlamaConfig(**{**TINY, "max_position_embeddings": 1024, "tie_word_embeddings": False})
     torch.manual_seed(3)
     model = LlamaForCausalLM(config).eval()
@@ -442,13 +442,74 @@ def test_plan_frees_exactly_the_pages_it_drops(model_dir: Path, spec: dict[str, 
     assert engine.cache.pool.num_used == 0
 
 
+class H2OReference:
+    """H2O's decode-time bookkeeping written out: accumulated score per held position, evict the lowest.
+
+    Wraps a policy's `on_decode_step`: at the first step it takes the prefill's scores (checked against
+    the paper's equations by `test_h2o_prefill_matches_reference`), then at every step it adds the
+    step's attention (group mean) to each held position, evicts the lowest (older first on ties)
+    outside the `recent` newest until each head is back at `cap`, and checks the policy evicted the same.
+    """
+
+    def __init__(self, policy: H2OPolicy, cap: int) -> None:
+        self.policy, self.cap, self.recent = policy, cap, policy.recent(cap)
+        self.original = policy.on_decode_step
+        self.scores: list[list[dict[int, float]]] | None = None
+        self.steps = 0
+
+    def __call__(self, step: DecodeStep, state: dict[str, Any]) -> Any:
+        if self.scores is None:
+            self.scores = [
+                [
+                    {int(p): float(s) for p, s in zip(pos.tolist(), sc.tolist(), strict=True) if p >= 0}
+                    for pos, sc in zip(state["positions"][layer], state["scores"][layer], strict=True)
+                ]
+                for layer in range(state["positions"].shape[0])
+            ]
+        eviction = self.original(step, state)
+        want: set[tuple[int, int, int]] = set()
+        for layer, decode_layer in enumerate(step.layers):
+            assert decode_layer.attention is not None
+            group_mean = decode_layer.attention.mean(dim=1).tolist()  # [Hkv][N]
+            all_positions = decode_layer.positions.tolist()
+            for head, scores in enumerate(self.scores[layer]):
+                length = int(decode_layer.lengths[head])
+                for entry in range(length):
+                    p = all_positions[head][entry]
+                    scores[p] = scores.get(p, 0.0) + group_mean[head][entry]
+                assert set(scores) == set(all_positions[head][:length])
+                newest = sorted(scores, reverse=True)[: self.recent]
+                while len(scores) > self.cap:
+                    victim = min((p for p in scores if p not in newest), key=lambda p: (scores[p], p))
+                    del scores[victim]
+                    want.add((layer, head, victim))
+        got = set()
+        if eviction is not None:
+            for layer, head, entry in zip(
+                eviction.layers.tolist(), eviction.heads.tolist(), eviction.entries.tolist(), strict=True
+            ):
+                got.add((layer, head, int(step.layers[layer].positions[head, entry])))
+        assert got == want, f"step {self.steps}"
+        self.steps += 1
+        return eviction
+
+    def held(self, layer: int, head: int) -> set[int]:
+        assert self.scores is not None
+        return set(self.scores[layer][head])
+
+
 @pytest.mark.parametrize("name", ["streaming_llm", "h2o"])
 @pytest.mark.parametrize("budget, cap", [({"tokens": 14}, 14), ({"ratio": 0.25}, 15)], ids=["tokens", "ratio"])
-def test_decode_time_policies_stay_bounded_for_500_steps(
+def test_decode_time_policies_stay_bounded_for_hundreds_of_steps(
     model_dir: Path, name: str, budget: dict[str, Any], cap: int
 ) -> None:
     spec = {"name": name, **budget}  # a ratio budget is fixed at prefill: round(0.25 * 60) = 15
-    engine = LLMEngine(model_dir, dtype=torch.float32, num_pages=512, page_size=PAGE, kv_policy=spec)
+    policy = load_policy(spec)
+    reference = None
+    if isinstance(policy, H2OPolicy):
+        reference = H2OReference(policy, cap)
+        policy.on_decode_step = reference  # type: ignore[method-assign]
+    engine = LLMEngine(model_dir, dtype=torch.float32, num_pages=512, page_size=PAGE, kv_policy=policy)
     n = 60
     rid = engine.add_request(
         prompt_ids(n, 2), SamplingParams(max_tokens=MAX_TOKENS_LONG, temperature=0.0, ignore_eos=True)
@@ -461,7 +522,6 @@ def test_decode_time_policies_stay_bounded_for_500_steps(
         steps += 1
         if rid in engine.requests and engine.requests[rid].row is not None:
             usage = engine.cache.usage(rid)
-            assert int(usage.global_tokens.max()) <= cap, f"step {steps}"
             assert engine.cache.pool.num_used <= page_bound, f"step {steps}"
             positions, lengths = engine.cache.entry_positions(rid)
             newest = engine.requests[rid].num_processed - 1
@@ -471,39 +531,50 @@ def test_decode_time_policies_stay_bounded_for_500_steps(
                     if name == "streaming_llm":
                         assert held == set(range(4)) | set(range(newest - (cap - 4) + 1, newest + 1)), f"step {steps}"
                     else:
-                        recent = round(cap * 0.5)
-                        assert set(range(newest - recent + 1, newest + 1)) <= held, f"step {steps}"
+                        assert reference is not None
+                        if reference.scores is not None:  # from the first decode step on
+                            assert held == reference.held(layer, head), f"step {steps}"
+                        assert set(range(newest - round(cap * 0.5) + 1, newest + 1)) <= held, f"step {steps}"
+            assert usage.global_tokens.tolist() == [[cap] * heads] * layers, f"step {steps}"
         output = next((o for o in outs if o.finished), output)
     assert output is not None and len(output.output_token_ids) == MAX_TOKENS_LONG
-    assert steps >= MAX_TOKENS_LONG
+    assert steps == MAX_TOKENS_LONG  # one prefill step, then a decode step per further token
+    if reference is not None:
+        assert reference.steps == MAX_TOKENS_LONG - 1
     assert engine.cache.pool.num_used == 0
 
 
 @pytest.mark.parametrize("spec", ["pyramidkv", "adakv", "streaming_llm", "h2o", *POLICY_SPECS], ids=str)
 def test_generate_end_to_end(model_dir: Path, spec: Any) -> None:
-    llm = LLM(model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64)
+    engine = LLMEngine(model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64)
     prompts = [prompt_ids(n, 10 + n) for n in (5, 48, 130)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    engine = llm.engine  # per-request policy override on the step API
-    ids = [engine.add_request(p, params, policy=spec) for p in prompts]
-    finished: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    for rid, prompt in zip(ids, prompts, strict=True):
-        out = finished[rid]
+    policy = load_policy(spec)
+    assert policy is not None
+    decoded = 11  # the 12th token is sampled, never fed back
+    finished = run_recording(engine, prompts, params, policy=spec)  # per-request policy override
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    layers, heads = engine.config.num_hidden_layers, engine.config.num_key_value_heads
+    for request, prompt in zip(finished, prompts, strict=True):
+        out, n = request.output, len(prompt)
         assert len(out.output_token_ids) == 12
-        assert out.kv.tokens_kept <= out.kv.tokens_full
-        if len(prompt) == 130:
+        per_head = budget_per_head(policy, n)
+        if policy.wants_decode_steps:  # bounded from compression on at the budget it fixed
+            cap = policy.tokens if policy.tokens is not None else per_head  # type: ignore[attr-defined]
+            held = min(cap, per_head + decoded)
+            assert all(len(positions) == held for per_layer in request.held for positions in per_layer)
+            assert out.kv.tokens_kept == layers * heads * held
+        else:
+            check_kept(request, n, decoded, per_head)
+        if out.kv.tokens_kept == out.kv.tokens_full:  # nothing dropped: exactly transformers' greedy tokens
+            assert out.output_token_ids == hf_greedy(hf, prompt, 12)
+        if n == 130:
             assert out.kv.retention < 1.0
     assert engine.cache.pool.num_used == 0
     # The offline API with the policy as the engine default gives the same greedy tokens.
-    llm2 = LLM(
-        model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64, kv_policy=spec
-    )
-    again = llm2.generate(prompts, params)
-    assert [o.output_token_ids for o in again] == [finished[r].output_token_ids for r in ids]
+    llm = LLM(model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64, kv_policy=spec)
+    again = llm.generate(prompts, params)
+    assert [o.output_token_ids for o in again] == [r.output.output_token_ids for r in finished]
 
 
 # ----------------------------------------------------------------------------- configuration

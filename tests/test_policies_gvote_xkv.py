@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from model_utils import TINY, write_suite_model
+import yaml
+from model_utils import TINY, budget_per_head, check_kept, hf_greedy, run_recording, write_suite_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vllm_kvpress_ext.bench.tasks import TASKS, build_prompt, generate
@@ -27,6 +30,7 @@ from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.policies import GVotePolicy, PolicyConfigError, XKVPolicy, load_policy
 from vllm_kvpress_ext.policies.base import LayerPrefill, RequestPrefill
 from vllm_kvpress_ext.policies.capture import LayerCapture
+from vllm_kvpress_ext.policies.gvote import nucleus_size
 from vllm_kvpress_ext.policies.xkv import (
     XKVProfile,
     allocation_for_target,
@@ -298,8 +302,13 @@ def xkv_layer(seed: int, n: int, layer: int, num_layers: int, window: int = 8) -
     return LayerPrefill(layer, num_layers, keys, torch.randn_like(keys), torch.arange(n), capture, None, d**-0.5)  # type: ignore[arg-type]
 
 
-def xkv_reference_scores(layer: LayerPrefill, window: int, kernel: int) -> tuple[list[list[float]], list[float]]:
-    """Per KV head pooled scores (group mean of window sums) and the layer vector w_l (mean over all query heads)."""
+def xkv_reference_scores(
+    layer: LayerPrefill, window: int, kernel: int, pooling: str = "avgpool", reduction: str = "mean"
+) -> tuple[list[list[float]], list[float]]:
+    """Per KV head pooled scores (group `reduction` of window sums) and the layer vector w_l.
+
+    w_l pools the mean over all query heads, as the paper's equation says, whatever `reduction` is.
+    """
     cap = layer.capture
     assert cap is not None and cap.queries is not None
     prefix = layer.length - window
@@ -320,12 +329,14 @@ def xkv_reference_scores(layer: LayerPrefill, window: int, kernel: int) -> tuple
 
     def pool(v: list[float]) -> list[float]:
         half = kernel // 2
-        return [
-            sum(v[max(0, j - half) : j + half + 1]) / len(v[max(0, j - half) : j + half + 1]) for j in range(len(v))
-        ]
+        spans = [v[max(0, j - half) : j + half + 1] for j in range(len(v))]
+        return [max(span) if pooling == "maxpool" else sum(span) / len(span) for span in spans]
+
+    def reduce(values: list[float]) -> float:
+        return max(values) if reduction == "max" else sum(values) / len(values)
 
     heads = [
-        pool([sum(per_q[h][j] for h in range(kv * group, (kv + 1) * group)) / group for j in range(prefix)])
+        pool([reduce([per_q[h][j] for h in range(kv * group, (kv + 1) * group)]) for j in range(prefix)])
         for kv in range(layer.num_kv_heads)
     ]
     layer_vector = pool([sum(per_q[h][j] for h in range(hq)) / hq for j in range(prefix)])
@@ -346,15 +357,27 @@ def brute_force_allocation(vectors: list[list[float]], total: int) -> list[int]:
     return arg
 
 
-@pytest.mark.parametrize("budget", [{"tokens": 20}, {"ratio": 0.3}, {"target_ratio": 0.6}, {"target_ratio": 0.93}])
-def test_xkv_plan_matches_reference(budget: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "budget, pooling, reduction",
+    [
+        ({"tokens": 20}, "avgpool", "mean"),
+        ({"ratio": 0.3}, "avgpool", "mean"),
+        ({"target_ratio": 0.6}, "avgpool", "mean"),
+        ({"target_ratio": 0.93}, "avgpool", "mean"),
+        # Where the mean of the heads' selection scores is not the pooled head mean.
+        ({"tokens": 20}, "maxpool", "mean"),
+        ({"target_ratio": 0.6}, "avgpool", "max"),
+        ({"tokens": 20}, "maxpool", "max"),
+    ],
+)
+def test_xkv_plan_matches_reference(budget: dict[str, Any], pooling: str, reduction: str) -> None:
     n, window, kernel = 40, 8, 7
-    policy = XKVPolicy(**budget)
+    policy = XKVPolicy(**budget, pooling=pooling, gqa_reduction=reduction)
     policy.validate()
     assert policy.capture_spec().window == window
     layers = [xkv_layer(20 + i, n, i, 3) for i in range(3)]
     plan, state = run_prefill(policy, layers)
-    refs = [xkv_reference_scores(layer, window, kernel) for layer in layers]
+    refs = [xkv_reference_scores(layer, window, kernel, pooling, reduction) for layer in layers]
     vectors = [r[1] for r in refs]
     if "target_ratio" in budget:
         optimum = []
@@ -380,6 +403,11 @@ def test_xkv_plan_matches_reference(budget: dict[str, Any]) -> None:
 def test_xkv_short_prompts_and_small_ratio_budgets() -> None:
     # A prompt within the window: nothing to rank, everything kept.
     plan, _ = run_prefill(XKVPolicy(target_ratio=0.5), [xkv_layer(1, 6, 0, 1, window=6)])
+    assert plan.lengths.tolist() == [[6, 6]]
+    # ... unless a ratio budget asks for less: it is honoured on a short prompt too (the last B entries).
+    plan, _ = run_prefill(XKVPolicy(ratio=0.5), [xkv_layer(1, 6, 0, 1, window=6)])
+    assert kept_sets(plan) == [[{3, 4, 5}] * 2]
+    plan, _ = run_prefill(XKVPolicy(tokens=8), [xkv_layer(1, 6, 0, 1, window=6)])
     assert plan.lengths.tolist() == [[6, 6]]
     # A ratio budget below the window keeps the last B entries, as the SnapKV family does.
     plan, _ = run_prefill(XKVPolicy(ratio=0.1), [xkv_layer(2, 40, i, 2) for i in range(2)])
@@ -490,28 +518,40 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     ids=str,
 )
 def test_generate_end_to_end(model_dir: Path, spec: Any) -> None:
-    llm = LLM(model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64)
-    engine = llm.engine
+    engine = LLMEngine(model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64)
     prompts = [prompt_ids(n, 10 + n) for n in (5, 90)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(p, params, policy=spec) for p in prompts]
-    strict = engine.add_request(prompts[1], params, policy=spec, compress_after=80)  # the strict protocol
-    finished: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    for rid in [*ids, strict]:
-        assert len(finished[rid].output_token_ids) == 6
-        assert finished[rid].kv.tokens_kept <= finished[rid].kv.tokens_full
+    decoded = 5  # the 6th token is sampled, never fed back
+    policy = load_policy(spec)
+    finished = run_recording(engine, prompts, params, policy=spec)
+    # The strict protocol: the last 10 prompt tokens run through decode steps from the compressed cache.
+    (strict,) = run_recording(engine, prompts[1:], params, policy=spec, compress_after=80)
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # XKV with a ratio budget keeps round(0.25 n) per head on average; GVote and XKV's R_avg target are budget-free.
+    fixed = isinstance(policy, XKVPolicy) and policy.target_ratio is None
+    budget = SimpleNamespace(ratio=0.25, tokens=None)  # XKV's default: the SnapKV family's ratio
+    for request, prompt in zip(finished, prompts, strict=True):
+        n = len(prompt)
+        assert len(request.output.output_token_ids) == 6
+        check_kept(request, n, decoded, budget_per_head(budget, n) if fixed else None)
+        if request.output.kv.tokens_kept == request.output.kv.tokens_full:  # nothing dropped
+            assert request.output.output_token_ids == hf_greedy(hf, prompt, 6)
+    # The strict request compressed 80 entries; the last 10 prompt tokens entered every head afterwards.
+    check_kept(strict, 80, 10 + decoded, budget_per_head(budget, 80) if fixed else None)
+    assert len(strict.output.output_token_ids) == 6
     assert engine.cache.pool.num_used == 0
-    if spec != "gvote":  # this random model's attention is diffuse: GVote at p_nuc 0.95 keeps nearly everything
-        assert finished[ids[1]].kv.retention < 1.0
+    long = finished[1].output.kv
+    if spec == "gvote":
+        # This random model's attention is diffuse: at p_nuc 0.95 GVote keeps every entry, so the tokens are
+        # transformers' (checked above). `test_gvote_memory_differs_across_suite_requests` shows it compress.
+        assert long.tokens_kept == long.tokens_full
+    else:
+        assert long.retention < 1.0
     # Same greedy tokens with the policy as the engine default (plans are deterministic).
     again = LLM(
         model_dir, dtype=torch.float32, num_pages=1024, page_size=PAGE, max_num_batched_tokens=64, kv_policy=spec
     ).generate(prompts, params)
-    assert [o.output_token_ids for o in again] == [finished[r].output_token_ids for r in ids]
+    assert [o.output_token_ids for o in again] == [r.output.output_token_ids for r in finished]
 
 
 def test_gvote_memory_differs_across_suite_requests(tmp_path: Path) -> None:
@@ -536,9 +576,30 @@ def test_gvote_memory_differs_across_suite_requests(tmp_path: Path) -> None:
 
 def test_xkv_profile_from_engine_runs(model_dir: Path, tmp_path: Path) -> None:
     prompts = [prompt_ids(n, n) for n in (40, 70)]
-    profile = profile_xkv(model_dir, prompts, target_ratio=0.8, dtype=torch.float32, num_pages=512, page_size=PAGE)
-    assert profile.num_layers == TINY["num_hidden_layers"] and profile.metadata["requests"] == 2
-    assert all(0.0 <= f <= 1.0 for f in profile.fractions)
+    settings = {"target_ratio": 0.8, "window": 6, "kernel_size": 5, "pooling": "maxpool"}
+    profile = profile_xkv(model_dir, prompts, **settings, dtype=torch.float32, num_pages=512, page_size=PAGE)  # type: ignore[arg-type]
+    # The same prompts through XKV's R_avg mode with the same settings, one at a time: f_l = mean of m_l / P.
+    seen: list[tuple[list[int], int]] = []
+    policy = XKVPolicy(**settings)  # type: ignore[arg-type]
+    original = policy.plan
+
+    def recording_plan(request: Any, results: list[Any], state: dict[str, Any]) -> Any:
+        plan = original(request, results, state)
+        seen.append((list(state["allocation"]), state["capacity"]))
+        return plan
+
+    policy.plan = recording_plan  # type: ignore[method-assign]
+    engine = LLMEngine(model_dir, dtype=torch.float32, num_pages=512, page_size=PAGE)
+    for prompt in prompts:
+        run_recording(engine, [prompt], SamplingParams(max_tokens=1, temperature=0.0), policy=policy)
+    assert [capacity for _, capacity in seen] == [40 - 6, 70 - 6]
+    expected = [
+        sum(alloc[layer] / capacity for alloc, capacity in seen) / 2 for layer in range(TINY["num_hidden_layers"])
+    ]
+    assert profile.fractions == pytest.approx(expected, abs=1e-12)
+    assert len(set(profile.fractions)) > 1
+    assert (profile.window, profile.kernel_size, profile.pooling) == (6, 5, "maxpool")
+    assert profile.metadata == {"target_ratio": 0.8, "model": str(model_dir), "requests": 2}
     path = profile.save(tmp_path / "xkv.yaml")
     assert XKVProfile.load(path) == profile
     llm = LLM(
@@ -546,3 +607,51 @@ def test_xkv_profile_from_engine_runs(model_dir: Path, tmp_path: Path) -> None:
     )
     (out,) = llm.generate([prompt_ids(60, 3)], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(out.output_token_ids) == 3 and out.kv.retention < 1.0
+
+
+def test_xkv_profile_file_format_and_validation(tmp_path: Path) -> None:
+    profile = XKVProfile(fractions=[0.0, 0.5], window=4, kernel_size=3, pooling="maxpool", metadata={"requests": 1})
+    path = profile.save(tmp_path / "p.yaml")
+    assert yaml.safe_load(path.read_text()) == {
+        "policy": "xkv",
+        "num_layers": 2,
+        "fractions": [0.0, 0.5],
+        "window": 4,
+        "kernel_size": 3,
+        "pooling": "maxpool",
+        "metadata": {"requests": 1},
+    }
+    assert XKVProfile.load(path) == profile  # a zero fraction is a valid layer size
+    # Only `policy` and `fractions` are required; the rest take XKV's defaults.
+    assert XKVProfile.from_dict({"policy": "xkv", "fractions": [1, 0.25]}) == XKVProfile(fractions=[1.0, 0.25])
+    bad: list[tuple[Any, str]] = [
+        ([0.5], "source.yaml is not an XKV profile"),
+        ({"policy": "snapkv", "fractions": [0.5]}, "source.yaml is not an XKV profile"),
+        ({"policy": "xkv", "fractions": []}, "`fractions` must be a non-empty list"),
+        ({"policy": "xkv", "fractions": "0.5"}, "`fractions` must be a non-empty list"),
+        ({"policy": "xkv", "fractions": [True]}, "`fractions` must be a non-empty list"),
+        ({"policy": "xkv", "fractions": [-0.1]}, "`fractions` must be a non-empty list"),
+        ({"policy": "xkv", "fractions": [0.5], "num_layers": 2}, "num_layers 2 != 1 fractions"),
+        ({"policy": "xkv", "fractions": [0.5], "metadata": [1]}, "`metadata` must be a mapping"),
+    ]
+    for data, message in bad:
+        with pytest.raises(PolicyConfigError, match=re.escape(message)):
+            XKVProfile.from_dict(data, source="source.yaml")
+    with pytest.raises(ValueError, match="no profiled request had entries to score"):
+        XKVProfile.from_allocations([[0, 0]], [0])
+
+
+def test_gvote_nucleus_size_at_exact_mass_and_parameter_boundaries() -> None:
+    # Masses 0.5, 0.75, 1.0 (exact in binary): the smallest set reaching 0.75 has two entries.
+    probs = torch.tensor([[0.25, 0.5, 0.25], [1.0, 0.0, 0.0]])
+    assert nucleus_size(probs, 0.75).tolist() == [2, 1]
+    assert nucleus_size(probs, 0.5).tolist() == [1, 1]
+    assert nucleus_size(probs, 1.0).tolist() == [3, 1]
+    # The smallest legal values are accepted.
+    GVotePolicy(num_samples=1, future_positions=1, window=0, sink_tokens=0, seed=0).validate()
+    for field in ("num_samples", "future_positions"):
+        with pytest.raises(PolicyConfigError, match=f"^{field} must be >= 1, got 0$"):
+            GVotePolicy(**{field: 0}).validate()
+    for field in ("window", "sink_tokens", "seed"):
+        with pytest.raises(PolicyConfigError, match=f"^{field} must be >= 0, got -1$"):
+            GVotePolicy(**{field: -1}).validate()

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from model_utils import TINY
+from model_utils import TINY, budget_per_head, check_kept, hf_greedy, run_recording
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vllm_kvpress_ext.cache import KeepPlan
@@ -561,12 +561,19 @@ def test_generate_end_to_end(model_dir: Path, spec: Any) -> None:
     llm = LLM(model_dir, dtype=torch.float32, num_pages=2048, page_size=PAGE, max_num_batched_tokens=64, kv_policy=spec)
     prompts = [prompt_ids(n, 20 + n) for n in (5, 48, 150)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(prompts, params)
-    for out, prompt in zip(outputs, prompts, strict=True):
-        assert len(out.output_token_ids) == 8
-        assert out.kv.tokens_kept <= out.kv.tokens_full
-        if len(prompt) == 150:
-            assert out.kv.retention < 0.5
+    decoded = 7  # the 8th token is sampled, never fed back
+    policy = load_policy(spec)
+    finished = run_recording(llm.engine, prompts, params)  # the engine's default policy
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for request, prompt in zip(finished, prompts, strict=True):
+        n = len(prompt)
+        assert len(request.output.output_token_ids) == 8
+        # Per-head and per-layer sizes differ, but the mean is the budget's, exactly.
+        check_kept(request, n, decoded, budget_per_head(policy, n))
+        if request.output.kv.tokens_kept == request.output.kv.tokens_full:  # nothing dropped
+            assert request.output.output_token_ids == hf_greedy(hf, prompt, 8)
+        if n == 150:
+            assert request.output.kv.retention < 0.5
     assert llm.engine.cache.pool.num_used == 0
 
 
@@ -606,3 +613,50 @@ def test_plan_frees_what_it_drops_and_keeps_the_budget(model_dir: Path, spec: di
         assert len(state["lava"]["entropies"]) == len(state["lava"]["cascade"]) == layers
         peak = state["lava"]["prefill_peak_entries"]
         assert peak["one_shot"] == layers * heads * n and peak["cascading"] < peak["one_shot"]
+
+
+def test_coverage_metrics_by_hand() -> None:
+    """Exact values on a hand-made keep set: position 0 kept by one head only, position 3 by nobody."""
+    keep = torch.zeros(2, 2, 4, dtype=torch.bool)
+    keep[0, 0, [0, 1]] = True
+    keep[1, 1, [1, 2]] = True
+    assert unique_token_coverage(keep) == 0.75  # {0, 1, 2} of 4 tokens
+    assert head_coverage(keep) == 0.5  # each layer holds 2 of 4 tokens across its heads
+    plan = KeepPlan.from_mask(keep)
+    assert unique_token_coverage(plan, 4) == 0.75
+    assert unique_token_coverage(plan, 8) == 0.375  # the same plan over a longer prompt
+    empty = torch.zeros(2, 2, 0, dtype=torch.bool)
+    assert unique_token_coverage(empty) == head_coverage(empty) == 1.0
+    assert unique_token_coverage(KeepPlan.from_mask(empty), 0) == 1.0
+    with pytest.raises(ValueError, match="needs the prompt length"):
+        unique_token_coverage(plan)
+
+
+@pytest.mark.parametrize(
+    "budget, n, kept",
+    [
+        ({"tokens": 40, "ratio": None}, 30, range(30)),  # the prompt fits the budget: all of it stays
+        ({"ratio": 0.1}, 40, range(36, 40)),  # round(0.1 * 40) = 4 < the window: the window shrinks to 4
+    ],
+    ids=["fits", "ratio-below-window"],
+)
+def test_lava_short_prompts_keep_the_budget_in_both_forms(budget: dict[str, Any], n: int, kept: range) -> None:
+    """Nothing to rank: one-shot `plan` and every cascade step keep the same last entries, at the same budgets."""
+    layers, heads = 3, 2
+    request = RequestPrefill("r", layers, heads, 4, n)
+    expected = torch.zeros(heads, n, dtype=torch.bool)
+    expected[:, list(kept)] = True
+    one_shot = LavaPolicy(window=8, **budget)
+    one_shot.validate()
+    state: dict[str, Any] = {}
+    plan = one_shot.plan(request, [torch.zeros(heads, 0)] * layers, state)
+    assert torch.equal(plan.to_mask(torch.full((layers, heads), n)), expected.expand(layers, heads, n))
+    assert state["lava"]["layer_budgets"] == [heads * len(kept)] * layers
+    cascading = LavaPolicy(window=8, cascading=True, **budget)
+    state = {}
+    for layer in range(layers):
+        keep = cascading.plan_layer(request, layer, [torch.zeros(heads, 0)] * (layer + 1), state)
+        assert keep.layers == [layer]
+        assert torch.equal(keep.masks, expected.unsqueeze(0))
+        assert ("layer_budgets" in state["lava"]) == (layer == layers - 1)  # recorded once the last layer is in
+    assert state["lava"]["layer_budgets"] == [heads * len(kept)] * layers

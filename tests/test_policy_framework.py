@@ -185,8 +185,15 @@ def test_per_request_policy_override_and_protocols(tiny_model: tuple[PreTrainedM
     assert compressed.kv.kv_bytes < full.kv.kv_bytes
     # Strict protocol: compress before the last 5 prompt tokens, which then run from the compressed cache.
     strict = _run(engine, prompt, compress_after=75)
-    assert strict.kv.tokens_kept < full.kv.tokens_kept
     assert len(strict.output_token_ids) == GREEDY.max_tokens
+    layers, heads = engine.config.num_hidden_layers, engine.config.num_key_value_heads
+    decoded = GREEDY.max_tokens - 1  # the last sampled token is never fed back
+    # Whole-prompt compression keeps 16 per head, then every decoded token; the strict protocol keeps
+    # 16 of the first 75, then the 5 held-back prompt tokens and the decoded ones.
+    assert compressed.kv.kept_per_head == [[16 + decoded] * heads] * layers
+    assert strict.kv.kept_per_head == [[16 + 5 + decoded] * heads] * layers
+    assert strict.kv.tokens_kept == layers * heads * (16 + 5 + decoded)
+    assert strict.kv.tokens_full == full.kv.tokens_kept == layers * heads * (80 + decoded)
 
 
 def test_prompts_shorter_than_the_window(tiny_model: tuple[PreTrainedModel, Path]) -> None:

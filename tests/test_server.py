@@ -164,6 +164,47 @@ def sse_events(lines: Iterator[str]) -> Iterator[str]:
             yield line[len("data: ") :]
 
 
+class HeldSteps:
+    """An engine hook that holds steps: while held, `engine.step()` runs nothing and returns no output.
+
+    The engine loop keeps draining its commands between (empty) steps, so requests are admitted,
+    queued, rejected and aborted as usual, but none advances: a test decides how many real steps run
+    (`allow`) instead of hoping a generation outlasts a client's timeout.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.step = engine.step
+        self.lock = threading.Lock()
+        self.permits: int | None = 0  # None: released, every step runs
+        self.steps = 0
+
+    def __call__(self) -> list[Any]:
+        with self.lock:
+            run = self.permits is None or self.permits > 0
+            if run and self.permits is not None:
+                self.permits -= 1
+        if not run:
+            time.sleep(0.001)  # held: yield the CPU instead of spinning
+            return []
+        outputs = self.step()
+        with self.lock:
+            self.steps += 1
+        return outputs
+
+    def allow(self, count: int) -> None:
+        with self.lock:
+            assert self.permits is not None
+            self.permits += count
+
+    def release(self) -> None:
+        with self.lock:
+            self.permits = None
+
+    def ran(self, count: int) -> bool:
+        with self.lock:
+            return self.steps >= count
+
+
 # ---------------------------------------------------------------------- happy paths
 
 
@@ -425,13 +466,28 @@ def test_stream_disconnect_aborts_and_frees_pages(server: LiveServer, http: http
     assert_serving(http)
 
 
-def test_non_streaming_disconnect_aborts(server: LiveServer, http: httpx.Client) -> None:
+def test_non_streaming_disconnect_aborts(
+    server: LiveServer, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
     aborted = metric(http, "kvpress_requests_total", 'status="aborted"')
-    body = {"prompt": LONG_PROMPT, "max_tokens": 800, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, timeout=0.5) as own:
-        own.post("/v1/completions", json=body)
+    finished = metric(http, "kvpress_requests_total", 'status="length"')
+    held = HeldSteps(server.engine)
+    monkeypatch.setattr(server.engine, "step", held)
+    body = json.dumps({"prompt": LONG_PROMPT, "max_tokens": 800, "ignore_eos": True}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as client:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        client.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_for(lambda: metric(http, "kvpress_requests_waiting") == 1)  # admitted; no step has run
+        held.allow(1)  # the prefill: the request now holds pages and has its first token
+        wait_for(lambda: held.ran(1) and metric(http, "kvpress_requests_running") == 1)
+        assert metric(http, "kvpress_kv_pages_used") > 0
+    # The client hung up mid-generation; the engine is still held, so only the abort can end the request.
     wait_for(lambda: metric(http, "kvpress_requests_total", 'status="aborted"') == aborted + 1)
     wait_for(lambda: pool_empty(http))
+    assert held.steps == 1
+    assert metric(http, "kvpress_requests_total", 'status="length"') == finished
+    held.release()
     assert_serving(http)
 
 
@@ -444,15 +500,13 @@ def test_queue_full_and_pool_too_small(model_dir: Path, monkeypatch: pytest.Monk
         _start(model_dir, num_pages=256, max_num_seqs=1, max_queue=1) as live,
         httpx.Client(base_url=live.url, timeout=30) as client,
     ):
-        forward = live.engine.model.forward
-
-        def slow(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(0.01)  # keeps the running request alive while the queue fills
-            return forward(*args, **kwargs)
-
-        monkeypatch.setattr(live.engine.model, "forward", slow)
+        # Steps are held: the running request stays mid-generation for as long as the test needs.
+        held = HeldSteps(live.engine)
+        monkeypatch.setattr(live.engine, "step", held)
         long_body = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True}
         with client.stream("POST", "/v1/completions", json=long_body) as running:
+            assert running.status_code == 200
+            held.allow(1)  # its prefill, which streams the first token
             # Keep the iterator referenced: dropping it closes the connection, which aborts the request.
             running_events = sse_events(running.iter_lines())
             next(running_events)  # admitted and generating
@@ -462,7 +516,8 @@ def test_queue_full_and_pool_too_small(model_dir: Path, monkeypatch: pytest.Monk
                 assert error["type"] == "rate_limit_error" and error["code"] == "queue_full"
                 assert metric(client, "kvpress_requests_total", 'status="queue_full"') == 1
                 assert metric(client, "kvpress_requests_running") == metric(client, "kvpress_requests_waiting") == 1
-        monkeypatch.setattr(live.engine.model, "forward", forward)
+                assert held.steps == 1
+        held.release()
         wait_for(lambda: pool_empty(client))
         assert_serving(client)
 
@@ -501,10 +556,15 @@ def test_parse_size() -> None:
             parse_size(bad)
 
 
-@pytest.mark.skipif(BUNDLED_MODEL_DIR.is_dir(), reason="a bundled model ships: MODEL_DIR is optional")
-def test_cli_serve_needs_a_model_dir(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve"]) == 2
-    assert "model directory is required" in capsys.readouterr().err
+def test_cli_serve_needs_a_model_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert BUNDLED_MODEL_DIR.is_dir()  # MODEL_DIR is optional while the bundled model ships ...
+    monkeypatch.setattr("vllm_kvpress_ext.server.config.BUNDLED_MODEL_DIR", tmp_path / "absent")
+    assert main(["serve"]) == 2  # ... and required, with a clear message, where it does not
+    assert "the bundled model is missing from this installation" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path)]) == 2
+    assert f"{tmp_path} is not a model directory (no config.json)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--help"])
     assert exit_info.value.code == 0

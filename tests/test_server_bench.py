@@ -13,7 +13,10 @@ from vllm_kvpress_ext.cli import main
 def test_bench_serve_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "serve.json"
     argv = ["bench", "serve", "--policies", "full,snapkv", "--num-requests", "6", "--concurrency", "3"]
-    argv += ["--prompt-len", "64", "--max-tokens", "4", "--kv-memory", "2MiB", "--duration", "60", "--out", str(out)]
+    # The phase ends when the 6 requests complete: the duration is only a bound a stuck server would hit,
+    # never one a slow machine could (each request is 64 prompt tokens and 4 generated ones).
+    argv += ["--prompt-len", "64", "--max-tokens", "4", "--kv-memory", "2MiB", "--duration", "3600"]
+    argv += ["--out", str(out)]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "TTFT p50 ms" in text and "ITL p50 ms" in text and "peak held" in text and "req/s" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from model_utils import write_suite_model
+from safetensors import SafetensorError
 
 from vllm_kvpress_ext.attention import causal_attention, vertical_slash_attention
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
@@ -21,6 +23,7 @@ from vllm_kvpress_ext.models.write_gate import (
     write_gated_attention,
 )
 from vllm_kvpress_ext.policies import PolicyConfigError, WGKVPolicy, load_policy
+from vllm_kvpress_ext.policies.base import DecodeLayer, DecodeStep, RequestPrefill
 from vllm_kvpress_ext.policies.wgkv import GateAdmission
 
 PAGE = 8
@@ -77,7 +80,7 @@ def test_gates_round_trip_and_shape_checks(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="train-gate"):
         load_gates(tmp_path / "missing.safetensors")
     (tmp_path / "other.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(Exception):  # noqa: B017 - safetensors' own error type for a corrupt header
+    with pytest.raises(SafetensorError, match="deserializing header"):
         load_gates(tmp_path / "other.safetensors")
     assert default_gate_path(tmp_path / "model").name == "model.wgkv.safetensors"
     assert default_gate_path(tmp_path / "model").parent == tmp_path.resolve()
@@ -355,3 +358,115 @@ def test_train_gate_command(tmp_path: Path, model_dir: Path, capsys: pytest.Capt
     assert gate_metadata(out)["local_window"] == 16
     assert main(["train-gate", str(tmp_path / "missing"), "--steps", "1"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def _wgkv_layer_result(seed: int, heads: int, lengths: list[int], width: int) -> dict[str, torch.Tensor]:
+    """What `on_layer_prefilled` hands `plan`: distinct scores and shuffled positions, -1 past each head's length."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.zeros(heads, width)
+    positions = torch.full((heads, width), -1, dtype=torch.int64)
+    for head, length in enumerate(lengths):
+        scores[head, :length] = torch.rand(length, generator=g) + 0.01
+        positions[head, :length] = torch.randperm(200, generator=g)[:length]
+    return {"scores": scores, "positions": positions}
+
+
+def test_composition_plan_keeps_the_highest_scores_across_heads() -> None:
+    """Prefill cut: per layer over the cap, exactly the cap * H best entries of the layer, whatever head they sit in."""
+    cap, heads = 4, 2
+    policy = WGKVPolicy(cap=cap)
+    # Layer 0 is over its cap (13 > 8) with unequal heads; layer 1 (3 + 4 = 7) is under it and keeps everything.
+    results = [_wgkv_layer_result(1, heads, [9, 4], 9), _wgkv_layer_result(2, heads, [3, 4], 4)]
+    state: dict[str, Any] = {}
+    request = RequestPrefill("r", num_layers=2, num_kv_heads=heads, num_q_heads=4, length=100)
+    plan = policy.plan(request, results, state)
+    assert plan is not None
+    for layer, result in enumerate(results):
+        entries = [
+            (float(result["scores"][h, e]), h, e)
+            for h in range(heads)
+            for e in range(result["positions"].shape[-1])
+            if result["positions"][h, e] >= 0
+        ]
+        limit = cap * heads
+        chosen = sorted(entries, reverse=True)[:limit] if len(entries) > limit else entries
+        for head in range(heads):
+            want = sorted(e for _, h, e in chosen if h == head)
+            assert plan.indices[layer, head, : int(plan.lengths[layer, head])].tolist() == want, (layer, head)
+    assert state["counters"] == {"eviction_triggers": 1}
+    kept_positions = state["positions"][0]
+    assert int((kept_positions >= 0).sum()) == cap * heads
+
+
+def test_composition_decode_evicts_the_lowest_moving_averages_across_heads() -> None:
+    """Decode: scores are moving averages by position; over the cap, the lowest ceil(10%) of the layer go."""
+    cap, heads, group, window = 3, 2, 2, 4
+    policy = WGKVPolicy(cap=cap, observation_window=window)
+    rate = 1.0 / window
+    g = torch.Generator().manual_seed(7)
+    # Start: layer 0 holds positions 0..3 in head 0 and 10..12 in head 1 (7 entries > cap * H = 6).
+    held = [[[0, 1, 2, 3], [10, 11, 12]], [[20], [30, 31]]]
+    ref: list[list[dict[int, float]]] = [
+        [{p: float(i + 1) / 10 for i, p in enumerate(h)} for h in layer] for layer in held
+    ]
+    width0 = 4
+    positions0 = torch.full((2, heads, width0), -1, dtype=torch.int64)
+    scores0 = torch.zeros(2, heads, width0)
+    for layer in range(2):
+        for head in range(heads):
+            for i, p in enumerate(held[layer][head]):
+                positions0[layer, head, i] = p
+                scores0[layer, head, i] = ref[layer][head][p]
+    state: dict[str, Any] = {"positions": positions0, "scores": scores0, "counters": {"eviction_triggers": 0}}
+    triggers = 0
+    for step in range(6):
+        new = 100 + step
+        layers = []
+        for layer in range(2):
+            if step % 2 == 0:
+                held[layer][0].append(new)  # a promotion from the ring
+            for head in range(heads):  # storage order is not position order
+                held[layer][head].reverse()
+            width = max(len(h) for h in held[layer])
+            positions = torch.full((heads, width), -1, dtype=torch.int64)
+            attention = torch.zeros(heads, group, width)
+            for head in range(heads):
+                positions[head, : len(held[layer][head])] = torch.tensor(held[layer][head])
+                attention[head, :, : len(held[layer][head])] = torch.rand(group, len(held[layer][head]), generator=g)
+            lengths = torch.tensor([len(h) for h in held[layer]])
+            layers.append(DecodeLayer(positions=positions, lengths=lengths, attention=attention))
+        width = max(layer.positions.shape[-1] for layer in layers)
+        padded = [
+            DecodeLayer(
+                positions=torch.nn.functional.pad(layer.positions, (0, width - layer.positions.shape[-1]), value=-1),
+                lengths=layer.lengths,
+                attention=torch.nn.functional.pad(layer.attention, (0, width - layer.attention.shape[-1])),  # type: ignore[arg-type]
+            )
+            for layer in layers
+        ]
+        eviction = policy.on_decode_step(DecodeStep("r", new, padded), state)
+        got = set()
+        if eviction is not None:
+            for layer, head, entry in zip(
+                eviction.layers.tolist(), eviction.heads.tolist(), eviction.entries.tolist(), strict=True
+            ):
+                got.add((layer, head, held[layer][head][entry]))
+        want = set()
+        for layer in range(2):
+            for head in range(heads):
+                for index, p in enumerate(held[layer][head]):
+                    now = float(padded[layer].attention[head, :, index].mean())  # type: ignore[index]
+                    before = ref[layer][head].get(p)
+                    ref[layer][head][p] = now if before is None else (1 - rate) * before + rate * now
+            total = sum(len(h) for h in held[layer])
+            if total > cap * heads:
+                triggers += 1
+                count = max(1, math.ceil(0.1 * total))
+                ranked = sorted((ref[layer][h][p], h, p) for h in range(heads) for p in held[layer][h])
+                want |= {(layer, h, p) for _, h, p in ranked[:count]}
+        assert got == want, f"step {step}"
+        for layer, head, p in want:
+            held[layer][head].remove(p)
+            del ref[layer][head][p]
+        assert state["counters"]["eviction_triggers"] == triggers
+    assert triggers >= 3

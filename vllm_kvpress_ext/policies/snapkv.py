@@ -77,16 +77,26 @@ class ObservationWindowScores(KVPolicy):
         """The protected window: never longer than the prompt or the budget (see base docstring)."""
         return min(self.window, length, budget)
 
-    def scores(self, layer: LayerPrefill) -> torch.Tensor:
-        """Pooled window votes `[Hkv, n]` (window entries get +inf: they are always kept)."""
+    def query_votes(self, layer: LayerPrefill) -> torch.Tensor:
+        """Window votes per query head `[Hq, n]`: each entry's attention summed over the window's queries."""
         capture = layer.capture
         assert capture is not None and capture.queries is not None and capture.query_positions is not None
-        n = layer.length
-        w = min(self.window, n)
+        w = min(self.window, layer.length)
         queries = capture.queries[-w:] if w else capture.queries[-1:]
         qpos = capture.query_positions[-w:] if w else capture.query_positions[-1:]
         probs = window_attention(queries, qpos, layer.keys, layer.positions, layer.scale)  # [Hq, w, n]
-        votes = reduce_group(probs.sum(dim=1), layer.num_kv_heads, self.gqa_reduction)  # [Hkv, n]
+        return probs.sum(dim=1)
+
+    def scores(self, layer: LayerPrefill, query_votes: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled window votes `[Hkv, n]` (window entries get +inf: they are always kept).
+
+        `query_votes` (from `query_votes`) saves recomputing them when the caller already has them.
+        """
+        n = layer.length
+        w = min(self.window, n)
+        if query_votes is None:
+            query_votes = self.query_votes(layer)
+        votes = reduce_group(query_votes, layer.num_kv_heads, self.gqa_reduction)  # [Hkv, n]
         prefix = n - w
         scores = votes.clone()
         if prefix > 0:  # a prompt no longer than the window has nothing to rank

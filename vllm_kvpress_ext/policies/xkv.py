@@ -7,7 +7,9 @@ Equations, for a prompt of n entries, L layers, an observation window of the las
 queries and the P = n - w earlier entries:
 
     score vector   a_l[h, j] = (1/w) sum_{i in window} softmax_j(q_i[h] . k_j / sqrt(d))    j < P
-                   w_l[j]    = avgpool_7( mean_h a_l[h, .] )[j]          mean over the query heads
+                   w_l[j]    = pool_k( mean_h a_l[h, .] )[j]             mean over all query heads
+                   (pool_k: `pooling` of size `kernel_size`, avgpool_7 by default; `gqa_reduction` and
+                   `pooling` also shape each KV head's own selection scores, never w_l's head mean)
     coverage       R_l(m)    = Sum(Top-m(w_l)) / Sum(w_l)                 share of layer l's mass kept
     objective      R_avg(m_1..m_L) = (1/L) sum_l R_l(m_l)
     Algorithm 1    given N:   maximise R_avg subject to sum_l m_l = N, 0 <= m_l <= P
@@ -90,6 +92,7 @@ from vllm_kvpress_ext.policies.base import (
     PolicyConfigError,
     RequestPrefill,
     keep_top,
+    pool_scores,
     recent_window,
 )
 from vllm_kvpress_ext.policies.snapkv import ObservationWindowScores
@@ -330,9 +333,13 @@ class XKVPolicy(ObservationWindowScores):
         prefix = n - min(self.window, n)
         if prefix == 0:  # nothing before the window: nothing to rank
             return XKVLayerScores(torch.zeros(layer.num_kv_heads, n), torch.zeros(0, dtype=torch.float64))
-        scores = self.scores(layer).cpu()
-        # Mean over KV heads of group means = mean over all query heads (groups are equal).
-        return XKVLayerScores(scores, scores[:, :prefix].double().mean(dim=0))
+        query_votes = self.query_votes(layer)
+        scores = self.scores(layer, query_votes).cpu()
+        # w_l pools the mean over all query heads, whatever reduction and pooling select inside a head:
+        # with `max` or `maxpool` the mean of the heads' selection scores would be another vector.
+        mean_votes = query_votes[:, :prefix].float().mean(dim=0, keepdim=True)
+        coverage = pool_scores(mean_votes, self.kernel_size, self.pooling)[0]
+        return XKVLayerScores(scores, coverage.cpu().double())
 
     def allocation(self, coverage: list[torch.Tensor], length: int) -> tuple[list[int], int]:
         """(m_l per layer, protected window) for a prompt of `length` entries: Algorithm 1 in the chosen mode."""
@@ -355,7 +362,12 @@ class XKVPolicy(ObservationWindowScores):
         window = min(self.window, length)
         prefix = length - window
         if prefix == 0:
-            return [0] * num_layers, length
+            # Nothing to rank. A `ratio` / `tokens` budget still holds (base semantics: a ratio is honoured
+            # on a prompt shorter than the window): the last B entries stay. The budget-free modes keep all.
+            budget_free = self.target_ratio is not None or (
+                self.profile is not None and self.ratio is None and self.tokens is None
+            )
+            return [0] * num_layers, length if budget_free else min(length, self.budget.per_head(length))
         if self.target_ratio is not None:
             return None
         profile = self.load_profile()
