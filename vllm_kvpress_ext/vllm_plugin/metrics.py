@@ -60,10 +60,15 @@ class EngineMetrics:
         self.path = path if path is not None else metrics_file()
         self.gauges: dict[str, float] = {}
         self.preemptions = 0
+        self.running_peak = 0
         self.finished: dict[str, int] = {}
         self.retention: dict[str, _Histogram] = {}
         self.compression: dict[str, _Histogram] = {}
         self.last_write = 0.0
+
+    def scheduled(self, num_requests: int) -> None:
+        """Requests in one step's schedule (prefilling or decoding): what the pool let run at once."""
+        self.running_peak = max(self.running_peak, num_requests)
 
     def preempted_by_pool(self) -> None:
         self.preemptions += 1
@@ -86,6 +91,7 @@ class EngineMetrics:
             "page_bytes": report.page_bytes,
             "requests_running": running,
             "requests_waiting": waiting,
+            "requests_running_peak": self.running_peak,
         }
         self.write()
 
@@ -118,6 +124,7 @@ _GAUGES = {
     "page_bytes": "Bytes of K and V in one page",
     "requests_running": "Requests scheduled by vLLM and holding KV pages",
     "requests_waiting": "Requests waiting for admission",
+    "requests_running_peak": "Most requests scheduled in one step since start",
 }
 
 

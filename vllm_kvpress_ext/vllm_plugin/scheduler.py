@@ -70,13 +70,15 @@ class KVPressScheduler(Scheduler):
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._begin_budget()
         self._refuse_unservable()
-        return super().schedule(*args, **kwargs)
+        output = super().schedule(*args, **kwargs)
+        self.metrics.scheduled(len(output.num_scheduled_tokens))
+        return output
 
     def _begin_budget(self) -> None:
         self.charged = {}
         report = self.report
         if report is None:
-            self.available = 1 << 62  # before the first step nothing is held; the pool size is not known yet
+            self.available = 0  # the pool's size arrives with the first step's report (see reserve_pages)
             return
         available = report.pages_free + self.freed_since_report
         for request_id, peak in self.prefill_peaks.items():
@@ -107,9 +109,14 @@ class KVPressScheduler(Scheduler):
 
     def reserve_pages(self, request: Any) -> bool:
         report = self.report
-        if report is None:
-            return True
         request_id = request.request_id
+        if report is None:
+            # No step has run, so the pool's size is not known here yet: admit a single request, whose
+            # step brings the first report.
+            if self.charged:
+                return False
+            self.charged[request_id] = 0
+            return True
         if request.num_computed_tokens == 0:
             need = report.peak_pages(request.num_tokens)
             starting = True
