@@ -8,6 +8,7 @@ import torch
 
 from vllm_kvpress_ext.assets import default_model_dir
 from vllm_kvpress_ext.bench.tasks import build_prompt, generate
+from vllm_kvpress_ext.bench.tasks.base import Sample
 from vllm_kvpress_ext.bench.tasks.prompt import PromptSpec
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from transformers import AutoTokenizer
@@ -16,13 +17,15 @@ MODEL_DIR = default_model_dir()
 PAGE_SIZE = 16
 
 
+def retrieval_samples(count: int, context_length: int = 128, seed: int = 7000) -> list[Sample]:
+    """Needle-in-a-haystack samples the bundled model answers (docs/model.md)."""
+    return [generate("niah_multikey", seed + i, context_length=context_length) for i in range(count)]
+
+
 def retrieval_prompts(count: int, context_length: int = 128, seed: int = 7000) -> list[PromptSpec]:
-    """Needle-in-a-haystack prompts the bundled model answers (docs/model.md), chat-formatted token ids."""
+    """The samples' chat-formatted token ids, answers and stop tokens."""
     tokenizer = AutoTokenizer.from_pretrained(str(MODEL_DIR))
-    return [
-        build_prompt(generate("niah_multikey", seed + i, context_length=context_length), tokenizer)
-        for i in range(count)
-    ]
+    return [build_prompt(sample, tokenizer) for sample in retrieval_samples(count, context_length, seed)]
 
 
 def embedded_greedy(

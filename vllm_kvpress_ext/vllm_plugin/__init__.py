@@ -1,13 +1,11 @@
 """vLLM integration: `vllm serve MODEL --kv-policy NAME` on vLLM's own server, engine core and scheduler.
 
-Installing the package registers three entry points under the one name `kvpress` (so a
+Installing the package registers two entry points under the one name `kvpress` (so a
 `VLLM_PLUGINS` allowlist names them together):
 
 - `vllm.platform_plugins` -> `platform_plugin`: says which platform serves (see `activation`).
 - `vllm.general_plugins` -> `general_plugin`: adds `--kv-policy` to vLLM's CLI, the request
   middleware and the `kvpress_*` metrics to its API server (every vLLM process runs it).
-- `vllm.endpoint_plugins` -> `endpoint_plugin`: the same middleware through vLLM's endpoint-plugin
-  interface, for deployments that allowlist plugins with `VLLM_PLUGINS`.
 
 Inside, the worker (`worker.KVPressWorker`) runs the project's `ModelRunner` (forward pass, per-
 (layer, KV head) page pool, policy hooks) on the schedules vLLM's scheduler makes, and a scheduler
@@ -15,8 +13,6 @@ subclass (`scheduler.KVPressScheduler`) admits and preempts by that pool. See do
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 
 def platform_plugin() -> str | None:
@@ -36,9 +32,3 @@ def general_plugin() -> None:
         from vllm_kvpress_ext.vllm_plugin.middleware import install_into_api_server
 
         install_into_api_server()
-
-
-def endpoint_plugin() -> Any:
-    from vllm_kvpress_ext.vllm_plugin.middleware import KVPressEndpointPlugin
-
-    return KVPressEndpointPlugin()

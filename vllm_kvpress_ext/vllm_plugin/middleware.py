@@ -7,9 +7,9 @@
   `kv_transfer_params.kvpress`; they are moved into `usage` (`kv_policy`, `kv_bytes`,
   `kv_bytes_peak`, `kv_retention`, `kv_tokens_kept`), the same fields the embedded server reports.
 
-Installed by the general plugin around vLLM's `build_app` (so nothing needs configuring), or through
-the `vllm.endpoint_plugins` entry point where `VLLM_PLUGINS` allowlists plugins; either way once.
-The same hook registers the `kvpress_*` metrics collector on the API process's registry.
+Installed by the general plugin around vLLM's `build_app`, so nothing needs configuring (vLLM's
+`vllm.endpoint_plugins` group is not used: it loads only when `VLLM_PLUGINS` names it, and warns
+otherwise). The same hook registers the `kvpress_*` metrics collector on the API process's registry.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
-USAGE_FIELDS = ("kv_policy", "kv_bytes", "kv_bytes_peak", "kv_retention", "kv_tokens_kept", "kv_tokens_full")
+USAGE_FIELDS = ("kv_bytes", "kv_bytes_peak", "kv_retention", "kv_tokens_kept", "kv_tokens_full")
 
 
 def rewrite_request(payload: dict[str, Any]) -> dict[str, Any]:
@@ -57,6 +57,7 @@ def rewrite_response(payload: dict[str, Any]) -> dict[str, Any]:
         payload.pop("kv_transfer_params")
     usage = payload.get("usage")
     if isinstance(usage, dict):
+        usage["kv_policy"] = figures.get("policy", "full")
         usage.update({k: figures[k] for k in USAGE_FIELDS if k in figures})
     return payload
 
@@ -155,7 +156,12 @@ def attach(app: Any) -> None:
     if getattr(app.state, "kvpress_attached", False):
         return
     app.state.kvpress_attached = True
-    app.add_middleware(KVPressMiddleware)
+    # Outermost, around whatever stack the app has or will build (vLLM may build it before we get here,
+    # after which Starlette refuses `add_middleware`).
+    build_stack = app.build_middleware_stack
+    app.build_middleware_stack = lambda: KVPressMiddleware(build_stack())
+    if app.middleware_stack is not None:
+        app.middleware_stack = KVPressMiddleware(app.middleware_stack)
     register_collector()
 
 
@@ -181,16 +187,3 @@ def install_into_api_server() -> None:
 
     entry.build_app = build_app  # type: ignore[assignment]
     entry._kvpress_wrapped = True  # type: ignore[attr-defined]
-
-
-class KVPressEndpointPlugin:
-    """The `vllm.endpoint_plugins` face of the same middleware (no routes of its own)."""
-
-    name = "kvpress"
-    required_tasks = ("generate",)
-
-    def attach_router(self, app: Any) -> None:
-        attach(app)
-
-    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        return None
