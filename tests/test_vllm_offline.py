@@ -87,7 +87,9 @@ def test_every_policy_matches_the_embedded_engine(parity_llm: LLM) -> None:
         assert figures["kv_retention"] == pytest.approx(want.kv.retention, abs=1e-6), name
         assert figures["kv_bytes"] == want.kv.kv_bytes, name
         assert figures["kv_bytes_peak"] == want.kv.kv_bytes_peak, name
-    compressed = [n for n, got in zip(names, ours, strict=True) if got.kv_transfer_params["kvpress"]["kv_retention"] < 1]
+    compressed = [
+        n for n, got in zip(names, ours, strict=True) if got.kv_transfer_params["kvpress"]["kv_retention"] < 1
+    ]
     assert len(compressed) >= 8, f"most policies should compress a {len(prompts[0])}-token prompt: {compressed}"
 
 

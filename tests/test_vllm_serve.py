@@ -125,7 +125,12 @@ def test_per_request_policies_change_kv_bytes(client: openai.OpenAI) -> None:
     quarter = usage({"vllm_xargs": {"kv_policy": "snapkv", "kv_ratio": 0.25}})
     tenth = usage({"kv_policy": {"name": "snapkv", "ratio": 0.1}})  # the embedded server's body field
     default = usage({})
-    assert (full["kv_policy"], quarter["kv_policy"], tenth["kv_policy"], default["kv_policy"]) == ("full", "snapkv", "snapkv", "snapkv")
+    assert (full["kv_policy"], quarter["kv_policy"], tenth["kv_policy"], default["kv_policy"]) == (
+        "full",
+        "snapkv",
+        "snapkv",
+        "snapkv",
+    )
     assert full["kv_retention"] == 1.0
     assert full["kv_bytes"] > quarter["kv_bytes"] > tenth["kv_bytes"] > 0  # type: ignore[operator]
     assert quarter["kv_retention"] == pytest.approx(0.25, abs=0.05)

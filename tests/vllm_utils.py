@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from vllm_kvpress_ext.assets import default_model_dir
 from vllm_kvpress_ext.bench.tasks import build_prompt, generate
 from vllm_kvpress_ext.bench.tasks.base import Sample
 from vllm_kvpress_ext.bench.tasks.prompt import PromptSpec
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
-from transformers import AutoTokenizer
 
 MODEL_DIR = default_model_dir()
 PAGE_SIZE = 16

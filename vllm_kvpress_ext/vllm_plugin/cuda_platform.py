@@ -18,8 +18,11 @@ from vllm.platforms.interface import PlatformEnum
 from vllm_kvpress_ext.vllm_plugin.config import apply_kvpress_config
 from vllm_kvpress_ext.vllm_plugin.platform import validate_kvpress_request
 
+# vLLM picks NVML- or runtime-based device queries at import; subclass whichever it chose.
+_CudaBase: Any = CudaPlatform
 
-class KVPressCudaPlatform(CudaPlatform):
+
+class KVPressCudaPlatform(_CudaBase):
     _enum = PlatformEnum.CUDA  # vLLM's CUDA code paths key on is_cuda(); this is CUDA with another worker
 
     @classmethod

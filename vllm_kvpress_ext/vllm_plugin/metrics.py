@@ -163,15 +163,19 @@ class SnapshotCollector:
             finished.add_metric([policy], float(count))
         yield finished
         for key, name, doc in (
-            ("retention", "kvpress_kv_retention_ratio", "KV entries kept / entries of a full cache, per finished request"),
+            (
+                "retention",
+                "kvpress_kv_retention_ratio",
+                "KV entries kept / entries of a full cache, per finished request",
+            ),
             ("compression", "kvpress_compression_seconds", "Time spent in the policy's hooks per finished request"),
         ):
-            family = HistogramMetricFamily(name, doc, labels=["policy"])
+            histogram = HistogramMetricFamily(name, doc, labels=["policy"])
             for policy, h in sorted(data.get(key, {}).items()):
                 cumulative = [(str(b), float(c)) for b, c in zip(h["buckets"], h["counts"], strict=True)]
                 cumulative.append(("+Inf", float(h["count"])))
-                family.add_metric([policy], cumulative, sum_value=float(h["sum"]))
-            yield family
+                histogram.add_metric([policy], cumulative, sum_value=float(h["sum"]))
+            yield histogram
 
 
 _registered = False
@@ -184,5 +188,5 @@ def register_collector() -> None:
         return
     from prometheus_client import REGISTRY
 
-    REGISTRY.register(SnapshotCollector(metrics_file()))  # type: ignore[arg-type]
+    REGISTRY.register(SnapshotCollector(metrics_file()))
     _registered = True

@@ -99,7 +99,9 @@ class KVPressMiddleware:
             except APIError as exc:
                 error = _error_body(exc)
                 headers = [(b"content-type", b"application/json")]
-                await send({"type": "http.response.start", "status": exc.status, "headers": _with_length(headers, len(error))})
+                await send(
+                    {"type": "http.response.start", "status": exc.status, "headers": _with_length(headers, len(error))}
+                )
                 await send({"type": "http.response.body", "body": error})
                 return
             body = json.dumps(payload).encode()
@@ -185,5 +187,5 @@ def install_into_api_server() -> None:
         attach(app)
         return app
 
-    entry.build_app = build_app  # type: ignore[assignment]
+    entry.build_app = build_app
     entry._kvpress_wrapped = True  # type: ignore[attr-defined]

@@ -103,7 +103,3 @@ class KVPressCpuPlatform(Platform):
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
         validate_kvpress_request(params)
-
-    @classmethod
-    def get_current_memory_usage(cls, device: torch.device | None = None) -> float:
-        return 0.0

@@ -172,7 +172,9 @@ class KVPressScheduler(Scheduler):
                     self._emit(outputs, request, FinishReason.ERROR)
                     logger.warning("vllm-kvpress-ext: request %s failed alone: %s", request_id, message)
         for request, message in self.pending_errors:
-            reason = FinishReason.LENGTH if request.status == RequestStatus.FINISHED_LENGTH_CAPPED else FinishReason.ERROR
+            reason = (
+                FinishReason.LENGTH if request.status == RequestStatus.FINISHED_LENGTH_CAPPED else FinishReason.ERROR
+            )
             self._emit(outputs, request, reason)
             logger.warning("vllm-kvpress-ext: request %s cannot run: %s", request.request_id, message)
         self.pending_errors = []
@@ -194,4 +196,6 @@ class KVPressScheduler(Scheduler):
     def _emit(outputs: dict[int, EngineCoreOutputs], request: Any, reason: FinishReason) -> None:
         client = getattr(request, "client_index", 0)
         engine_outputs = outputs.setdefault(client, EngineCoreOutputs(outputs=[]))
-        engine_outputs.outputs.append(EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=reason))
+        engine_outputs.outputs.append(
+            EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=reason)
+        )

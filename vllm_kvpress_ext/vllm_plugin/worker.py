@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
@@ -81,16 +81,18 @@ class KVPressWorker(WorkerBase):
         model_dir = Path(model.model)
         if not model_dir.is_dir():
             raise ValueError(f"vllm-kvpress-ext serves a local model directory; {model.model!r} is not one")
-        additional = self.vllm_config.additional_config or {}
+        additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
         self.default_policy = default_policy(additional)
         assert self.device is not None
+        num_pages, kv_memory = self._pool_size(additional, model_dir)
         self.runner = ModelRunner(
             model_dir,
             dtype=model.dtype,
             device=self.device,
+            num_pages=num_pages,
+            kv_memory=kv_memory,
             page_size=self.cache_config.block_size,
             max_num_seqs=self.scheduler_config.max_num_seqs,
-            **self._pool_size(additional, model_dir),
         )
         logger.info(
             "vllm-kvpress-ext: %d KV pages of %d tokens (%d bytes each); default policy %s",
@@ -100,18 +102,19 @@ class KVPressWorker(WorkerBase):
             policy_label(self.default_policy),
         )
 
-    def _pool_size(self, additional: dict[str, Any], model_dir: Path) -> dict[str, int]:
-        """`kv_num_pages` in additional_config, else `--kv-cache-memory-bytes`, else the free device memory."""
+    def _pool_size(self, additional: dict[str, Any], model_dir: Path) -> tuple[int | None, int | None]:
+        """(num_pages, kv_memory): `kv_num_pages` in additional_config, else `--kv-cache-memory-bytes`,
+        else on CUDA the free device memory within `--gpu-memory-utilization`, else the embedded default."""
         if "kv_num_pages" in additional:
-            return {"num_pages": int(additional["kv_num_pages"])}
+            return int(additional["kv_num_pages"]), None
         if self.cache_config.kv_cache_memory_bytes:
-            return {"kv_memory": int(self.cache_config.kv_cache_memory_bytes)}
+            return None, int(self.cache_config.kv_cache_memory_bytes)
         if self.device is not None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = total * (1.0 - self.cache_config.gpu_memory_utilization)
-            weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-            return {"kv_memory": max(int(free - reserve - weights), 1 << 20)}
-        return {"kv_memory": DEFAULT_KV_MEMORY}
+            weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))  # loaded after this
+            return None, max(int(free - reserve - weights), 1 << 20)
+        return None, DEFAULT_KV_MEMORY
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         return {DUMMY_LAYER: self._dummy_spec()}
