@@ -39,7 +39,13 @@ def rewrite_request(payload: dict[str, Any]) -> dict[str, Any]:
     body_policy = payload.pop("kv_policy")
     xargs = dict(payload.get("vllm_xargs") or {})
     kv_fields = {k: v for k, v in xargs.items() if k.startswith("kv_") and k != "kv_transfer_params"}
-    spec = policy_spec(body_policy, kv_fields or None)
+    if kv_fields and "kv_policy" not in kv_fields:
+        # Flat `kv_<param>` fields refine the body's policy.
+        body_spec = policy_spec(body_policy, None)
+        named = body_spec if isinstance(body_spec, str) or body_spec is None else json.dumps(body_spec)
+        spec = policy_spec(None, {**kv_fields, "kv_policy": named})
+    else:
+        spec = policy_spec(body_policy, kv_fields or None)
     for key in kv_fields:
         del xargs[key]
     if spec is not None:
