@@ -7,6 +7,8 @@ batch produce exactly the tokens they produce without it, and every page returns
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,8 @@ from vllm_kvpress_ext.policies.base import DecodeEviction, DecodeStep, LayerPref
 from vllm_kvpress_ext.policies.h2o import H2OPolicy
 from vllm_kvpress_ext.policies.snapkv import SnapKVPolicy
 from vllm_kvpress_ext.policies.xkv import XKVPolicy
+from vllm_kvpress_ext.server.engine_loop import EngineLoop, EngineStepError
+from vllm_kvpress_ext.server.metrics import ServerMetrics
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 MODEL = default_model_dir()
@@ -113,4 +117,27 @@ def test_a_raising_policy_fails_only_its_own_request(engine: LLMEngine, broken: 
     assert mixed["0"].output_token_ids == healthy["0"].output_token_ids
     assert mixed["2"].output_token_ids == healthy["1"].output_token_ids
     assert mixed["0"].error is None and mixed["0"].finish_reason == "length"
+    assert engine.cache.pool.num_used == 0
+
+
+def test_the_server_loop_fails_only_the_request_whose_policy_raised(engine: LLMEngine) -> None:
+    loop = EngineLoop(engine, ServerMetrics())
+    loop.start()
+    batch = prompts(2)
+
+    async def serve() -> list[int]:
+        bad = await loop.submit(batch[0], GREEDY, RaisingAtPrefill(ratio=0.5), time.monotonic())
+        good = await loop.submit(batch[1], GREEDY, None, time.monotonic())
+        with pytest.raises(EngineStepError, match="scoring failed"):
+            async for _ in bad.updates():
+                pass
+        updates = [u async for u in good.updates()]
+        assert updates[-1].finished and updates[-1].finish_reason == "length"
+        return updates[-1].token_ids
+
+    try:
+        tokens = asyncio.run(serve())
+    finally:
+        loop.stop()
+    assert tokens == run(engine, [(batch[1], "full")])["0"].output_token_ids
     assert engine.cache.pool.num_used == 0

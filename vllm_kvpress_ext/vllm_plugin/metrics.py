@@ -10,6 +10,8 @@ at each scrape.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import tempfile
@@ -32,7 +34,13 @@ def metrics_file() -> Path:
     if not path:
         path = str(Path(tempfile.gettempdir()) / f"kvpress-vllm-metrics-{os.getpid()}.json")
         os.environ[ENV] = path
+        atexit.register(_remove, Path(path))  # the process that chose the name cleans it up
     return Path(path)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 class _Histogram:
