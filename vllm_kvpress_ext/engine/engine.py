@@ -1,7 +1,8 @@
 """`LLMEngine`: requests in, one scheduled step at a time, outputs out.
 
 The step API (`add_request`, `step`, `abort`) is what the HTTP server drives; `LLM` wraps it for
-offline batch generation.
+offline batch generation. The engine is the embedded driver of `ModelRunner`: its `Scheduler`
+decides each step, the runner executes it, and the engine samples, applies stops and reports.
 """
 
 from __future__ import annotations
