@@ -16,10 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from vllm import LLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm_utils import MODEL_DIR, embedded_greedy, retrieval_prompts
 
+from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.policies import policy_names
 from vllm_kvpress_ext.vllm_plugin.scheduler import KVPressScheduler
 
@@ -135,3 +137,16 @@ def test_snapkv_runs_three_times_more_requests_at_once_than_full() -> None:
     print(f"peak requests scheduled at once with a {pool}-page pool: full {full}, snapkv 0.25 {snapkv}")
     assert full == pool // (8 * 33)
     assert snapkv >= 3 * full, peaks
+
+
+def test_seeded_sampling_matches_the_embedded_engine(parity_llm: LLM) -> None:
+    prompt = retrieval_prompts(1, seed=9400)[0].token_ids
+    sampled = VllmSamplingParams(
+        max_tokens=12, temperature=0.9, top_k=40, top_p=0.95, seed=11, ignore_eos=True, extra_args={"kv_policy": "h2o"}
+    )
+    ours = parity_llm.generate([{"prompt_token_ids": prompt}], sampled, use_tqdm=False)[0]
+    engine = LLMEngine(MODEL_DIR, dtype=torch.float32, num_pages=PARITY_POOL, page_size=16)
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, top_p=0.95, seed=11, ignore_eos=True)
+    request_id = engine.add_request(prompt, params, policy="h2o")
+    finished = [o for _ in range(100) for o in engine.step() if o.finished and o.request_id == request_id]
+    assert list(ours.outputs[0].token_ids) == finished[0].output_token_ids
