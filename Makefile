@@ -1,4 +1,5 @@
-# Two commands matter on a fresh machine: `make serve` and `make test`. Both install first.
+# Two commands matter on a fresh machine: `make serve` and `make test`. Both install first
+# (vllm==0.32.0 included, for the vLLM plugin and its tests: about 6 GB, several minutes).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -23,7 +24,12 @@ $(STAMP): pyproject.toml
 			$(PY) -m pip install torch==$(TORCH_VERSION); \
 		fi; \
 	fi
-	$(PY) -m pip install -e '.[dev,triton]'
+	$(PY) -m pip install -e '.[dev,triton,vllm]'
+	@# vLLM pulls torchvision/torchaudio/torchcodec built for another torch; on the CPU build transformers
+	@# then fails to import. Nothing here uses them.
+	@if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1); then \
+		$(PY) -m pip uninstall -y torchvision torchaudio torchcodec; \
+	fi
 	@touch $(STAMP)
 
 test: install

@@ -327,8 +327,13 @@ def test_replans_of_earlier_layers_land_on_the_right_entries(model_dir: Path) ->
             held = positions[h][positions[h] >= 0].tolist()
             assert held == [e for e in range(N) if (e + h) % step == 0]
     assert result.tokens == run(model_dir, "full").tokens  # the first token comes from untouched logits
-    with pytest.raises(ValueError, match="already dropped"):
-        run(model_dir, HalvingPolicy(grow_back=True))
+    # A plan that revives dropped entries is refused; the request fails alone and frees its pages.
+    engine = engine_for(model_dir)
+    engine.add_request(prompt(), SamplingParams(max_tokens=1, temperature=0.0), policy=HalvingPolicy(grow_back=True))
+    outputs = [o for _ in range(20) for o in engine.step() if o.finished]
+    assert [o.finish_reason for o in outputs] == ["error"]
+    assert "already dropped" in (outputs[0].error or "")
+    assert engine.cache.pool.num_used == 0 and not engine.has_unfinished_requests()
 
 
 def test_a_mixed_batch_matches_solo_runs(model_dir: Path, profile: str) -> None:

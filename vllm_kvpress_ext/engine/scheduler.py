@@ -11,40 +11,31 @@ Each step is either a prefill step or a decode step:
   the queue to be recomputed later (prompt and generated tokens alike), never dropped.
 
 Every page a step needs is counted before the step runs, so the forward pass never meets a full pool.
+The scheduler only decides; the `ModelRunner` it is given owns the cache rows it hands out and frees.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from vllm_kvpress_ext.cache import PagedKVCache
+from vllm_kvpress_ext.engine.model_runner import ModelRunner, Schedule, ScheduledChunk
 from vllm_kvpress_ext.engine.request import Request, RequestStatus
 
 
 @dataclass
-class ScheduledChunk:
-    request: Request
-    start: int
-    end: int
+class SchedulerOutput(Schedule):
+    """The runner's `Schedule`, plus the requests preempted to make room for it."""
 
-
-@dataclass
-class SchedulerOutput:
-    prefill: list[ScheduledChunk]
-    decode: list[Request]
-    preempted: list[Request]
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefill and not self.decode
+    preempted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        self.cache = cache
+        self.runner = runner
+        self.cache = runner.cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -99,9 +90,7 @@ class Scheduler:
             if peak > available:
                 break
             self.waiting.popleft()
-            req.row = self.cache.add_request(req.request_id)
-            req.status = RequestStatus.PREFILLING
-            req.num_processed = 0
+            self.runner.add(req)
             self.active.append(req)
             available -= peak
             end = min(req.prefill_target, budget)
@@ -115,9 +104,6 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_processed = 0
         request.num_preemptions += 1
-        request.policy_state = None
-        request.capture = None
-        request.admitted = None
         self.waiting.appendleft(request)
         return request
 
@@ -129,8 +115,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
 
     def _release(self, request: Request) -> None:
-        if request.row is not None:
-            self.cache.free_request(request.request_id)
-            request.row = None
+        self.runner.release(request)
         if request in self.active:
             self.active.remove(request)

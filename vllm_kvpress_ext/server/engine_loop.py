@@ -313,6 +313,11 @@ class EngineLoop:
             tracked.tokens_seen = count
             tracked.last_token_time = now
             self.metrics.generation_tokens.inc(new)
+        if out.finished and out.error is not None:  # the runner failed this request alone
+            del self._tracked[out.request_id]
+            self.metrics.requests.labels(status="error").inc()
+            self._post(tracked, Failure(f"the engine failed while running this request ({out.error}); it was aborted"))
+            return 1
         if out.finished:
             self._finish(tracked, out.output_token_ids, out.text, out.finish_reason or "stop")
             return 1

@@ -6,6 +6,9 @@ costs the engine loop anything.
 
 `vllm_xargs` is how vLLM clients pass extra arguments; its values are often strings, so there
 `"snapkv"`, `'{"name": "snapkv", "ratio": 0.1}'` and `{"name": "snapkv", "ratio": "0.1"}` all work.
+vLLM only forwards flat scalar values, so a policy's parameters may also come as `kv_<param>`
+fields beside `kv_policy`: `{"kv_policy": "snapkv", "kv_ratio": 0.25}`. The vLLM plugin parses its
+requests with this same function.
 Presets by file path are refused over HTTP: a path would let any client make the server read
 files of its choosing. Presets by name (`configs/NAME.yaml`) still apply.
 """
@@ -19,6 +22,7 @@ from vllm_kvpress_ext.policies import KVPolicy, PolicyConfigError, load_policy
 from vllm_kvpress_ext.server.errors import APIError, bad_request
 
 _XARGS_KEYS = ("kv_policy",)
+_XARGS_PARAM_PREFIX = "kv_"  # vllm_xargs.kv_ratio -> the policy's `ratio`
 
 
 def _policy_error(message: str, param: str) -> APIError:
@@ -69,6 +73,26 @@ def _normalize(value: Any, param: str, *, from_xargs: bool) -> str | dict[str, A
     raise _policy_error(f"{param} must be a policy name or an object with a `name`, got {type(value).__name__}", param)
 
 
+def _with_flat_params(spec: str | dict[str, Any] | None, vllm_xargs: dict[str, Any]) -> str | dict[str, Any] | None:
+    """Fold `kv_<param>` fields into the policy named by `kv_policy`."""
+    params = {
+        key[len(_XARGS_PARAM_PREFIX) :]: _coerce_scalar(value)
+        for key, value in vllm_xargs.items()
+        if key not in _XARGS_KEYS and key.startswith(_XARGS_PARAM_PREFIX)
+    }
+    if not params:
+        return spec
+    fields = ", ".join(f"{_XARGS_PARAM_PREFIX}{name}" for name in sorted(params))
+    if spec is None:
+        raise _policy_error(f"vllm_xargs.{fields} need vllm_xargs.kv_policy to name the policy", "vllm_xargs")
+    merged = {"name": spec} if isinstance(spec, str) else dict(spec)
+    clash = sorted(set(params) & set(merged))
+    if clash:
+        raise _policy_error(f"vllm_xargs gives {', '.join(clash)} twice (in kv_policy and as kv_ fields)", "vllm_xargs")
+    merged.update(params)
+    return merged
+
+
 def policy_spec(kv_policy: Any, vllm_xargs: dict[str, Any] | None) -> str | dict[str, Any] | None:
     """The request's policy spec, or None for the server's default.
 
@@ -78,13 +102,15 @@ def policy_spec(kv_policy: Any, vllm_xargs: dict[str, Any] | None) -> str | dict
     body = _normalize(kv_policy, "kv_policy", from_xargs=False)
     xargs: str | dict[str, Any] | None = None
     if vllm_xargs:
-        unknown = sorted(set(vllm_xargs) - set(_XARGS_KEYS))
+        unknown = sorted(k for k in vllm_xargs if k not in _XARGS_KEYS and not k.startswith(_XARGS_PARAM_PREFIX))
         if unknown:
             raise bad_request(
-                f"unsupported vllm_xargs key(s): {', '.join(unknown)}; supported: {', '.join(_XARGS_KEYS)}",
+                f"unsupported vllm_xargs key(s): {', '.join(unknown)}; supported: {', '.join(_XARGS_KEYS)} "
+                f"and {_XARGS_PARAM_PREFIX}<policy parameter>",
                 param="vllm_xargs",
             )
         xargs = _normalize(vllm_xargs.get("kv_policy"), "vllm_xargs.kv_policy", from_xargs=True)
+        xargs = _with_flat_params(xargs, vllm_xargs)
     if body is not None and xargs is not None and body != xargs:
         raise _policy_error("kv_policy and vllm_xargs.kv_policy disagree; send one", "kv_policy")
     return body if body is not None else xargs

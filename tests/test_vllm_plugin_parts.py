@@ -1,0 +1,199 @@
+"""The vLLM plugin's parts that need no running engine: activation, `--kv-policy`, request parsing,
+refused features, the HTTP rewrites and the metrics collector."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm import SamplingParams as VllmSamplingParams
+from vllm.exceptions import VLLMValidationError
+
+from vllm_kvpress_ext.policies import PolicyConfigError
+from vllm_kvpress_ext.server.errors import APIError
+from vllm_kvpress_ext.vllm_plugin import activation
+from vllm_kvpress_ext.vllm_plugin.cli_args import fold_into_additional_config, parse_policy_arg
+from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics, SnapshotCollector
+from vllm_kvpress_ext.vllm_plugin.middleware import rewrite_request, rewrite_response
+from vllm_kvpress_ext.vllm_plugin.platform import validate_kvpress_request
+from vllm_kvpress_ext.vllm_plugin.report import PoolReport
+from vllm_kvpress_ext.vllm_plugin.request_policy import request_policy
+from vllm_kvpress_ext.vllm_plugin.worker import runner_sampling_params
+
+
+@pytest.mark.parametrize(
+    "argv, asked",
+    [
+        (["vllm", "serve", "m", "--kv-policy", "gvote"], True),
+        (["vllm", "serve", "m", "--kv-policy=gvote"], True),
+        (["vllm", "serve", "m", "--additional-config", '{"kv_policy": "snapkv"}'], True),
+        (["vllm", "serve", "m", '--additional-config={"kv_policy": "snapkv"}'], True),
+        (["vllm", "serve", "m", "--additional-config", '{"other": 1}'], False),
+        (["vllm", "serve", "m"], False),
+    ],
+)
+def test_compression_is_asked_for_only_by_the_flag_or_additional_config(argv: list[str], asked: bool) -> None:
+    assert activation.compression_requested(argv) is asked
+
+
+@pytest.mark.parametrize(
+    "env, cuda, builtin_cpu, argv, expected",
+    [
+        ("auto", True, False, ["vllm", "serve", "m"], None),  # stock vLLM on a GPU is left alone
+        ("auto", True, False, ["vllm", "serve", "m", "--kv-policy", "snapkv"], activation.CUDA_PLATFORM),
+        ("auto", False, True, ["vllm", "serve", "m"], None),  # vLLM's own CPU build works: left alone
+        ("auto", False, False, ["vllm", "serve", "m"], activation.CPU_PLATFORM),  # nothing else could serve
+        ("off", False, False, ["vllm", "serve", "m", "--kv-policy", "snapkv"], None),
+        ("on", True, False, ["python", "offline.py"], activation.CUDA_PLATFORM),
+    ],
+)
+def test_platform_activation_is_deliberate(
+    monkeypatch: pytest.MonkeyPatch, env: str, cuda: bool, builtin_cpu: bool, argv: list[str], expected: str | None
+) -> None:
+    monkeypatch.setenv(activation.ENV, env)
+    monkeypatch.setattr(activation, "_cuda_present", lambda: cuda)
+    monkeypatch.setattr(activation, "_builtin_cpu_platform_works", lambda: builtin_cpu)
+    monkeypatch.setattr(activation.sys, "argv", argv)
+    assert activation.platform_to_activate() == expected
+    if expected is not None:  # vLLM's child processes must resolve the same platform
+        assert activation.mode() == "on"
+
+
+def test_a_bad_activation_setting_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(activation.ENV, "sometimes")
+    with pytest.raises(ValueError, match="auto, on or off"):
+        activation.platform_to_activate()
+    assert activation.plugin_active() is False
+
+
+def test_kv_policy_flag_accepts_names_presets_and_json(tmp_path: Path) -> None:
+    assert parse_policy_arg("gvote") == "gvote"
+    assert parse_policy_arg('{"name": "snapkv", "ratio": 0.25}') == {"name": "snapkv", "ratio": 0.25}
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("name: h2o\nratio: 0.3\n")
+    assert parse_policy_arg(str(preset)) == {"name": "h2o", "ratio": 0.3}
+    assert fold_into_additional_config("snapkv", {"kv_num_pages": 9}) == {"kv_num_pages": 9, "kv_policy": "snapkv"}
+
+
+@pytest.mark.parametrize(
+    "flag, config, message",
+    [
+        ("nonexistent", {}, "known policies"),
+        ('{"name": "snapkv", "ratio": 3}', {}, "ratio"),
+        ("{broken", {}, "not valid JSON"),
+        ("missing.yaml", {}, "does not exist"),
+        ("snapkv", {"kv_policy": "h2o"}, "disagree"),
+        (None, {"kv_policy": "nope"}, "known policies"),
+    ],
+)
+def test_a_bad_kv_policy_flag_fails_at_once(flag: str | None, config: dict[str, Any], message: str) -> None:
+    with pytest.raises(PolicyConfigError, match=message):
+        fold_into_additional_config(flag, config)
+
+
+def test_request_policies_from_vllm_xargs() -> None:
+    snapkv = request_policy({"kv_policy": "snapkv", "kv_ratio": 0.25}, None)
+    assert snapkv is not None and snapkv.name == "snapkv" and snapkv.ratio == 0.25  # type: ignore[attr-defined]
+    as_json = request_policy({"kv_policy": '{"name": "snapkv", "ratio": "0.1"}'}, None)
+    assert as_json is not None and as_json.ratio == 0.1  # type: ignore[attr-defined]
+    default = request_policy(None, snapkv)
+    assert default is snapkv
+    assert request_policy({"kv_policy": "full"}, snapkv) is None  # "full" turns compression off
+    # vLLM's own disaggregated-prefill field is not a policy field.
+    assert request_policy({"kv_transfer_params": {"x": 1}}, snapkv) is snapkv
+
+
+@pytest.mark.parametrize(
+    "extra_args, param",
+    [
+        ({"kv_policy": "nonexistent"}, "kv_policy"),
+        ({"kv_policy": "snapkv", "kv_ratio": 2.0}, "kv_policy"),
+        ({"kv_policy": "snapkv", "kv_nonsense": 1}, "kv_policy"),
+        ({"kv_ratio": 0.5}, "vllm_xargs"),
+        ({"kv_policy": "configs/snapkv.yaml"}, "vllm_xargs.kv_policy"),  # no file paths over HTTP
+    ],
+)
+def test_bad_request_policies_are_validation_errors(extra_args: dict[str, Any], param: str) -> None:
+    with pytest.raises(VLLMValidationError) as caught:
+        validate_kvpress_request(VllmSamplingParams(max_tokens=4, extra_args=extra_args))
+    assert caught.value.parameter == param
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"logprobs": 1},
+        {"prompt_logprobs": 1},
+        {"presence_penalty": 0.5},
+        {"repetition_penalty": 1.2},
+        {"min_p": 0.1},
+        {"min_tokens": 3},
+        {"logit_bias": {3: 1.0}},
+        {"allowed_token_ids": [1, 2]},
+    ],
+)
+def test_unsupported_sampling_features_are_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(VLLMValidationError) as caught:
+        validate_kvpress_request(VllmSamplingParams(max_tokens=4, **kwargs))
+    assert caught.value.parameter == next(iter(kwargs))
+
+
+def test_supported_sampling_maps_onto_the_runner() -> None:
+    validate_kvpress_request(VllmSamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=-1, seed=3))
+    params = runner_sampling_params(VllmSamplingParams(temperature=0.7, top_p=0.9, top_k=-1, seed=3))
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.7, 0.9, 0, 3)
+    assert params.ignore_eos  # vLLM alone decides when a request stops
+
+
+def test_the_body_kv_policy_moves_into_vllm_xargs() -> None:
+    moved = rewrite_request({"prompt": "a", "kv_policy": {"name": "snapkv", "ratio": 0.1}})
+    assert "kv_policy" not in moved
+    assert json.loads(moved["vllm_xargs"]["kv_policy"]) == {"name": "snapkv", "ratio": 0.1}
+    merged = rewrite_request({"kv_policy": "snapkv", "vllm_xargs": {"kv_ratio": 0.25, "other": "x"}})
+    assert json.loads(merged["vllm_xargs"]["kv_policy"]) == {"name": "snapkv", "ratio": 0.25}
+    assert merged["vllm_xargs"]["other"] == "x"
+    untouched = {"prompt": "a", "vllm_xargs": {"kv_policy": "h2o"}}
+    assert rewrite_request(dict(untouched)) == untouched
+    with pytest.raises(APIError, match="disagree"):
+        rewrite_request({"kv_policy": "snapkv", "vllm_xargs": {"kv_policy": "h2o"}})
+
+
+def test_kv_figures_move_into_usage() -> None:
+    figures = {"policy": "snapkv", "kv_bytes": 4096, "kv_bytes_peak": 8192, "kv_retention": 0.25, "preemptions": 0}
+    body = {"usage": {"prompt_tokens": 3}, "kv_transfer_params": {"kvpress": figures}}
+    out = rewrite_response(body)
+    assert "kv_transfer_params" not in out
+    assert out["usage"] == {
+        "prompt_tokens": 3,
+        "kv_policy": "snapkv",
+        "kv_bytes": 4096,
+        "kv_bytes_peak": 8192,
+        "kv_retention": 0.25,
+    }
+    other = {"usage": {}, "kv_transfer_params": {"remote": 1, "kvpress": figures}}
+    assert rewrite_response(other)["kv_transfer_params"] == {"remote": 1}
+
+
+def test_engine_metrics_reach_the_collector(tmp_path: Path) -> None:
+    path = tmp_path / "snapshot.json"
+    metrics = EngineMetrics(path)
+    metrics.scheduled(3)
+    metrics.preempted_by_pool()
+    metrics.pool(PoolReport(100, 60, 16, 8, 4096), running=3, waiting=2)
+    metrics.request_finished({"policy": "snapkv", "kv_retention": 0.3, "compression_seconds": 0.002})
+    metrics.request_finished({"policy": "full", "kv_retention": 1.0, "compression_seconds": 0.0})
+    families = {f.name: f for f in SnapshotCollector(path).collect()}
+    value = {f.name: f.samples[0].value for f in families.values() if f.samples and not f.samples[0].labels}
+    assert value["kvpress_kv_pages_free"] == 60 and value["kvpress_kv_pages_held"] == 40
+    assert value["kvpress_requests_running_peak"] == 3 and value["kvpress_pool_preemptions"] == 1
+    retention = {
+        (s.name, s.labels.get("policy"), s.labels.get("le")): s.value
+        for s in families["kvpress_kv_retention_ratio"].samples
+    }
+    assert retention[("kvpress_kv_retention_ratio_bucket", "snapkv", "0.2")] == 0
+    assert retention[("kvpress_kv_retention_ratio_bucket", "snapkv", "0.3")] == 1
+    assert retention[("kvpress_kv_retention_ratio_count", "full", None)] == 1
+    assert "full" not in {s.labels.get("policy") for s in families["kvpress_compression_seconds"].samples}
+    assert list(SnapshotCollector(tmp_path / "absent.json").collect())  # no engine yet: zeros, no error

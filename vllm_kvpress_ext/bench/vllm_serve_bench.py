@@ -1,0 +1,226 @@
+"""`kvpress bench vllm-serve`: vLLM's own load generator against `vllm serve` with the plugin and `kvpress serve`.
+
+For each (server, policy) it starts the server on 127.0.0.1 with the same KV pool (`--num-pages`
+pages of 16 tokens), runs `vllm bench serve --dataset-name random` against it (chat completions,
+`--ignore-eos`, so every request has the same length on both servers), reads the server's
+`kvpress_requests_running_peak` (the most requests the pool let run at once) from `/metrics`, stops
+the server, and prints one table: requests/s, TTFT and ITL from vLLM's bench, and the peak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from vllm_kvpress_ext.assets import default_model_dir
+
+SERVERS = ("vllm", "kvpress")
+_STARTUP_S = 600
+
+
+@dataclass(frozen=True)
+class VllmServeBenchConfig:
+    servers: tuple[str, ...] = SERVERS
+    policies: tuple[str, ...] = ("full", "snapkv", "gvote")
+    model: str | None = None
+    num_pages: int = 1320
+    num_prompts: int = 24
+    input_len: int = 512
+    output_len: int = 16
+    max_concurrency: int = 24
+    max_num_seqs: int = 32
+    seed: int = 0
+    out: str | None = None
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def server_command(server: str, policy: str, model: str, port: int, config: VllmServeBenchConfig) -> list[str]:
+    common = ["--host", "127.0.0.1", "--port", str(port), "--kv-policy", policy, "--dtype", "float32"]
+    if server == "vllm":
+        return [
+            _bin("vllm"),
+            "serve",
+            model,
+            "--served-model-name",
+            "bench",
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            str(config.max_num_seqs),
+            "--additional-config",
+            json.dumps({"kv_num_pages": config.num_pages}),
+            *common,
+        ]
+    if server == "kvpress":
+        return [
+            _bin("kvpress"),
+            "serve",
+            model,
+            "--served-model-name",
+            "bench",
+            "--num-pages",
+            str(config.num_pages),
+            "--max-num-seqs",
+            str(config.max_num_seqs),
+            *common,
+        ]
+    raise ValueError(f"unknown server {server!r}; choose from {', '.join(SERVERS)}")
+
+
+def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + _STARTUP_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not healthy after {_STARTUP_S}s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+def _metric(text: str, name: str) -> float | None:
+    match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def bench_command(url: str, model: str, result: Path, config: VllmServeBenchConfig) -> list[str]:
+    return [
+        _bin("vllm"),
+        "bench",
+        "serve",
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        url,
+        "--model",
+        "bench",
+        "--tokenizer",
+        model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(config.input_len),
+        "--random-output-len",
+        str(config.output_len),
+        "--num-prompts",
+        str(config.num_prompts),
+        "--max-concurrency",
+        str(config.max_concurrency),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        str(config.seed),
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(result.parent),
+        "--result-filename",
+        result.name,
+    ]
+
+
+def run_one(server: str, policy: str, model: str, workdir: Path, config: VllmServeBenchConfig) -> dict[str, Any]:
+    port = _port()
+    url = f"http://127.0.0.1:{port}"
+    log = workdir / f"{server}-{policy}.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_TARGET_DEVICE", "KVPRESS_METRICS_FILE")}
+    with open(log, "wb") as handle:
+        process = subprocess.Popen(
+            server_command(server, policy, model, port, config),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        _wait_healthy(url, process, log)
+        result = workdir / f"{server}-{policy}.json"
+        bench = subprocess.run(
+            bench_command(url, model, result, config), capture_output=True, text=True, timeout=3600, check=False
+        )
+        if bench.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed:\n{bench.stdout[-3000:]}\n{bench.stderr[-3000:]}")
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    finally:
+        _stop(process)
+    data = json.loads(result.read_text())
+    return {
+        "server": f"{server} serve",
+        "policy": policy,
+        "completed": data.get("completed"),
+        "requests_per_s": data.get("request_throughput"),
+        "ttft_ms_mean": data.get("mean_ttft_ms"),
+        "ttft_ms_p99": data.get("p99_ttft_ms"),
+        "itl_ms_mean": data.get("mean_itl_ms"),
+        "itl_ms_p99": data.get("p99_itl_ms"),
+        "client_concurrency_peak": data.get("max_concurrent_requests"),
+        "running_peak": _metric(metrics, "kvpress_requests_running_peak"),
+        "pool_preemptions": _metric(metrics, "kvpress_pool_preemptions_total"),
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    header = "| server | policy | req/s | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | peak running |"
+    lines = [header, "|" + "---|" * 8]
+
+    def num(value: Any, digits: int = 1) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    for r in rows:
+        peak = "-" if r["running_peak"] is None else str(int(r["running_peak"]))
+        lines.append(
+            f"| {r['server']} | {r['policy']} | {num(r['requests_per_s'], 2)} | {num(r['ttft_ms_mean'])} "
+            f"| {num(r['ttft_ms_p99'])} | {num(r['itl_ms_mean'])} | {num(r['itl_ms_p99'])} | {peak} |"
+        )
+    return "\n".join(lines)
+
+
+def run_vllm_serve_bench(config: VllmServeBenchConfig) -> list[dict[str, Any]]:
+    model = config.model or str(default_model_dir())
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvpress-vllm-bench-") as tmp:
+        for server in config.servers:
+            for policy in config.policies:
+                print(f"[{server} serve, {policy}] ...", flush=True)
+                rows.append(run_one(server, policy, model, Path(tmp), config))
+    print(format_table(rows))
+    if config.out:
+        Path(config.out).write_text(json.dumps(rows, indent=2))
+    return rows

@@ -1,0 +1,109 @@
+"""Layer-wise prefill compression of one request, inside the forward pass of its last prefill chunk."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_kvpress_ext.cache import KeepPlan
+from vllm_kvpress_ext.engine.request import Request
+from vllm_kvpress_ext.policies import KVPolicy
+from vllm_kvpress_ext.policies.base import LayerKeep, RequestPrefill
+
+if TYPE_CHECKING:
+    from vllm_kvpress_ext.engine.model_runner import ModelRunner
+
+
+class LayerwiseCompression:
+    """Layer-wise prefill compression of one request, during the forward pass of its last prefill chunk.
+
+    The attention context asks for layer l's slots when the forward pass reaches layer l (earlier
+    chunks already hold the prefix in every layer; this chunk's pages are allocated here, one layer
+    at a time) and calls `compress(l)` right after layer l's attention: the policy scores the layer
+    (`on_layer_prefilled`, with exactly what end-of-prefill compression would see: every prompt
+    entry of the layer and its captures), `plan_layer` returns keep masks, and the cache compacts
+    those layers at once, returning their pages before layer l + 1 allocates. No later layer
+    reads layer l's cache, so hidden states and logits are those of the ordinary path.
+
+    A policy that raises does not stop the batch's forward pass: the error is kept in `error`, the
+    remaining layers are left uncompressed (admission reserved the uncompressed peak, so they still
+    fit), and the runner fails this request alone once the pass is over.
+    """
+
+    def __init__(self, runner: ModelRunner, request: Request, start: int, end: int) -> None:
+        assert request.policy is not None and request.row is not None
+        self.runner = runner
+        self.request = request
+        self.policy: KVPolicy = request.policy
+        self.positions = torch.arange(start, end)
+        self.state: dict[str, Any] = {}
+        request.policy_state = self.state
+        config = runner.config
+        self.summary = RequestPrefill(
+            request_id=request.request_id,
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            num_q_heads=config.num_attention_heads,
+            length=end,
+        )
+        self.results: list[Any] = []
+        # Per layer, which prompt entries it still holds ([H, n]; None while it holds them all): how the
+        # policy's masks over prompt entries map onto the layer's current (compacted) entries.
+        self.held: list[torch.Tensor | None] = [None] * config.num_hidden_layers
+        self.seconds = 0.0
+        self.error: Exception | None = None
+
+    def slots(self, layer: int) -> torch.Tensor:
+        """This chunk's slots in `layer`. Cannot exhaust the pool: admission reserved the uncompressed peak."""
+        assert self.request.row is not None
+        return self.runner.cache.append_layer_slots(layer, self.request.row, self.positions)
+
+    def compress(self, layer: int) -> None:
+        if self.error is not None:
+            return
+        start = self.runner.clock()
+        try:
+            prefill = self.runner.layer_prefill(self.request, layer)
+            self.results.append(self.policy.on_layer_prefilled(prefill, self.state))
+            keep = self.policy.plan_layer(self.summary, layer, self.results, self.state)
+            if keep is not None:
+                self._apply(keep, layer)
+        except Exception as exc:
+            self.error = exc
+        self.seconds += self.runner.clock() - start
+
+    def _apply(self, keep: LayerKeep, layer: int) -> None:
+        """Compact the layers of `keep`; its masks are over prompt entries, the cache wants current entries."""
+        if not keep.layers:
+            return
+        heads, n = self.summary.num_kv_heads, self.summary.length
+        masks = keep.masks.cpu()
+        if masks.dtype != torch.bool or masks.shape != (len(keep.layers), heads, n):
+            raise ValueError(
+                f"plan_layer must return bool masks [{len(keep.layers)}, {heads}, {n}], "
+                f"got {masks.dtype} {tuple(masks.shape)}"
+            )
+        if any(not 0 <= m <= layer for m in keep.layers):
+            raise ValueError(f"plan_layer after layer {layer} may only cover layers 0..{layer}, got {keep.layers}")
+        relative = []
+        for m, mask in zip(keep.layers, masks, strict=True):
+            held = self.held[m]
+            if held is None:
+                relative.append(mask)
+            else:
+                if bool((mask & ~held).any()):
+                    raise ValueError(f"plan_layer re-planned layer {m} with entries it had already dropped")
+                # Entry e of the prompt now sits at index (number of held entries before it) of its head.
+                h_idx, e_idx = held.nonzero(as_tuple=True)
+                current = torch.zeros(heads, n, dtype=torch.bool)
+                current[h_idx, (held.cumsum(-1) - 1)[h_idx, e_idx]] = mask[h_idx, e_idx]
+                relative.append(current)
+            self.held[m] = mask
+        plan = KeepPlan.from_mask(torch.stack(relative))
+        self.runner.cache.apply_keep_plan(self.request.request_id, plan, layers=list(keep.layers))
+
+    def finish(self) -> None:
+        """Prefill is over and every layer compressed: drop the captures, account the time."""
+        self.request.capture = None
+        self.request.kv.compression_seconds += self.seconds

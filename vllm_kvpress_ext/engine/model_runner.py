@@ -1,0 +1,422 @@
+"""`ModelRunner`: the forward pass, the per-(layer, KV head) page pool and the policy hooks, given a schedule.
+
+Two schedulers drive it: the embedded engine's (`LLMEngine.step`) and vLLM's (the plugin's worker,
+`vllm_kvpress_ext.vllm_plugin.worker`). A driver owns admission, preemption, sampling and stopping;
+it hands the runner a `Schedule` (which requests prefill which token chunks, which decode one
+token) of requests that already hold a cache row, and gets back the logits of every request whose
+step produced a next token. The runner runs the prefill chunks as one forward pass and the decodes
+as another, and calls each request's policy exactly where the embedded engine always has: after
+each layer of a layer-wise prefill, at prefill completion, and after every decode step.
+
+Failures are confined to the request that caused them wherever the batch allows: a policy hook
+that raises, a capture that cannot be built, or a request whose pages do not fit is reported in
+`RunnerOutput.failed` and left out of the rest of the step; the other requests' outputs are
+unchanged. Only an error in the shared forward pass itself propagates (then the whole batch's cache
+state is undefined, and the driver must fail the batch).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_kvpress_ext.cache import PagedKVCache, PagePool
+from vllm_kvpress_ext.cache.pool import PoolExhaustedError
+from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
+from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression
+from vllm_kvpress_ext.engine.request import Request, RequestStatus
+from vllm_kvpress_ext.models import load_model
+from vllm_kvpress_ext.models.loader import resolve_dtype
+from vllm_kvpress_ext.policies import KVPolicy
+from vllm_kvpress_ext.policies.base import Admission, DecodeLayer, DecodeStep, LayerPrefill, RequestPrefill
+from vllm_kvpress_ext.policies.capture import PrefillCapture
+
+DEFAULT_KV_MEMORY = 1 << 30
+
+
+@dataclass
+class ScheduledChunk:
+    """Prompt (or recomputed) tokens [start, end) of `request` to prefill in this step."""
+
+    request: Request
+    start: int
+    end: int
+
+
+@dataclass
+class Schedule:
+    """One step's work: prefill chunks and decoding requests (disjoint), all holding a cache row."""
+
+    prefill: list[ScheduledChunk] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+@dataclass
+class RequestFailure:
+    request: Request
+    error: Exception
+
+    @property
+    def message(self) -> str:
+        return f"{type(self.error).__name__}: {self.error}"
+
+
+@dataclass
+class RunnerOutput:
+    """`logits[i]` is the next-token distribution of `sample[i]`; `failed` requests did not complete the step."""
+
+    sample: list[Request] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    failed: list[RequestFailure] = field(default_factory=list)
+
+
+class ModelRunner:
+    """The model and its paged KV cache; `execute(schedule)` runs one step."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: torch.dtype | str = "auto",
+        device: str | torch.device = "cpu",
+        num_pages: int | None = None,
+        kv_memory: int | None = None,
+        page_size: int = 16,
+        max_num_seqs: int = 64,
+        kv_dtype: torch.dtype | str | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.model = load_model(self.model_dir, dtype=dtype, device=self.device)
+        self.config = self.model.config
+        self.dtype = next(self.model.parameters()).dtype
+        cache_dtype = self.dtype if kv_dtype is None else resolve_dtype(kv_dtype)
+        if num_pages is not None and kv_memory is not None:
+            raise ValueError("give num_pages or kv_memory, not both")
+        if num_pages is None:
+            budget = DEFAULT_KV_MEMORY if kv_memory is None else kv_memory
+            num_pages = PagePool.pages_for_memory(budget, page_size, self.config.head_dim, cache_dtype)
+        self.cache = PagedKVCache(
+            self.config.num_hidden_layers,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            num_pages=num_pages,
+            page_size=page_size,
+            max_requests=max_num_seqs,
+            dtype=cache_dtype,
+            device=self.device,
+        )
+        self.scale = self.config.head_dim**-0.5
+
+    # ------------------------------------------------------------------ requests
+
+    def clock(self) -> float:
+        """Seconds for timing compression: on a GPU, after the queued work is done, so the time is its own."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def admission_for(self, policy: KVPolicy | None) -> Admission | None:
+        """The policy's write gate bound to this model (checked against it), or None."""
+        admission = policy.admission(self.model_dir, self.device) if policy is not None else None
+        if admission is None:
+            return None
+        gates = getattr(admission, "gates", None)
+        if gates is not None:
+            gates.check_model(
+                self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim, "the write gates"
+            )
+        if admission.window < 1 or admission.window % self.cache.page_size:
+            raise ValueError(
+                f"the local window ({admission.window} tokens) must be a positive multiple of the page size "
+                f"({self.cache.page_size}): the ring is made of whole pages"
+            )
+        return admission
+
+    def add(self, request: Request) -> None:
+        """Give the request a cache row; it starts (or restarts) its prefill from token 0."""
+        request.row = self.cache.add_request(request.request_id)
+        request.status = RequestStatus.PREFILLING
+        request.num_processed = 0
+
+    def release(self, request: Request) -> None:
+        """Return the request's pages and row, and forget its policy state (it may be recomputed later)."""
+        if request.row is not None:
+            self.cache.free_request(request.request_id)
+            request.row = None
+        request.policy_state = None
+        request.capture = None
+        request.admitted = None
+
+    # ------------------------------------------------------------------ stepping
+
+    @torch.no_grad()  # not inference_mode: cache tables grown inside a step are mutated outside it later
+    def execute(self, schedule: Schedule) -> RunnerOutput:
+        """Run the schedule's prefill chunks, then its decodes; advance each request's `num_processed`."""
+        output = RunnerOutput()
+        sampled: list[tuple[Request, torch.Tensor]] = []
+        if schedule.prefill:
+            sampled += self._run_prefill(schedule.prefill, output.failed)
+        if schedule.decode:
+            sampled += self._run_decode(schedule.decode, output.failed)
+        failed = {id(f.request) for f in output.failed}
+        sampled = [(r, h) for r, h in sampled if id(r) not in failed]
+        if sampled:
+            output.sample = [r for r, _ in sampled]
+            output.logits = self.model.compute_logits(torch.stack([h for _, h in sampled]))
+        return output
+
+    def _run_prefill(self, chunks: list[ScheduledChunk], failed: list[RequestFailure]) -> list[tuple[Request, Any]]:
+        segments: list[PrefillSegment] = []
+        running: list[ScheduledChunk] = []
+        token_ids: list[int] = []
+        positions: list[int] = []
+        layerwise: dict[str, LayerwiseCompression] = {}
+        for chunk in chunks:
+            req = chunk.request
+            assert req.row is not None
+            compression = None
+            try:
+                capture = self._capture_for(req)
+                if self._compresses_layerwise(req, chunk):
+                    compression = LayerwiseCompression(self, req, chunk.start, chunk.end)
+                    slots = None  # allocated layer by layer inside the forward pass
+                else:
+                    slots = self.cache.append_slots([req.row], torch.arange(chunk.start, chunk.end).view(1, -1))
+            except Exception as exc:
+                failed.append(RequestFailure(req, exc))
+                continue
+            if compression is not None:
+                layerwise[req.request_id] = compression
+            if req.admission is not None and chunk.start == 0:
+                req.admitted = [[] for _ in range(self.config.num_hidden_layers)]
+            segments.append(
+                PrefillSegment(
+                    req.row,
+                    chunk.start,
+                    chunk.end,
+                    len(token_ids),
+                    slots,
+                    capture,
+                    req.admission,
+                    req.admitted,
+                    compression,
+                )
+            )
+            running.append(chunk)
+            token_ids += req.all_token_ids[chunk.start : chunk.end]
+            positions += range(chunk.start, chunk.end)
+        if not running:
+            return []
+        ids = torch.tensor(token_ids, device=self.device)
+        pos_t = torch.tensor(positions, device=self.device)
+        hidden = self.model(ids, pos_t, PrefillContext(self.cache, segments, pos_t, self.scale))
+        sampled: list[tuple[Request, Any]] = []
+        for chunk, segment in zip(running, segments, strict=True):
+            req = chunk.request
+            req.num_processed = chunk.end
+            compression = layerwise.get(req.request_id)
+            try:
+                if compression is not None and compression.error is not None:
+                    raise compression.error
+                if chunk.end == req.prefill_target:
+                    self._on_prefill_complete(req, compression)
+            except Exception as exc:
+                failed.append(RequestFailure(req, exc))
+                continue
+            if chunk.end == req.num_tokens:
+                sampled.append((req, hidden[segment.offset + segment.length - 1]))
+        return sampled
+
+    def _run_decode(self, requests: list[Request], failed: list[RequestFailure]) -> list[tuple[Request, Any]]:
+        positions = torch.tensor([[r.num_processed] for r in requests])
+        try:
+            slots = self.cache.append_slots(torch.tensor([r.row for r in requests]), positions)
+        except PoolExhaustedError:
+            requests, slots = self._append_what_fits(requests, failed)
+            if not requests:
+                return []
+            positions = torch.tensor([[r.num_processed] for r in requests])
+        rows = torch.tensor([r.row for r in requests])
+        tokens = torch.tensor([r.all_token_ids[r.num_processed] for r in requests], device=self.device)
+        want_probs = any(r.policy is not None and r.policy.wants_decode_attention for r in requests)
+        context = DecodeContext(self.cache, rows, slots, self.scale, want_probs, self._admission_groups(requests))
+        hidden = self.model(tokens, positions.view(-1).to(self.device), context)
+        sampled: list[tuple[Request, Any]] = []
+        for i, r in enumerate(requests):
+            r.num_processed += 1
+            if r.policy is not None and r.policy.wants_decode_steps:
+                try:
+                    self._on_decode_step(r, i, context)
+                except Exception as exc:
+                    failed.append(RequestFailure(r, exc))
+                    continue
+            if r.num_processed == r.num_tokens:
+                sampled.append((r, hidden[i]))
+        return sampled
+
+    def _append_what_fits(
+        self, requests: list[Request], failed: list[RequestFailure]
+    ) -> tuple[list[Request], torch.Tensor]:
+        """The batch's pages did not fit: keep the earliest requests whose pages do, fail the rest.
+
+        The driver's scheduler counts every page a step needs, so this only runs when a request
+        outgrew what it was budgeted (e.g. a policy that holds more than it reported).
+        """
+        kept: list[Request] = []
+        free = self.cache.pool.num_free
+        for r in requests:
+            need = self.cache.pages_needed_to_append(torch.tensor([r.row]), 1)
+            if need <= free:
+                kept.append(r)
+                free -= need
+            else:
+                failed.append(RequestFailure(r, PoolExhaustedError(need, free)))
+        if not kept:
+            return [], torch.empty(0)
+        positions = torch.tensor([[r.num_processed] for r in kept])
+        return kept, self.cache.append_slots(torch.tensor([r.row for r in kept]), positions)
+
+    @staticmethod
+    def _admission_groups(requests: list[Request]) -> list[tuple[torch.Tensor, Admission]]:
+        """Batch indices of the requests sharing each write gate, so each gate runs once per layer."""
+        groups: dict[int, tuple[list[int], Admission]] = {}
+        for i, r in enumerate(requests):
+            if r.admission is not None:
+                groups.setdefault(id(r.admission), ([], r.admission))[0].append(i)
+        return [(torch.tensor(index), admission) for index, admission in groups.values()]
+
+    def _capture_for(self, request: Request) -> PrefillCapture | None:
+        """The request's capture, created on its first chunk; None (no work at all) without a policy."""
+        if request.policy is None:
+            return None
+        if request.capture is None:
+            spec = request.policy.capture_spec()
+            if spec.empty:
+                return None
+            request.capture = PrefillCapture(spec, self.config.num_hidden_layers)
+        return request.capture
+
+    @staticmethod
+    def _compresses_layerwise(request: Request, chunk: ScheduledChunk) -> bool:
+        """Layer-wise compression runs on the chunk that completes the prefill, if the policy opts in.
+
+        Earlier chunks write every layer as usual (the policy must see the whole prompt of a layer),
+        so the prefill peak falls from the whole prompt in every layer to the earlier chunks' prefix
+        in every layer plus, for this chunk, one layer whole and the others compressed. Requests with
+        a write gate (WG-KV) keep the end-of-prefill path: their prompt goes through `start_ring`.
+        """
+        policy = request.policy
+        return bool(
+            policy is not None
+            and policy.compresses_layerwise
+            and request.admission is None
+            and chunk.end == request.prefill_target
+        )
+
+    # ------------------------------------------------------------------ policy hooks
+
+    def layer_prefill(self, request: Request, layer: int, gated: bool = False) -> LayerPrefill:
+        """What a policy sees of one layer after prefill: the entries it holds and what the pass captured.
+
+        `gated` (WG-KV admission) passes every head's own positions: heads hold different entries.
+        """
+        keys, values, positions, _ = self.cache.gather_layer(request.request_id, layer)
+        capture = request.capture
+        return LayerPrefill(
+            layer=layer,
+            num_layers=self.config.num_hidden_layers,
+            keys=keys,
+            values=values,
+            positions=positions[0],
+            capture=capture.layers[layer] if capture is not None else None,
+            model=self.model,
+            scale=self.scale,
+            head_positions=positions if gated else None,
+        )
+
+    def _on_prefill_complete(self, request: Request, layerwise: LayerwiseCompression | None = None) -> None:
+        """Prefill reached `prefill_target`: the policy scores every layer, plans, and the cache compacts.
+
+        With `layerwise`, every layer was already compressed during the forward pass.
+        """
+        request.status = RequestStatus.RUNNING
+        policy = request.policy
+        if layerwise is not None:
+            layerwise.finish()
+        elif policy is not None:
+            self.update_kv_stats(request)  # the uncompressed peak
+            start = self.clock()
+            state: dict[str, Any] = {}
+            request.policy_state = state
+            num_layers = self.config.num_hidden_layers
+            gated = request.admission is not None
+            if gated:
+                self._start_ring(request)
+            results = []
+            for layer in range(num_layers):
+                results.append(policy.on_layer_prefilled(self.layer_prefill(request, layer, gated), state))
+            summary = RequestPrefill(
+                request_id=request.request_id,
+                num_layers=num_layers,
+                num_kv_heads=self.config.num_key_value_heads,
+                num_q_heads=self.config.num_attention_heads,
+                length=request.num_processed,
+            )
+            plan = policy.plan(summary, results, state)
+            if plan is not None:
+                self.cache.apply_keep_plan(request.request_id, plan)
+            request.capture = None
+            request.kv.compression_seconds += self.clock() - start
+        self.update_kv_stats(request)
+
+    def _start_ring(self, request: Request) -> None:
+        """Admission at prefill completion: last W tokens into the ring, older ones kept only if admitted."""
+        assert request.admission is not None and request.admitted is not None
+        admitted = torch.stack([torch.cat(chunks, dim=-1) for chunks in request.admitted]).cpu()  # [L, H, n]
+        self.cache.start_ring(request.request_id, request.admission.window, admitted)
+        request.admitted = None
+
+    def _on_decode_step(self, request: Request, batch_index: int, context: DecodeContext) -> None:
+        """Let the request's policy evict after a decode step (e.g. H2O, bounded StreamingLLM)."""
+        assert request.policy is not None and request.row is not None
+        start = self.clock()
+        positions, lengths = self.cache.entry_positions(request.request_id)
+        layers = []
+        for layer in range(self.config.num_hidden_layers):
+            attention = None
+            if context.probs is not None:
+                n = positions.shape[-1]
+                attention = context.probs[layer][batch_index, :, :, :n].cpu()
+            layers.append(DecodeLayer(positions=positions[layer], lengths=lengths[layer], attention=attention))
+        step = DecodeStep(request.request_id, request.num_processed - 1, layers)
+        eviction = request.policy.on_decode_step(step, request.policy_state)
+        if eviction is not None and eviction.entries.numel():
+            rows = torch.full_like(eviction.entries, request.row)
+            self.cache.evict(rows, eviction.layers, eviction.heads, eviction.entries)
+        request.kv.compression_seconds += self.clock() - start
+
+    def update_kv_stats(self, request: Request) -> None:
+        """Refresh `request.kv` from the pool's own accounting (the request must hold a cache row)."""
+        usage = self.cache.usage(request.request_id)
+        kv = request.kv
+        kv.tokens_kept = usage.tokens
+        kv.tokens_full = self.config.num_hidden_layers * self.config.num_key_value_heads * request.num_processed
+        kv.kv_bytes = usage.bytes
+        # The cache's high-water mark is exact (updated at every allocation, layer-wise prefill included);
+        # the max keeps the peak of an earlier life of a preempted request.
+        peak = self.cache.peak_pages(request.request_id) * self.cache.pool.bytes_per_page
+        kv.kv_bytes_peak = max(kv.kv_bytes_peak, usage.bytes, peak)
+        per_head = usage.global_tokens + usage.ring_tokens
+        kv.kept_per_head = per_head.tolist()
+        kv.kept_per_layer = (per_head.sum(-1) // per_head.shape[-1]).tolist()
+        if isinstance(request.policy_state, dict):
+            kv.counters = dict(request.policy_state.get("counters", {}))

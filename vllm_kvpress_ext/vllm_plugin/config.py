@@ -1,0 +1,71 @@
+"""The vLLM configuration every kvpress platform applies, and the features it refuses.
+
+Called from the platforms' `check_and_update_config`, in every vLLM process, before the engine is
+built: it swaps in the plugin's worker and scheduler and turns off what cannot be right over a
+per-head pool that frees entries (prefix caching would skip prefill of tokens a policy evicted).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_kvpress_ext.vllm_plugin.cli_args import check_policy_spec
+
+# Under the `vllm.` namespace: vLLM only prints its own loggers' records.
+logger = logging.getLogger("vllm.kvpress")
+
+WORKER_CLS = "vllm_kvpress_ext.vllm_plugin.worker.KVPressWorker"
+SCHEDULER_CLS = "vllm_kvpress_ext.vllm_plugin.scheduler.KVPressScheduler"
+
+
+class UnsupportedConfigError(ValueError):
+    """A vLLM feature the plugin does not implement: refused up front, never served wrong."""
+
+
+def refuse_unsupported(vllm_config: Any) -> None:
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise UnsupportedConfigError(
+            "vllm-kvpress-ext runs one worker: tensor and pipeline parallelism are not supported "
+            f"(got tensor_parallel_size={parallel.tensor_parallel_size}, "
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size})"
+        )
+    if getattr(parallel, "data_parallel_size", 1) > 1:
+        raise UnsupportedConfigError("vllm-kvpress-ext does not support data parallelism yet")
+    if vllm_config.speculative_config is not None:
+        raise UnsupportedConfigError("vllm-kvpress-ext does not support speculative decoding yet")
+    if vllm_config.lora_config is not None:
+        raise UnsupportedConfigError("vllm-kvpress-ext does not support LoRA adapters yet")
+    if vllm_config.kv_transfer_config is not None:
+        raise UnsupportedConfigError("vllm-kvpress-ext does not support KV transfer connectors")
+    model = vllm_config.model_config
+    if model is not None and getattr(model, "runner_type", "generate") != "generate":
+        raise UnsupportedConfigError(f"vllm-kvpress-ext only generates text (runner {model.runner_type!r})")
+
+
+def apply_kvpress_config(vllm_config: Any) -> None:
+    """Swap worker and scheduler, make scheduling synchronous and eager, force prefix caching off."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    refuse_unsupported(vllm_config)
+    additional = vllm_config.additional_config or {}
+    if "kv_policy" in additional:
+        check_policy_spec(additional["kv_policy"])
+    vllm_config.parallel_config.worker_cls = WORKER_CLS
+    scheduler = vllm_config.scheduler_config
+    scheduler.scheduler_cls = SCHEDULER_CLS
+    # The scheduler budgets the pool from the worker's report of the step before; an asynchronous
+    # schedule would budget from a report one step stale.
+    scheduler.async_scheduling = False
+    compilation = vllm_config.compilation_config
+    compilation.mode = CompilationMode.NONE
+    compilation.cudagraph_mode = CUDAGraphMode.NONE
+    compilation.cudagraph_capture_sizes = []
+    cache = vllm_config.cache_config
+    if cache.enable_prefix_caching:
+        logger.info(
+            "vllm-kvpress-ext: prefix caching is turned off (a compressed per-head cache no longer holds "
+            "every prompt token, so a cached prefix could skip prefill of evicted entries)"
+        )
+        cache.enable_prefix_caching = False

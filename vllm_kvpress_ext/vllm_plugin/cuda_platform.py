@@ -1,0 +1,36 @@
+"""`KVPressCudaPlatform`: vLLM's CUDA platform with the project's worker and pool-aware scheduler.
+
+Everything CUDA-specific (device discovery, NCCL, memory queries) stays vLLM's; after vLLM's own
+`check_and_update_config`, the worker and scheduler are swapped for the plugin's, whose model runner
+runs with `device="cuda"` on the project's Triton kernels and sizes the page pool from
+`torch.cuda.mem_get_info`. Activated only when compression is asked for (see `activation`).
+
+Not exercised by the test suite: the project's CI has no GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.platforms.cuda import CudaPlatform
+from vllm.platforms.interface import PlatformEnum
+
+from vllm_kvpress_ext.vllm_plugin.config import apply_kvpress_config
+from vllm_kvpress_ext.vllm_plugin.platform import validate_kvpress_request
+
+# vLLM picks NVML- or runtime-based device queries at import; subclass whichever it chose.
+_CudaBase: Any = CudaPlatform
+
+
+class KVPressCudaPlatform(_CudaBase):
+    _enum = PlatformEnum.CUDA  # vLLM's CUDA code paths key on is_cuda(); this is CUDA with another worker
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        super().check_and_update_config(vllm_config)
+        apply_kvpress_config(vllm_config)
+
+    @classmethod
+    def validate_request(cls, processed_inputs: Any, params: Any) -> None:
+        super().validate_request(processed_inputs, params)
+        validate_kvpress_request(params)

@@ -1,0 +1,200 @@
+"""`kvpress_*` series on vLLM's own `/metrics`.
+
+The pool lives in vLLM's engine-core process; `/metrics` is served by its API process from that
+process's default Prometheus registry. The scheduler (`EngineMetrics`) therefore keeps the figures
+and writes a small JSON snapshot (atomically, at most a few times a second and at every finish) to
+the file named by `KVPRESS_METRICS_FILE`, which the API process sets before it starts the engine;
+`SnapshotCollector`, registered in the API process, turns the latest snapshot into metric families
+at each scrape.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from vllm_kvpress_ext.vllm_plugin.report import PoolReport
+
+ENV = "KVPRESS_METRICS_FILE"
+RETENTION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+COMPRESSION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_WRITE_INTERVAL_S = 0.25
+
+
+def metrics_file() -> Path:
+    """The snapshot path, chosen once by the first (API) process and inherited by the engine's processes."""
+    path = os.environ.get(ENV)
+    if not path:
+        path = str(Path(tempfile.gettempdir()) / f"kvpress-vllm-metrics-{os.getpid()}.json")
+        os.environ[ENV] = path
+        atexit.register(_remove, Path(path))  # the process that chose the name cleans it up
+    return Path(path)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+class _Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += 1
+        self.sum += value
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"buckets": list(self.buckets), "counts": self.counts, "count": self.total, "sum": self.sum}
+
+
+class EngineMetrics:
+    """Engine-core side: pool gauges, pool-caused preemptions, per-policy retention and compression time."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path if path is not None else metrics_file()
+        self.gauges: dict[str, float] = {}
+        self.preemptions = 0
+        self.running_peak = 0
+        self.finished: dict[str, int] = {}
+        self.retention: dict[str, _Histogram] = {}
+        self.compression: dict[str, _Histogram] = {}
+        self.last_write = 0.0
+
+    def scheduled(self, num_requests: int) -> None:
+        """Requests in one step's schedule (prefilling or decoding): what the pool let run at once."""
+        self.running_peak = max(self.running_peak, num_requests)
+
+    def preempted_by_pool(self) -> None:
+        self.preemptions += 1
+
+    def request_finished(self, figures: dict[str, Any]) -> None:
+        policy = str(figures.get("policy", "full"))
+        self.finished[policy] = self.finished.get(policy, 0) + 1
+        self.retention.setdefault(policy, _Histogram(RETENTION_BUCKETS)).observe(float(figures["kv_retention"]))
+        if policy != "full":
+            self.compression.setdefault(policy, _Histogram(COMPRESSION_BUCKETS)).observe(
+                float(figures["compression_seconds"])
+            )
+        self.write(force=True)
+
+    def pool(self, report: PoolReport, running: int, waiting: int) -> None:
+        self.gauges = {
+            "pages_total": report.pages_total,
+            "pages_free": report.pages_free,
+            "pages_held": report.pages_total - report.pages_free,
+            "page_bytes": report.page_bytes,
+            "requests_running": running,
+            "requests_waiting": waiting,
+            "requests_running_peak": self.running_peak,
+        }
+        self.write()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "gauges": self.gauges,
+            "preemptions": self.preemptions,
+            "finished": self.finished,
+            "retention": {p: h.as_dict() for p, h in self.retention.items()},
+            "compression": {p: h.as_dict() for p, h in self.compression.items()},
+        }
+
+    def write(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_write < _WRITE_INTERVAL_S:
+            return
+        self.last_write = now
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(self.snapshot()))
+            os.replace(tmp, self.path)
+        except OSError:  # metrics must never break serving
+            pass
+
+
+_GAUGES = {
+    "pages_total": "KV pool size in pages (one page: page_size tokens of one layer and KV head)",
+    "pages_free": "KV pool pages free",
+    "pages_held": "KV pool pages held by requests",
+    "page_bytes": "Bytes of K and V in one page",
+    "requests_running": "Requests scheduled by vLLM and holding KV pages",
+    "requests_waiting": "Requests waiting for admission",
+    "requests_running_peak": "Most requests scheduled in one step since start",
+}
+
+
+class SnapshotCollector:
+    """API-process side: a Prometheus collector reading the engine's latest snapshot at each scrape."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def describe(self) -> list[Any]:
+        return []  # metric names depend on the snapshot; skip registration-time collection
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        data = self._read()
+        gauges = data.get("gauges", {})
+        for name, doc in _GAUGES.items():
+            family = GaugeMetricFamily(f"kvpress_kv_{name}" if name.startswith("page") else f"kvpress_{name}", doc)
+            family.add_metric([], float(gauges.get(name, 0)))
+            yield family
+        preempt = CounterMetricFamily(
+            "kvpress_pool_preemptions", "Requests preempted (recomputed later) because the KV pool was full"
+        )
+        preempt.add_metric([], float(data.get("preemptions", 0)))
+        yield preempt
+        finished = CounterMetricFamily("kvpress_requests_finished", "Finished requests by KV policy", labels=["policy"])
+        for policy, count in sorted(data.get("finished", {}).items()):
+            finished.add_metric([policy], float(count))
+        yield finished
+        for key, name, doc in (
+            (
+                "retention",
+                "kvpress_kv_retention_ratio",
+                "KV entries kept / entries of a full cache, per finished request",
+            ),
+            ("compression", "kvpress_compression_seconds", "Time spent in the policy's hooks per finished request"),
+        ):
+            histogram = HistogramMetricFamily(name, doc, labels=["policy"])
+            for policy, h in sorted(data.get(key, {}).items()):
+                cumulative = [(str(b), float(c)) for b, c in zip(h["buckets"], h["counts"], strict=True)]
+                cumulative.append(("+Inf", float(h["count"])))
+                histogram.add_metric([policy], cumulative, sum_value=float(h["sum"]))
+            yield histogram
+
+
+_registered = False
+
+
+def register_collector() -> None:
+    """Add the `kvpress_*` collector to the API process's default registry (once)."""
+    global _registered
+    if _registered:
+        return
+    from prometheus_client import REGISTRY
+
+    REGISTRY.register(SnapshotCollector(metrics_file()))
+    _registered = True

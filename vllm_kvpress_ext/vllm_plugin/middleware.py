@@ -1,0 +1,197 @@
+"""The plugin's HTTP layer on vLLM's API server: request policy fields in, KV figures out.
+
+- In: the embedded server's top-level `"kv_policy"` body field is moved into `vllm_xargs` (vLLM
+  would ignore it), merged with any `vllm_xargs.kv_*` fields by the embedded server's `policy_spec`;
+  two policies that disagree are an OpenAI-shaped 400.
+- Out: a non-streaming completion or chat response carries the worker's KV figures as
+  `kv_transfer_params.kvpress`; they are moved into `usage` (`kv_policy`, `kv_bytes`,
+  `kv_bytes_peak`, `kv_retention`, `kv_tokens_kept`), the same fields the embedded server reports.
+
+Installed by the general plugin around vLLM's `build_app`, so nothing needs configuring (vLLM's
+`vllm.endpoint_plugins` group is not used: it loads only when `VLLM_PLUGINS` names it, and warns
+otherwise). The same hook registers the `kvpress_*` metrics collector on the API process's registry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from vllm_kvpress_ext.server.errors import APIError
+from vllm_kvpress_ext.server.policy import policy_spec
+from vllm_kvpress_ext.vllm_plugin.metrics import metrics_file, register_collector
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+PATHS = ("/v1/completions", "/v1/chat/completions")
+USAGE_FIELDS = ("kv_bytes", "kv_bytes_peak", "kv_retention", "kv_tokens_kept", "kv_tokens_full")
+
+
+def rewrite_request(payload: dict[str, Any]) -> dict[str, Any]:
+    """Fold a top-level `kv_policy` into `vllm_xargs` (raises `APIError` when they disagree or are invalid)."""
+    if "kv_policy" not in payload:
+        return payload
+    body_policy = payload.pop("kv_policy")
+    xargs = dict(payload.get("vllm_xargs") or {})
+    kv_fields = {k: v for k, v in xargs.items() if k.startswith("kv_") and k != "kv_transfer_params"}
+    if kv_fields and "kv_policy" not in kv_fields:
+        # Flat `kv_<param>` fields refine the body's policy.
+        body_spec = policy_spec(body_policy, None)
+        named = body_spec if isinstance(body_spec, str) or body_spec is None else json.dumps(body_spec)
+        spec = policy_spec(None, {**kv_fields, "kv_policy": named})
+    else:
+        spec = policy_spec(body_policy, kv_fields or None)
+    for key in kv_fields:
+        del xargs[key]
+    if spec is not None:
+        xargs["kv_policy"] = spec if isinstance(spec, str) else json.dumps(spec)
+    payload["vllm_xargs"] = xargs
+    return payload
+
+
+def rewrite_response(payload: dict[str, Any]) -> dict[str, Any]:
+    params = payload.get("kv_transfer_params")
+    if not isinstance(params, dict) or "kvpress" not in params:
+        return payload
+    figures = params.pop("kvpress")
+    if not params:
+        payload.pop("kv_transfer_params")
+    usage = payload.get("usage")
+    if isinstance(usage, dict):
+        usage["kv_policy"] = figures.get("policy", "full")
+        usage.update({k: figures[k] for k in USAGE_FIELDS if k in figures})
+    return payload
+
+
+def _error_body(exc: APIError) -> bytes:
+    return json.dumps(
+        {"error": {"message": str(exc), "type": "BadRequestError", "param": exc.param, "code": exc.status}}
+    ).encode()
+
+
+def _with_length(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
+    kept = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    return [*kept, (b"content-length", str(length).encode())]
+
+
+class KVPressMiddleware:
+    """Pure ASGI middleware (streaming responses pass through untouched)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
+            await self.app(scope, receive, send)
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None
+        if isinstance(payload, dict):
+            try:
+                payload = rewrite_request(payload)
+            except APIError as exc:
+                error = _error_body(exc)
+                headers = [(b"content-type", b"application/json")]
+                await send(
+                    {"type": "http.response.start", "status": exc.status, "headers": _with_length(headers, len(error))}
+                )
+                await send({"type": "http.response.body", "body": error})
+                return
+            body = json.dumps(payload).encode()
+            scope = dict(scope)
+            scope["headers"] = _with_length(list(scope.get("headers", [])), len(body))
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        if not isinstance(payload, dict) or payload.get("stream"):
+            await self.app(scope, replay, send)
+            return
+        await self.app(scope, replay, _BufferedJSON(send))
+
+
+class _BufferedJSON:
+    """Collects a JSON response, rewrites it, then sends it with a corrected length."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.start: Message | None = None
+        self.chunks: list[bytes] = []
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.start = dict(message)
+            return
+        if message["type"] != "http.response.body" or self.start is None:
+            await self.send(message)
+            return
+        self.chunks.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        body = b"".join(self.chunks)
+        try:
+            payload = json.loads(body)
+            if isinstance(payload, dict):
+                body = json.dumps(rewrite_response(payload)).encode()
+        except ValueError:
+            pass
+        start = self.start
+        start["headers"] = _with_length(list(start.get("headers", [])), len(body))
+        await self.send(start)
+        await self.send({"type": "http.response.body", "body": body})
+
+
+def attach(app: Any) -> None:
+    """Add the middleware and the metrics collector to a vLLM API app, once."""
+    if getattr(app.state, "kvpress_attached", False):
+        return
+    app.state.kvpress_attached = True
+    # Outermost, around whatever stack the app has or will build (vLLM may build it before we get here,
+    # after which Starlette refuses `add_middleware`).
+    build_stack = app.build_middleware_stack
+    app.build_middleware_stack = lambda: KVPressMiddleware(build_stack())
+    if app.middleware_stack is not None:
+        app.middleware_stack = KVPressMiddleware(app.middleware_stack)
+    register_collector()
+
+
+def install_into_api_server() -> None:
+    """Wrap vLLM's `build_app` in the first process (the API server); the engine's processes skip it."""
+    owner = os.environ.setdefault("KVPRESS_VLLM_API_PID", str(os.getpid()))
+    metrics_file()  # chosen here so the engine's processes inherit the same path
+    if owner != str(os.getpid()):
+        return
+    try:
+        from vllm.entrypoints.launchers import app as app_module
+        from vllm.entrypoints.launchers.api_server import entry
+    except ImportError:  # pragma: no cover - vLLM without its API server
+        return
+    if getattr(entry, "_kvpress_wrapped", False):
+        return
+    original = app_module.build_app
+
+    def build_app(*args: Any, **kwargs: Any) -> Any:
+        app = original(*args, **kwargs)
+        attach(app)
+        return app
+
+    entry.build_app = build_app
+    entry._kvpress_wrapped = True  # type: ignore[attr-defined]

@@ -1,0 +1,105 @@
+"""`KVPressCpuPlatform`: vLLM's platform where the project's own worker runs the model on the CPU.
+
+vLLM's CUDA wheel has no usable CPU path (`vllm._C` does not load on a CPU torch), so on a CPU-only
+host the plugin brings the whole device side: its worker runs the project's model, page pool and
+policies. The accelerator hooks vLLM calls at shutdown raise on a CPU-only torch; they are made
+no-ops here, where nothing could have been cached on an accelerator anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from vllm.exceptions import VLLMValidationError
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from vllm_kvpress_ext.vllm_plugin.config import apply_kvpress_config
+from vllm_kvpress_ext.vllm_plugin.request_policy import RequestPolicyError, request_policy, unsupported_sampling
+
+
+def _tolerant(function: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(RuntimeError):
+            return function(*args, **kwargs)
+        return None
+
+    return call
+
+
+def _neutralise_accelerator_cache_calls() -> None:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None or accelerator.is_available():
+        return
+    for name in ("empty_cache", "empty_host_cache"):
+        function = getattr(accelerator, name, None)
+        if function is not None and not getattr(function, "_kvpress_tolerant", False):
+            wrapped = _tolerant(function)
+            wrapped._kvpress_tolerant = True
+            setattr(accelerator, name, wrapped)
+
+
+_neutralise_accelerator_cache_calls()
+
+
+def validate_kvpress_request(params: Any) -> None:
+    """Refuse, as HTTP 400, a bad per-request policy or a sampling feature the worker lacks."""
+    from vllm.sampling_params import SamplingParams
+
+    if not isinstance(params, SamplingParams):
+        raise VLLMValidationError("vllm-kvpress-ext serves text generation only (no pooling)")
+    refused = unsupported_sampling(params)
+    if refused is not None:
+        raise VLLMValidationError(refused[1], parameter=refused[0])
+    try:
+        request_policy(params.extra_args, None)
+    except RequestPolicyError as exc:
+        raise VLLMValidationError(str(exc), parameter=exc.param or "kv_policy") from None
+
+
+class KVPressCpuPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = "cpu"
+    device_type: str = "cpu"
+    dispatch_key: str = "CPU"
+    dist_backend: str = "gloo"
+    ray_device_key: str = ""
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return "cpu"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def inference_mode(cls) -> Any:
+        return torch.no_grad()
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        """Nothing to import: vLLM's compiled ops (`vllm._C`) are never used by this platform."""
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        """One CPU device; nothing to select."""
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        apply_kvpress_config(vllm_config)
+
+    @classmethod
+    def validate_request(cls, processed_inputs: Any, params: Any) -> None:
+        validate_kvpress_request(params)

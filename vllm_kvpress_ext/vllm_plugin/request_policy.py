@@ -1,0 +1,68 @@
+"""Per-request policies and the features the plugin refuses, checked in vLLM's API process.
+
+`Platform.validate_request` runs before a request reaches the engine; anything raised there as
+`VLLMValidationError` becomes an OpenAI-shaped HTTP 400 and the server keeps serving. The policy is
+parsed by the embedded server's own `policy_spec` / `resolve_policy`, so both servers accept the
+same fields and give the same messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_kvpress_ext.policies import KVPolicy, load_policy
+from vllm_kvpress_ext.server.errors import APIError
+from vllm_kvpress_ext.server.policy import policy_spec, resolve_policy
+
+# vLLM itself puts `kv_transfer_params` into extra_args (disaggregated prefill); it is not a policy field.
+_VLLM_OWN_KEYS = ("kv_transfer_params",)
+
+
+class RequestPolicyError(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def policy_fields(extra_args: dict[str, Any] | None) -> dict[str, Any]:
+    """The `kv_*` entries of a request's `extra_args` (`vllm_xargs`)."""
+    return {k: v for k, v in (extra_args or {}).items() if k.startswith("kv_") and k not in _VLLM_OWN_KEYS}
+
+
+def request_policy(extra_args: dict[str, Any] | None, default: KVPolicy | None) -> KVPolicy | None:
+    """The policy a request runs under: its own (validated), else the server's default; None = full cache."""
+    fields = policy_fields(extra_args)
+    try:
+        spec = policy_spec(None, fields) if fields else None
+        policy = resolve_policy(spec) if spec is not None else default
+    except APIError as exc:
+        raise RequestPolicyError(str(exc), exc.param) from None
+    return policy if policy is not None and policy.compresses else None
+
+
+def default_policy(additional_config: dict[str, Any] | None) -> KVPolicy | None:
+    spec = (additional_config or {}).get("kv_policy")
+    policy = load_policy(spec) if spec is not None else None
+    return policy if policy is not None and policy.compresses else None
+
+
+def unsupported_sampling(params: Any) -> tuple[str, str] | None:
+    """(parameter, reason) for the first sampling feature the plugin's worker does not implement."""
+    checks: list[tuple[str, bool]] = [
+        ("logprobs", params.logprobs is not None),
+        ("prompt_logprobs", params.prompt_logprobs is not None),
+        ("presence_penalty", params.presence_penalty != 0.0),
+        ("frequency_penalty", params.frequency_penalty != 0.0),
+        ("repetition_penalty", params.repetition_penalty != 1.0),
+        ("min_p", params.min_p != 0.0),
+        ("min_tokens", params.min_tokens > 0),
+        ("logit_bias", bool(params.logit_bias)),
+        ("allowed_token_ids", bool(params.allowed_token_ids)),
+        ("bad_words", bool(params.bad_words)),
+        ("structured_outputs", params.structured_outputs is not None),
+        ("logprob_token_ids", bool(getattr(params, "logprob_token_ids", None))),
+    ]
+    for name, used in checks:
+        if used:
+            return name, f"{name} is not supported by the vllm-kvpress-ext worker yet"
+    return None

@@ -1,0 +1,201 @@
+"""`KVPressScheduler`: vLLM's scheduler, admitting and preempting by the real per-(layer, KV head) pool.
+
+vLLM's own logic stays in charge (FCFS queue, chunked prefill mixed with decodes, preemption by
+recompute of the most recent request); only its answer to "do this request's new tokens fit?" is
+changed. `kv_cache_manager.allocate_slots` is gated by a page budget taken from the worker's last
+`PoolReport`:
+
+- a request starting (or restarting after preemption) its prefill reserves its uncompressed peak,
+  as the embedded scheduler does (compression only happens once the whole prefill is in);
+- a later prefill chunk costs nothing more (its pages were reserved);
+- a decoding request costs exactly the pages its next token allocates (ragged after compression).
+
+A refusal makes vLLM hold the request back or preempt, and each preemption credits the victim's
+pages. Pages freed by compression therefore become more concurrent requests under vLLM's own
+scheduling. The per-request KV figures the worker reports go back to the client on finished outputs
+(`kv_transfer_params["kvpress"]`), and pool gauges and counters go to `metrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.request import RequestStatus
+
+from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics
+from vllm_kvpress_ext.vllm_plugin.report import PoolReport
+
+logger = logging.getLogger("vllm.kvpress.scheduler")
+
+
+class _PoolGate:
+    """vLLM's KV cache manager, except that `allocate_slots` first asks the scheduler's page budget."""
+
+    def __init__(self, manager: Any, scheduler: KVPressScheduler) -> None:
+        self._manager = manager
+        self._scheduler = scheduler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        if not self._scheduler.reserve_pages(request):
+            return None
+        blocks = self._manager.allocate_slots(request, num_new_tokens, *args, **kwargs)
+        if blocks is None:
+            self._scheduler.refund_pages(request)
+        return blocks
+
+
+class KVPressScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kv_cache_manager = _PoolGate(self.kv_cache_manager, self)  # type: ignore[assignment]
+        self.report: PoolReport | None = None
+        self.available = 0
+        # Pages subtracted from `available` for each request during the current schedule().
+        self.charged: dict[str, int] = {}
+        # Requests mid-prefill -> the uncompressed peak reserved for them at admission.
+        self.prefill_peaks: dict[str, int] = {}
+        # Pages of requests finished or aborted since the last report (the worker frees them first thing).
+        self.freed_since_report = 0
+        self.pending_errors: list[tuple[Any, str]] = []
+        self.metrics = EngineMetrics()
+
+    # ------------------------------------------------------------------ budget
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_budget()
+        self._refuse_unservable()
+        output = super().schedule(*args, **kwargs)
+        self.metrics.scheduled(len(output.num_scheduled_tokens))
+        return output
+
+    def _begin_budget(self) -> None:
+        self.charged = {}
+        report = self.report
+        if report is None:
+            self.available = 0  # the pool's size arrives with the first step's report (see reserve_pages)
+            return
+        available = report.pages_free + self.freed_since_report
+        for request_id, peak in self.prefill_peaks.items():
+            remaining = max(peak - report.held.get(request_id, 0), 0)
+            available -= remaining
+            self.charged[request_id] = remaining
+        self.available = available
+        self.freed_since_report = 0
+
+    def _refuse_unservable(self) -> None:
+        """A waiting request whose prefill cannot fit even in an empty pool would block the queue forever."""
+        report = self.report
+        if report is None:
+            return
+        for request in list(self.waiting):
+            if report.peak_pages(request.num_tokens) <= report.pages_total:
+                continue
+            self.waiting.remove_requests([request])
+            # With output already, it ran out of room mid-generation (the embedded engine's "length").
+            status = RequestStatus.FINISHED_LENGTH_CAPPED if request.num_output_tokens else RequestStatus.FINISHED_ERROR
+            message = (
+                f"request needs {report.peak_pages(request.num_tokens)} KV pages before compression; "
+                f"the pool has {report.pages_total}"
+            )
+            self.pending_errors.append((request, message))
+            request.status = status
+            self._free_request(request)
+
+    def reserve_pages(self, request: Any) -> bool:
+        report = self.report
+        request_id = request.request_id
+        if report is None:
+            # No step has run, so the pool's size is not known here yet: admit a single request, whose
+            # step brings the first report.
+            if self.charged:
+                return False
+            self.charged[request_id] = 0
+            return True
+        if request.num_computed_tokens == 0:
+            need = report.peak_pages(request.num_tokens)
+            starting = True
+        else:
+            need = report.decode_pages.get(request_id, 0)  # 0: a later prefill chunk, reserved at admission
+            starting = False
+        if need > self.available:
+            return False
+        self.available -= need
+        self.charged[request_id] = self.charged.get(request_id, 0) + need
+        if starting:
+            self.prefill_peaks[request_id] = need
+        return True
+
+    def refund_pages(self, request: Any) -> None:
+        self.available += self.charged.pop(request.request_id, 0)
+        self.prefill_peaks.pop(request.request_id, None)
+
+    def _preempt_request(self, request: Any, timestamp: float, drop_stale_output: bool = False) -> None:
+        request_id = request.request_id
+        held = self.report.held.get(request_id, 0) if self.report is not None else 0
+        self.available += held + self.charged.pop(request_id, 0)
+        self.prefill_peaks.pop(request_id, None)
+        self.metrics.preempted_by_pool()
+        super()._preempt_request(request, timestamp, drop_stale_output)
+
+    def _credit_finished(self, request_id: str) -> None:
+        if self.report is not None:
+            self.freed_since_report += self.report.held.pop(request_id, 0)
+        self.prefill_peaks.pop(request_id, None)
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+        finished = super().finish_requests(request_ids, finished_status)
+        for request in finished or ():
+            self._credit_finished(request.request_id)
+        return finished
+
+    # ------------------------------------------------------------------ outputs
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
+        report: PoolReport | None = getattr(model_runner_output, "kvpress", None)
+        if report is not None:
+            self.report = report
+            self.freed_since_report = 0
+            for request_id in report.decode_pages:  # prefill complete: its reservation became real pages
+                self.prefill_peaks.pop(request_id, None)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if report is not None:
+            for request_id, message in report.failed.items():
+                request = self.requests.get(request_id)
+                if request is not None and not request.is_finished():
+                    self.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
+                    self._emit(outputs, request, FinishReason.ERROR)
+                    logger.warning("vllm-kvpress-ext: request %s failed alone: %s", request_id, message)
+        for request, message in self.pending_errors:
+            reason = (
+                FinishReason.LENGTH if request.status == RequestStatus.FINISHED_LENGTH_CAPPED else FinishReason.ERROR
+            )
+            self._emit(outputs, request, reason)
+            logger.warning("vllm-kvpress-ext: request %s cannot run: %s", request.request_id, message)
+        self.pending_errors = []
+        kv = report.kv if report is not None else {}
+        for engine_outputs in outputs.values():
+            for output in engine_outputs.outputs:
+                if output.finish_reason is None:
+                    continue
+                self._credit_finished(output.request_id)
+                figures = kv.get(output.request_id)
+                if figures is not None:
+                    output.kv_transfer_params = {**(output.kv_transfer_params or {}), "kvpress": figures}
+                    self.metrics.request_finished(figures)
+        if report is not None:
+            self.metrics.pool(report, running=len(self.running), waiting=len(self.waiting))
+        return outputs
+
+    @staticmethod
+    def _emit(outputs: dict[int, EngineCoreOutputs], request: Any, reason: FinishReason) -> None:
+        client = getattr(request, "client_index", 0)
+        engine_outputs = outputs.setdefault(client, EngineCoreOutputs(outputs=[]))
+        engine_outputs.outputs.append(
+            EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=reason)
+        )

@@ -1,0 +1,271 @@
+"""`KVPressWorker`: vLLM's worker interface over the project's `ModelRunner`.
+
+vLLM's scheduler decides which requests run each step and how many tokens each; this worker turns
+its `SchedulerOutput` into the runner's `Schedule` (prefill chunks and decodes), samples the next
+tokens, and reports the real pool back to the scheduler (`PoolReport`). vLLM alone decides when a
+request stops, so the runner's requests never stop on their own (`ignore_eos`, unbounded length).
+
+vLLM's own KV cache manager is given a dummy spec (one layer name, one KV head of size 1) and enough
+blocks for `max_num_seqs x max_model_len`, so it never limits anything; admission and preemption
+follow the real pool through `KVPressScheduler`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY, ModelRunner, Schedule, ScheduledChunk
+from vllm_kvpress_ext.engine.request import Request, RequestStatus
+from vllm_kvpress_ext.engine.sampler import sample
+from vllm_kvpress_ext.engine.sampling_params import SamplingParams
+from vllm_kvpress_ext.policies import KVPolicy
+from vllm_kvpress_ext.server.policy import policy_label
+from vllm_kvpress_ext.vllm_plugin.report import PoolReport
+from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, request_policy
+
+logger = logging.getLogger("vllm.kvpress.worker")
+
+DUMMY_LAYER = "kvpress.dummy"
+# vLLM decides when requests stop; the runner's requests must never stop first.
+_UNBOUNDED = 1 << 30
+
+
+def runner_sampling_params(params: Any) -> SamplingParams:
+    """vLLM's sampling parameters as the runner's sampler takes them (unsupported ones were refused earlier)."""
+    return SamplingParams(
+        max_tokens=_UNBOUNDED,
+        temperature=float(params.temperature),
+        top_p=float(params.top_p),
+        top_k=max(int(params.top_k or 0), 0),
+        seed=params.seed,
+        ignore_eos=True,
+    )
+
+
+class KVPressWorker(WorkerBase):
+    def __init__(
+        self,
+        vllm_config: Any,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        self.requests: dict[str, Request] = {}
+        self.runner: ModelRunner | None = None
+        self.default_policy: KVPolicy | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def init_device(self) -> None:
+        if self.current_platform.device_type == "cuda":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        if load_dummy_weights:
+            raise ValueError("vllm-kvpress-ext loads real weights only")
+        model = self.model_config
+        model_dir = Path(model.model)
+        if not model_dir.is_dir():
+            raise ValueError(f"vllm-kvpress-ext serves a local model directory; {model.model!r} is not one")
+        additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
+        self.default_policy = default_policy(additional)
+        assert self.device is not None
+        num_pages, kv_memory = self._pool_size(additional, model_dir)
+        self.runner = ModelRunner(
+            model_dir,
+            dtype=model.dtype,
+            device=self.device,
+            num_pages=num_pages,
+            kv_memory=kv_memory,
+            page_size=self.cache_config.block_size,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+        )
+        logger.info(
+            "vllm-kvpress-ext: %d KV pages of %d tokens (%d bytes each); default policy %s",
+            self.runner.cache.pool.num_pages,
+            self.runner.cache.page_size,
+            self.runner.cache.pool.bytes_per_page,
+            policy_label(self.default_policy),
+        )
+
+    def _pool_size(self, additional: dict[str, Any], model_dir: Path) -> tuple[int | None, int | None]:
+        """(num_pages, kv_memory): `kv_num_pages` in additional_config, else `--kv-cache-memory-bytes`,
+        else on CUDA the free device memory within `--gpu-memory-utilization`, else the embedded default."""
+        if "kv_num_pages" in additional:
+            return int(additional["kv_num_pages"]), None
+        if self.cache_config.kv_cache_memory_bytes:
+            return None, int(self.cache_config.kv_cache_memory_bytes)
+        if self.device is not None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = total * (1.0 - self.cache_config.gpu_memory_utilization)
+            weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))  # loaded after this
+            return None, max(int(free - reserve - weights), 1 << 20)
+        return None, DEFAULT_KV_MEMORY
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return {DUMMY_LAYER: self._dummy_spec()}
+
+    def _dummy_spec(self) -> FullAttentionSpec:
+        return FullAttentionSpec(
+            block_size=self.cache_config.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+        )
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        return [layout.name for layout in KVCacheLayout]
+
+    def determine_available_memory(self) -> int:
+        """Room for vLLM's dummy blocks only: enough that its block manager never limits scheduling."""
+        blocks_per_request = math.ceil(self.model_config.max_model_len / self.cache_config.block_size) + 1
+        blocks = self.scheduler_config.max_num_seqs * blocks_per_request + 1
+        return blocks * self._dummy_spec().page_size_bytes
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        """vLLM's blocks are bookkeeping only; the real cache is the runner's page pool."""
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        return None
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def get_model(self) -> torch.nn.Module:
+        assert self.runner is not None
+        return self.runner.model
+
+    def get_cache_block_size_bytes(self) -> int:
+        assert self.runner is not None
+        return self.runner.cache.pool.bytes_per_page
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        self.model_config.max_model_len = max_model_len
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.requests.clear()
+        self.runner = None
+
+    # ------------------------------------------------------------------ stepping
+
+    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+        runner = self.runner
+        assert runner is not None
+        self._forget(scheduler_output)
+        self._admit(scheduler_output)
+        schedule = Schedule()
+        for request_id, count in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            if request.status is RequestStatus.PREFILLING:
+                schedule.prefill.append(ScheduledChunk(request, request.num_processed, request.num_processed + count))
+            else:
+                if count != 1:
+                    raise RuntimeError(f"request {request_id} decodes one token per step, was scheduled {count}")
+                schedule.decode.append(request)
+        result = runner.execute(schedule)
+        sampled: dict[str, int] = {}
+        if result.logits is not None:
+            tokens = sample(result.logits, [r.params for r in result.sample], [r.generator for r in result.sample])
+            for request, token in zip(result.sample, tokens, strict=True):
+                request.output_token_ids.append(token)
+                sampled[request.request_id] = token
+        failed = {f.request.request_id: f.message for f in result.failed}
+        for request_id in failed:
+            request = self.requests.pop(request_id)
+            runner.release(request)
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=[[sampled[rid]] if rid in sampled else [] for rid in req_ids],
+        )
+        output.kvpress = self._report(sampled, failed)  # type: ignore[attr-defined]
+        return output
+
+    def _forget(self, scheduler_output: Any) -> None:
+        """Free finished requests; free preempted ones but keep them for their recomputation."""
+        runner = self.runner
+        assert runner is not None
+        for request_id in scheduler_output.finished_req_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                runner.release(request)
+        for request_id in scheduler_output.preempted_req_ids or ():
+            request = self.requests.get(request_id)
+            if request is not None:
+                runner.release(request)
+                request.status = RequestStatus.WAITING
+                request.num_processed = 0
+                request.num_preemptions += 1
+
+    def _admit(self, scheduler_output: Any) -> None:
+        runner = self.runner
+        assert runner is not None
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.num_computed_tokens:
+                raise RuntimeError("vllm-kvpress-ext needs prefix caching off; a new request arrived half computed")
+            policy = request_policy(new.sampling_params.extra_args, self.default_policy)
+            request = Request(
+                new.req_id, list(new.prompt_token_ids), runner_sampling_params(new.sampling_params), policy=policy
+            )
+            request.admission = runner.admission_for(policy)
+            self.requests[new.req_id] = request
+            runner.add(request)
+        cached = scheduler_output.scheduled_cached_reqs
+        for request_id in cached.resumed_req_ids:
+            request = self.requests[request_id]
+            tokens = cached.all_token_ids[request_id]
+            request.output_token_ids = list(tokens[len(request.prompt_token_ids) :])
+            runner.add(request)
+
+    def _report(self, sampled: dict[str, int], failed: dict[str, str]) -> PoolReport:
+        runner = self.runner
+        assert runner is not None
+        cache = runner.cache
+        report = PoolReport(
+            pages_total=cache.pool.num_pages,
+            pages_free=cache.pool.num_free,
+            page_size=cache.page_size,
+            pages_per_token_block=cache.num_layers * cache.num_kv_heads,
+            page_bytes=cache.pool.bytes_per_page,
+            failed=failed,
+        )
+        for request_id, request in self.requests.items():
+            if request.row is None:
+                continue
+            report.held[request_id] = int(cache.pages_per_head(request_id).sum())
+            if request.status is RequestStatus.RUNNING:
+                report.decode_pages[request_id] = cache.pages_needed_to_append(torch.tensor([request.row]), 1)
+            if request_id in sampled:
+                runner.update_kv_stats(request)
+                kv = request.kv
+                report.kv[request_id] = {
+                    "policy": policy_label(request.policy),
+                    "kv_bytes": kv.kv_bytes,
+                    "kv_bytes_peak": kv.kv_bytes_peak,
+                    "kv_tokens_kept": kv.tokens_kept,
+                    "kv_tokens_full": kv.tokens_full,
+                    "kv_retention": round(kv.retention, 6),
+                    "compression_seconds": round(kv.compression_seconds, 6),
+                    "preemptions": request.num_preemptions,
+                }
+        return report
