@@ -74,6 +74,9 @@ class _LayerwiseCompression:
         # policy's masks over prompt entries map onto the layer's current (compacted) entries.
         self.held: list[torch.Tensor | None] = [None] * engine.config.num_hidden_layers
         self.seconds = 0.0
+        # A policy failure must not break the batch's forward pass: it is kept here, the remaining layers
+        # stay uncompressed, and `finish` re-raises it so that only this request fails.
+        self.error: Exception | None = None
 
     def slots(self, layer: int) -> torch.Tensor:
         """This chunk's slots in `layer`. Cannot exhaust the pool: admission reserved the uncompressed peak."""
@@ -81,12 +84,17 @@ class _LayerwiseCompression:
         return self.engine.cache.append_layer_slots(layer, self.request.row, self.positions)
 
     def compress(self, layer: int) -> None:
+        if self.error is not None:
+            return
         start = time.perf_counter()
-        prefill = self.engine.layer_prefill(self.request, layer)
-        self.results.append(self.policy.on_layer_prefilled(prefill, self.state))
-        keep = self.policy.plan_layer(self.summary, layer, self.results, self.state)
-        if keep is not None:
-            self._apply(keep, layer)
+        try:
+            prefill = self.engine.layer_prefill(self.request, layer)
+            self.results.append(self.policy.on_layer_prefilled(prefill, self.state))
+            keep = self.policy.plan_layer(self.summary, layer, self.results, self.state)
+            if keep is not None:
+                self._apply(keep, layer)
+        except Exception as exc:
+            self.error = exc
         self.seconds += time.perf_counter() - start
 
     def _apply(self, keep: LayerKeep, layer: int) -> None:
@@ -123,6 +131,8 @@ class _LayerwiseCompression:
         """Prefill is over and every layer compressed: drop the captures, account the time."""
         self.request.capture = None
         self.request.kv.compression_seconds += self.seconds
+        if self.error is not None:
+            raise self.error
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
@@ -222,7 +232,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, compress_after=compress_after, policy=resolved)
-        request.admission = self._admission_for(resolved)
+        request.admission = self._admission_for(resolved, len(token_ids) + params.max_tokens)
         peak = self.cache.pages_for_prompt(request.prefill_target)
         if peak > self.cache.pool.num_pages:
             raise RequestRejectedError(
@@ -232,11 +242,19 @@ class LLMEngine:
         self.scheduler.add(request)
         return request_id
 
-    def _admission_for(self, policy: KVPolicy | None) -> Admission | None:
-        """The policy's write gate bound to this model (checked against it), or None."""
+    def _admission_for(self, policy: KVPolicy | None, max_tokens: int | None = None) -> Admission | None:
+        """The policy's write gate bound to this model (checked against it), or None.
+
+        The ring never spans more than the request can ever hold (`max_tokens`, prompt and output,
+        rounded up to whole pages): a longer one would evict nothing more and only cost pages.
+        """
         admission = policy.admission(self.model_dir, self.device) if policy is not None else None
         if admission is None:
             return None
+        page = self.cache.page_size
+        longest = -(-min(max_tokens or self.max_model_len, self.max_model_len) // page) * page
+        if admission.window > longest and dataclasses.is_dataclass(admission):
+            admission = dataclasses.replace(admission, window=longest)
         gates = getattr(admission, "gates", None)
         if gates is not None:
             gates.check_model(
@@ -246,6 +264,12 @@ class LLMEngine:
             raise ValueError(
                 f"the local window ({admission.window} tokens) must be a positive multiple of the page size "
                 f"({self.cache.page_size}): the ring is made of whole pages"
+            )
+        ring_pages = self.config.num_hidden_layers * self.config.num_key_value_heads * admission.window // page
+        if ring_pages > self.cache.pool.num_pages:
+            raise RequestRejectedError(
+                f"the local window ({admission.window} tokens) needs {ring_pages} KV pages but the whole pool has "
+                f"{self.cache.pool.num_pages}"
             )
         return admission
 
@@ -321,16 +345,23 @@ class LLMEngine:
         ids = torch.tensor(token_ids, device=self.device)
         pos_t = torch.tensor(positions, device=self.device)
         hidden = self.model(ids, pos_t, PrefillContext(self.cache, segments, pos_t, self.scale))
-        sampling = [(c, s) for c, s in zip(chunks, segments, strict=True) if c.end == c.request.num_tokens]
         touched: list[Request] = []
         for chunk in chunks:
             chunk.request.num_processed = chunk.end
             if chunk.end == chunk.request.prefill_target:
-                self._on_prefill_complete(chunk.request, layerwise.get(chunk.request.request_id))
+                try:
+                    self._on_prefill_complete(chunk.request, layerwise.get(chunk.request.request_id))
+                except Exception as exc:  # the policy failed on this request: it alone fails
+                    touched.append(self._fail(chunk.request, exc))
+        sampling = [
+            (c, s)
+            for c, s in zip(chunks, segments, strict=True)
+            if c.end == c.request.num_tokens and not c.request.finished
+        ]
         if sampling:
             last = torch.tensor([s.offset + s.length - 1 for _, s in sampling], device=self.device)
             logits = self.model.compute_logits(hidden[last])
-            touched = self._append_tokens([c.request for c, _ in sampling], logits)
+            touched += self._append_tokens([c.request for c, _ in sampling], logits)
         return touched
 
     def _run_decode(self, requests: list[Request]) -> list[Request]:
@@ -341,15 +372,19 @@ class LLMEngine:
         want_probs = any(r.policy is not None and r.policy.wants_decode_attention for r in requests)
         context = DecodeContext(self.cache, rows, slots, self.scale, want_probs, self._admission_groups(requests))
         hidden = self.model(tokens, positions.view(-1).to(self.device), context)
+        failed: list[Request] = []
         for i, r in enumerate(requests):
             r.num_processed += 1
             if r.policy is not None and r.policy.wants_decode_steps:
-                self._on_decode_step(r, i, context)
-        needs_token = [i for i, r in enumerate(requests) if r.num_processed == r.num_tokens]
+                try:
+                    self._on_decode_step(r, i, context)
+                except Exception as exc:  # the policy failed on this request: it alone fails
+                    failed.append(self._fail(r, exc))
+        needs_token = [i for i, r in enumerate(requests) if r.num_processed == r.num_tokens and not r.finished]
         if not needs_token:
-            return []
+            return failed
         logits = self.model.compute_logits(hidden[torch.tensor(needs_token, device=self.device)])
-        return self._append_tokens([requests[i] for i in needs_token], logits)
+        return failed + self._append_tokens([requests[i] for i in needs_token], logits)
 
     @staticmethod
     def _admission_groups(requests: list[Request]) -> list[tuple[torch.Tensor, Admission]]:
@@ -487,7 +522,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ outputs
 
     def _append_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[Request]:
-        tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        tokens = sample(logits, requests, self.eos_token_ids)
         now = time.monotonic()
         for request, token in zip(requests, tokens, strict=True):
             request.output_token_ids.append(token)
@@ -505,7 +540,7 @@ class LLMEngine:
             self._finish(request, "stop", token)
             return
         if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
             for stop in params.stop:
                 index = text.find(stop)
                 if index >= 0:
@@ -514,6 +549,14 @@ class LLMEngine:
                     return
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             self._finish(request, "length")
+
+    def _fail(self, request: Request, exc: Exception) -> Request:
+        """End one request whose policy work raised (finish reason "error"); the rest of the batch goes on."""
+        request.error = f"{type(exc).__name__}: {exc}"
+        request.finish_reason = "error"
+        self.scheduler.finish(request)
+        self.requests.pop(request.request_id, None)
+        return request
 
     def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         if request.row is not None:
@@ -527,13 +570,14 @@ class LLMEngine:
             ids = request.output_token_ids
             if stop_reason is not None:
                 ids = ids[:-1]
-            request.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            request.text = self.tokenizer.decode(ids, skip_special_tokens=request.params.skip_special_tokens)
         self.requests.pop(request.request_id, None)
 
     def _snapshot(self, request: Request) -> RequestOutput:
         text = request.text
         if not request.finished and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            skip = request.params.skip_special_tokens
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=skip)
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -545,4 +589,5 @@ class LLMEngine:
                 request.kv, kept_per_layer=list(request.kv.kept_per_layer), counters=dict(request.kv.counters)
             ),
             num_preemptions=request.num_preemptions,
+            error=request.error,
         )

@@ -61,6 +61,7 @@ class Request:
     admission: Any = None  # the policy's `Admission` (WG-KV write gate) bound to the model, if any
     admitted: list[list[torch.Tensor]] | None = None  # per layer, admission flags [H, n] of each prefill chunk
     first_token_time: float | None = None
+    error: str | None = None  # why the request failed (finish reason "error")
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -99,3 +100,4 @@ class RequestOutput:
     finish_reason: str | None
     kv: KVStats
     num_preemptions: int = 0
+    error: str | None = None  # set when finish_reason is "error": this request's policy work raised

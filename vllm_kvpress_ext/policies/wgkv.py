@@ -94,6 +94,8 @@ class WGKVPolicy(KVPolicy):
     name = "wgkv"
     summary = "learned write-gate admission: local ring + global cache, lazy promotion (WG-KV)"
 
+    file_fields = ("gates",)
+
     gates: str | None = None
     tau: float = 0.1
     local_window: int | None = None
