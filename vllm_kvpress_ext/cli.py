@@ -10,7 +10,7 @@ import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from vllm_kvpress_ext import __version__
 
@@ -827,8 +827,15 @@ def _add_bench_prefill_peak_parser(bench_sub: argparse._SubParsersAction[argpars
     pp.set_defaults(handler=_cmd_bench_prefill_peak)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (`kvpress serve: error: ...`) and exit status 2, never a traceback."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvpress",
         description="KV-cache compression for LLM serving: per-head policies over a paged pool that frees "
         "what it drops.",
@@ -1070,7 +1077,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 0
-    return handler(args)
+    try:
+        return handler(args)
+    except (ValueError, OSError) as exc:  # a bad value only found past parsing (a file, a combination)
+        command = " ".join(str(getattr(args, k)) for k in ("command", "bench_command") if getattr(args, k, None))
+        print(f"kvpress {command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

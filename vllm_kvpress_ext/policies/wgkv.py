@@ -128,6 +128,12 @@ class WGKVPolicy(KVPolicy):
     def admission(self, model_dir: str | Path, device: torch.device) -> GateAdmission:
         """Load (once per file and device) the gates for `model_dir` and bind them to this policy."""
         path = self.gate_path(model_dir)
+        if not path.is_file():
+            # No path in the message: it may be a client's request that asked for gates.
+            raise PolicyConfigError(
+                "wgkv: no write gates for this model (train them with `kvpress train-gate`, or name gates the "
+                "server's operator allowed)"
+            )
         gates = _cached_gates(path, device)
         window = self.local_window
         if window is None:
