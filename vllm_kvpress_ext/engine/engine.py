@@ -232,7 +232,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, compress_after=compress_after, policy=resolved)
-        request.admission = self._admission_for(resolved, len(token_ids) + params.max_tokens)
+        # The last sampled token is never written to the cache: prompt + max_tokens - 1 entries at most.
+        request.admission = self._admission_for(resolved, len(token_ids) + params.max_tokens - 1)
         peak = self.cache.pages_for_prompt(request.prefill_target)
         if peak > self.cache.pool.num_pages:
             raise RequestRejectedError(
@@ -245,8 +246,9 @@ class LLMEngine:
     def _admission_for(self, policy: KVPolicy | None, max_tokens: int | None = None) -> Admission | None:
         """The policy's write gate bound to this model (checked against it), or None.
 
-        The ring never spans more than the request can ever hold (`max_tokens`, prompt and output,
-        rounded up to whole pages): a longer one would evict nothing more and only cost pages.
+        The ring never spans more than the request can ever write (`max_tokens` entries, rounded up to
+        whole pages): a longer one would evict nothing more and only cost pages, so a request whose
+        ring outlasts it holds what `full` holds.
         """
         admission = policy.admission(self.model_dir, self.device) if policy is not None else None
         if admission is None:
