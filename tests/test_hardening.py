@@ -382,9 +382,10 @@ def test_openapi_documents_what_the_server_sends(http: httpx.Client) -> None:
 
 def test_chat_template_is_the_training_rendering() -> None:
     """The server's chat prompt is token for token what the bundled model was trained on."""
+    from transformers import AutoTokenizer
+
     from vllm_kvpress_ext.bench.tasks import generate, training_example
     from vllm_kvpress_ext.bench.tasks.training import chat_conversation
-    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
     for seed in range(5):
