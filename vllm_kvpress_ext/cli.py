@@ -835,7 +835,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser: argparse.ArgumentParser = _Parser(
         prog="kvpress",
         description="KV-cache compression for LLM serving: per-head policies over a paged pool that frees "
         "what it drops.",
