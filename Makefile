@@ -39,10 +39,12 @@ test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # `make serve` serves the bundled model (vllm_kvpress_ext/assets/default_model, docs/model.md) with the
-# snapkv policy on 127.0.0.1:8000. Another model: make serve SERVE_ARGS="path/to/model --kv-policy snapkv".
-SERVE_ARGS ?= --kv-policy snapkv
+# snapkv policy on 127.0.0.1:8000. SERVE_ARGS adds flags and keeps the policy: make serve SERVE_ARGS="--port 8001";
+# another model: make serve SERVE_ARGS="path/to/model"; another default policy: make serve SERVE_POLICY=full.
+SERVE_POLICY ?= snapkv
+SERVE_ARGS ?=
 serve: install
-	$(KVPRESS) serve $(SERVE_ARGS)
+	$(KVPRESS) serve --kv-policy $(SERVE_POLICY) $(SERVE_ARGS)
 
 bench: install
 	$(KVPRESS) bench cache

@@ -156,7 +156,7 @@ def test_engine_rejects_gates_for_another_model(tmp_path: Path, model_dir: Path)
     ok = constant_gates(tmp_path / "ok.safetensors", model_dir, 5.0)
     with pytest.raises(ValueError, match="multiple of the page size"):
         engine.add_request([11, 12, 13], policy={"name": "wgkv", "gates": str(ok), "local_window": 12})
-    with pytest.raises(FileNotFoundError, match="no write gates"):
+    with pytest.raises(ValueError, match="no write gates"):  # a 400 over HTTP, and no path in it
         engine.add_request([11, 12, 13], policy="wgkv")  # no gates beside this model directory
 
 

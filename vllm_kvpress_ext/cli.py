@@ -10,7 +10,7 @@ import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from vllm_kvpress_ext import __version__
 
@@ -422,6 +422,50 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low` (a usage error otherwise, not a traceback later)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _at_least(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port lies in [1, 65535], got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 3600] seconds, got {text}")
+    return value
+
+
+def _policy_names(text: str) -> tuple[str, ...]:
+    from vllm_kvpress_ext.policies import policy_names
+
+    names = tuple(p for p in text.split(",") if p)
+    unknown = [n for n in names if n not in policy_names()]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {', '.join(unknown) or '(none given)'}; known: {', '.join(policy_names())}"
+        )
+    return names
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from vllm_kvpress_ext.server.config import ModelDirError, ServerConfig, resolve_model_dir
 
@@ -452,6 +496,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except PolicyConfigError as exc:
         print(f"kvpress serve: --kv-policy: {exc}", file=sys.stderr)
         return 2
+    if str(args.device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"kvpress serve: --device {args.device}: CUDA is not available on this machine", file=sys.stderr)
+            return 2
+    from vllm_kvpress_ext.policies import PolicyFiles, set_allowed_files
+
+    try:
+        set_allowed_files(PolicyFiles.parse(args.policy_file or ()))
+    except ValueError as exc:
+        print(f"kvpress serve: --policy-file: {exc}", file=sys.stderr)
+        return 2
     config = ServerConfig(
         model_dir=model_dir,
         served_model_name=args.served_model_name,
@@ -468,6 +525,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         log_level=args.log_level,
+        max_request_bytes=args.max_request_size,
+        shutdown_grace=args.shutdown_grace,
     )
     from vllm_kvpress_ext.server.launch import serve
 
@@ -482,7 +541,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         ServeBenchConfig(
             url=args.url,
             model=args.model,
-            policies=tuple(p for p in args.policies.split(",") if p),
+            policies=args.policies,
             kv_memory=args.kv_memory,
             num_requests=args.num_requests,
             concurrency=args.concurrency,
@@ -576,9 +635,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "path (default: none, i.e. full)",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    serve.add_argument("--port", type=_port, default=8000, help="port to bind (default: 8000)")
     pool = serve.add_mutually_exclusive_group()
-    pool.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
+    pool.add_argument("--num-pages", type=_at_least(1), default=None, help="KV pool size in pages")
     pool.add_argument(
         "--kv-memory",
         type=_size,
@@ -586,23 +645,54 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="SIZE",
         help="KV pool size in bytes, e.g. 2GiB or 512MiB (default: 1GiB)",
     )
-    serve.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: 16)")
+    serve.add_argument("--page-size", type=_at_least(1), default=16, help="tokens per KV page (default: 16)")
     serve.add_argument(
-        "--max-num-seqs", type=int, default=64, help="most requests holding KV pages at once (default: 64)"
+        "--max-num-seqs", type=_at_least(1), default=64, help="most requests holding KV pages at once (default: 64)"
     )
     serve.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="prompt tokens per prefill step (default: 2048)"
+        "--max-num-batched-tokens",
+        type=_at_least(1),
+        default=2048,
+        help="prompt tokens per prefill step (default: 2048)",
     )
     serve.add_argument(
-        "--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's maximum)"
+        "--max-model-len", type=_at_least(2), default=None, help="prompt + output limit (default: the model's maximum)"
+    )
+    serve.add_argument(
+        "--max-request-size",
+        type=_size,
+        default="2MiB",
+        metavar="SIZE",
+        help="largest request body accepted; larger ones get 413 unread (default: 2MiB)",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long in-flight requests may finish before they get the shutdown error "
+        "(default: 30)",
+    )
+    serve.add_argument(
+        "--policy-file",
+        action="append",
+        default=None,
+        metavar="POLICY.FIELD:NAME=PATH",
+        help="allow requests to use a policy file by NAME, e.g. xkv.profile:long=/srv/long.yaml or "
+        "wgkv.gates:mine=/srv/gates.safetensors; repeatable. Requests never name paths (docs/server.md)",
     )
     serve.add_argument(
         "--max-queue",
-        type=int,
+        type=_at_least(1),
         default=1024,
         help="requests waiting for admission before new ones get 429 (default: 1024)",
     )
-    serve.add_argument("--dtype", default="auto", help="model dtype: auto, float32, bfloat16, float16 (default: auto)")
+    serve.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="model dtype (default: auto)",
+    )
     serve.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     serve.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: the model directory's name)"
@@ -628,7 +718,12 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction[argparse.Argum
     )
     bs.add_argument("--url", default=None, help="base URL of a running server (default: start one per policy)")
     bs.add_argument("--model", default=None, help="HF-format model directory (default: random bench model)")
-    bs.add_argument("--policies", default="full,snapkv,streaming_llm", help="default: full,snapkv,streaming_llm")
+    bs.add_argument(
+        "--policies",
+        type=_policy_names,
+        default=("full", "snapkv", "streaming_llm"),
+        help="default: full,snapkv,streaming_llm",
+    )
     bs.add_argument("--kv-memory", default="16MiB", help="KV pool of the servers this bench starts (default: 16MiB)")
     bs.add_argument("--num-requests", type=int, default=64, help="requests per policy (default: 64)")
     bs.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (default: 32)")
@@ -797,8 +892,15 @@ def _add_bench_prefill_peak_parser(bench_sub: argparse._SubParsersAction[argpars
     pp.set_defaults(handler=_cmd_bench_prefill_peak)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (`kvpress serve: error: ...`) and exit status 2, never a traceback."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = _Parser(
         prog="kvpress",
         description="KV-cache compression for LLM serving: per-head policies over a paged pool that frees "
         "what it drops.",
@@ -1066,7 +1168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 0
-    return handler(args)
+    try:
+        return handler(args)
+    except (ValueError, OSError) as exc:  # a bad value only found past parsing (a file, a combination)
+        command = " ".join(str(getattr(args, k)) for k in ("command", "bench_command") if getattr(args, k, None))
+        print(f"kvpress {command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -125,7 +125,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, compress_after=compress_after, policy=resolved)
-        request.admission = self._admission_for(resolved)
+        # The last sampled token is never written to the cache: prompt + max_tokens - 1 entries at most.
+        request.admission = self._admission_for(resolved, len(token_ids) + params.max_tokens - 1)
         peak = self.cache.pages_for_prompt(request.prefill_target)
         if peak > self.cache.pool.num_pages:
             raise RequestRejectedError(
@@ -135,8 +136,18 @@ class LLMEngine:
         self.scheduler.add(request)
         return request_id
 
-    def _admission_for(self, policy: KVPolicy | None) -> Admission | None:
-        return self.runner.admission_for(policy)
+    def _admission_for(self, policy: KVPolicy | None, max_entries: int) -> Admission | None:
+        admission = self.runner.admission_for(policy, min(max_entries, self.max_model_len))
+        if admission is None:
+            return None
+        ring_pages = self.config.num_hidden_layers * self.config.num_key_value_heads * admission.window
+        ring_pages //= self.cache.page_size
+        if ring_pages > self.cache.pool.num_pages:
+            raise RequestRejectedError(
+                f"the local window ({admission.window} tokens) needs {ring_pages} KV pages but the whole pool has "
+                f"{self.cache.pool.num_pages}"
+            )
+        return admission
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -189,7 +200,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ outputs
 
     def _append_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[Request]:
-        tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        tokens = sample(logits, requests, self.eos_token_ids)
         now = time.monotonic()
         for request, token in zip(requests, tokens, strict=True):
             request.output_token_ids.append(token)
@@ -207,7 +218,7 @@ class LLMEngine:
             self._finish(request, "stop", token)
             return
         if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
             for stop in params.stop:
                 index = text.find(stop)
                 if index >= 0:
@@ -216,6 +227,14 @@ class LLMEngine:
                     return
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             self._finish(request, "length")
+
+    def _fail(self, request: Request, exc: Exception) -> Request:
+        """End one request whose policy work raised (finish reason "error"); the rest of the batch goes on."""
+        request.error = f"{type(exc).__name__}: {exc}"
+        request.finish_reason = "error"
+        self.scheduler.finish(request)
+        self.requests.pop(request.request_id, None)
+        return request
 
     def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         if request.row is not None:
@@ -230,13 +249,14 @@ class LLMEngine:
             ids = request.output_token_ids
             if stop_reason is not None:
                 ids = ids[:-1]
-            request.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            request.text = self.tokenizer.decode(ids, skip_special_tokens=request.params.skip_special_tokens)
         self.requests.pop(request.request_id, None)
 
     def _snapshot(self, request: Request) -> RequestOutput:
         text = request.text
         if not request.finished and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            skip = request.params.skip_special_tokens
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=skip)
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,

@@ -17,6 +17,7 @@ state is undefined, and the driver must fail the batch).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,11 +125,21 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def admission_for(self, policy: KVPolicy | None) -> Admission | None:
-        """The policy's write gate bound to this model (checked against it), or None."""
+    def admission_for(self, policy: KVPolicy | None, max_entries: int | None = None) -> Admission | None:
+        """The policy's write gate bound to this model (checked against it), or None.
+
+        With `max_entries` (the most entries the request can ever write), the ring never spans more
+        than that, rounded up to whole pages: a longer one would evict nothing more and only cost
+        pages, so a request whose ring outlasts it holds what `full` holds.
+        """
         admission = policy.admission(self.model_dir, self.device) if policy is not None else None
         if admission is None:
             return None
+        if max_entries is not None:
+            page = self.cache.page_size
+            longest = -(-max_entries // page) * page
+            if admission.window > longest and dataclasses.is_dataclass(admission):
+                admission = dataclasses.replace(admission, window=longest)
         gates = getattr(admission, "gates", None)
         if gates is not None:
             gates.check_model(

@@ -1,19 +1,65 @@
 """Turn the last-position logits of a batch into next tokens.
 
-Greedy rows are one argmax for the whole batch; sampled rows apply temperature, top-k and top-p
-and draw from their own `torch.Generator` (seeded per request, so a seeded request gives the same
-tokens whatever else shares its batch).
+Rows that need nothing but an argmax (greedy, no penalty, no `min_tokens` pending) are one argmax for
+the whole batch. Other rows get, in vLLM's order: `min_tokens` suppression, penalties, then (sampled
+rows) temperature, top-k, top-p and min-p, and a draw from their own `torch.Generator` (seeded per
+request, so a seeded request gives the same tokens whatever else shares its batch).
+
+Every filter keeps at least the most likely token, so no setting a request can pass leaves a row
+without a finite logit (which would make the draw fail for the whole batch).
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Protocol
 
 import torch
 
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 
 
+class SamplingState(Protocol):
+    """What the sampler reads of a request."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Logits `[V]` after vLLM's repetition, presence and frequency penalties."""
+    vocab = logits.numel()
+    out = logits.float().clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor([t for t in prompt + output if 0 <= t < vocab], dtype=torch.long)] = True
+        seen = seen.to(out.device)
+        penalized = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
+        out = torch.where(seen, penalized, out)
+    if output and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
+        counts = torch.bincount(torch.tensor([t for t in output if 0 <= t < vocab], dtype=torch.long), minlength=vocab)
+        counts = counts.to(device=out.device, dtype=out.dtype)
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
+def suppress_stops(logits: torch.Tensor, params: SamplingParams, produced: int, eos: Collection[int]) -> torch.Tensor:
+    """EOS (unless ignored) and `stop_token_ids` at -inf while fewer than `min_tokens` are out."""
+    if produced >= params.min_tokens:
+        return logits
+    banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+    banned = {t for t in banned if 0 <= t < logits.numel()}
+    if not banned or len(banned) == logits.numel():
+        return logits
+    out = logits.float().clone()
+    out[torch.tensor(sorted(banned), dtype=torch.long, device=out.device)] = float("-inf")
+    return out
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits `[V]` with everything outside top-k / top-p set to -inf."""
+    """Temperature-scaled logits `[V]` with everything outside top-k / top-p / min-p set to -inf."""
     scaled = logits.float() / params.temperature
     if params.top_k > 0 and params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
@@ -21,18 +67,36 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(scaled, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass before it already reaches top_p; the first token always stays.
+        # Drop a token when the mass before it already reaches top_p. The first token always stays: a
+        # top_p that rounds to 0 in float32 (1e-300) would otherwise drop every token.
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if params.min_p > 0.0:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     return scaled
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """`logits[B, V]` -> one token per row."""
+def _draw(scaled: torch.Tensor, generator: torch.Generator | None) -> int:
+    probs = torch.softmax(scaled, dim=-1).cpu()
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return int(torch.argmax(scaled).item())  # degenerate logits (e.g. all -inf but one +inf): its argmax
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def sample(logits: torch.Tensor, requests: Sequence[SamplingState], eos: Collection[int] = ()) -> list[int]:
+    """`logits[B, V]` -> one token per row of `requests`."""
     tokens = torch.argmax(logits, dim=-1).tolist()
-    for i, p in enumerate(params):
-        if p.greedy:
+    for i, r in enumerate(requests):
+        p = r.params
+        pending_min = len(r.output_token_ids) < p.min_tokens
+        if p.greedy and not p.penalized and not pending_min:
             continue
-        probs = torch.softmax(filter_logits(logits[i], p), dim=-1)
-        tokens[i] = int(torch.multinomial(probs.cpu(), 1, generator=generators[i]).item())
+        row = logits[i]
+        if pending_min:
+            row = suppress_stops(row, p, len(r.output_token_ids), eos)
+        if p.penalized:
+            row = apply_penalties(row, p, r.prompt_token_ids, r.output_token_ids)
+        tokens[i] = int(torch.argmax(row).item()) if p.greedy else _draw(filter_logits(row, p), r.generator)
     return tokens

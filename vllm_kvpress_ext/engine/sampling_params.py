@@ -2,26 +2,53 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+#: Temperatures below this sample greedily (as vLLM does): dividing logits by a denormal such as
+#: 5e-324 gives infinities, and the distribution is a point mass long before that anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+#: The largest value a penalty may take: beyond it a penalty only turns logits into infinities.
+MAX_PENALTY = 100.0
+
+
+def _finite_in(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must lie in {bracket}{low:g}, {high:g}], got {value!r}")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those filters. `stop` strings
-    end generation and are not included in the returned text; `stop_token_ids` and EOS (unless
-    `ignore_eos`) end it with the token included in `output_token_ids` but not in the text.
+    `temperature` below `GREEDY_TEMPERATURE` (0 included) is greedy. `top_k <= 0`, `top_p == 1` and
+    `min_p == 0` disable those filters. The penalties follow vLLM: `repetition_penalty` (1 = off) divides
+    positive logits and multiplies negative ones of every token in the prompt or output so far;
+    `presence_penalty` and `frequency_penalty` (0 = off) subtract from the logits of output tokens, once
+    and per occurrence. Penalties apply to greedy requests too. `min_tokens` suppresses EOS and
+    `stop_token_ids` until that many tokens are out. `stop` strings end generation and are not included
+    in the returned text; `stop_token_ids` and EOS (unless `ignore_eos`) end it with the token included
+    in `output_token_ids` but not in the text. `skip_special_tokens` drops special tokens from the text.
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -31,14 +58,20 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must lie in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        _finite_in("temperature", self.temperature, 0.0, 100.0)
+        _finite_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _finite_in("min_p", self.min_p, 0.0, 1.0)
+        _finite_in("repetition_penalty", self.repetition_penalty, 0.0, MAX_PENALTY, low_open=True)
+        _finite_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _finite_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -46,4 +79,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

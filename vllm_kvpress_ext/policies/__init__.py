@@ -5,14 +5,22 @@
 """
 
 from vllm_kvpress_ext.policies.adakv import AdaKVPolicy
-from vllm_kvpress_ext.policies.base import KVPolicy, PolicyConfigError
+from vllm_kvpress_ext.policies.base import FIELD_LIMITS, KVPolicy, PolicyConfigError
+from vllm_kvpress_ext.policies.files import PolicyFiles, allowed_files, set_allowed_files
 from vllm_kvpress_ext.policies.full import FullPolicy
 from vllm_kvpress_ext.policies.gvote import GVotePolicy
 from vllm_kvpress_ext.policies.h2o import H2OPolicy
 from vllm_kvpress_ext.policies.kvec import KVECPolicy
 from vllm_kvpress_ext.policies.lava import LavaPolicy
 from vllm_kvpress_ext.policies.pyramidkv import PyramidKVPolicy
-from vllm_kvpress_ext.policies.registry import create_policy, load_policy, policy_class, policy_names, register
+from vllm_kvpress_ext.policies.registry import (
+    create_policy,
+    load_client_policy,
+    load_policy,
+    policy_class,
+    policy_names,
+    register,
+)
 from vllm_kvpress_ext.policies.snapkv import SnapKVPolicy
 from vllm_kvpress_ext.policies.streaming_llm import StreamingLLMPolicy
 from vllm_kvpress_ext.policies.wgkv import WGKVPolicy
@@ -35,6 +43,7 @@ for _policy in _BUILT_IN:
     register(_policy)
 
 __all__ = [
+    "FIELD_LIMITS",
     "AdaKVPolicy",
     "FullPolicy",
     "GVotePolicy",
@@ -43,14 +52,18 @@ __all__ = [
     "KVPolicy",
     "LavaPolicy",
     "PolicyConfigError",
+    "PolicyFiles",
     "PyramidKVPolicy",
     "SnapKVPolicy",
     "StreamingLLMPolicy",
     "WGKVPolicy",
     "XKVPolicy",
+    "allowed_files",
     "create_policy",
+    "load_client_policy",
     "load_policy",
     "policy_class",
     "policy_names",
     "register",
+    "set_allowed_files",
 ]

@@ -55,6 +55,37 @@ class PolicyConfigError(ValueError):
     """A policy name or parameter is invalid; the message says which and what is allowed."""
 
 
+#: Largest window-like length any policy accepts (tokens): far beyond any context this engine serves,
+#: small enough that no allocation or loop sized by it can exhaust memory or time.
+MAX_WINDOW = 65_536
+
+#: Inclusive bounds of every numeric hyperparameter, by field name; the same name means the same thing
+#: in every policy. A policy narrows a bound with its own `limits`. The semantic checks (a ratio in
+#: (0, 1], a budget above the window, ...) stay in each policy's `validate`; these bounds make sure no
+#: value is NaN, infinite, or so large that the work or memory it implies cannot be served.
+FIELD_LIMITS: dict[str, tuple[float, float]] = {
+    "ratio": (0.0, 1.0),
+    "target_ratio": (0.0, 1.0),
+    "tokens": (1, 1 << 20),
+    "window": (0, MAX_WINDOW),
+    "local_window": (1, MAX_WINDOW),
+    "extended_window": (0, MAX_WINDOW),
+    "observation_window": (1, MAX_WINDOW),
+    "sink_tokens": (0, MAX_WINDOW),
+    "kernel_size": (1, 255),
+    "cap": (1, 1 << 20),
+    "tau": (0.0, 1.0),
+    "p_nuc": (0.0, 1.0),
+    "alpha": (0.0, 1.0),
+    "beta": (0.0, 1e6),
+    "lam": (0.0, 1e6),
+    "delta": (0, 1024),
+    "recent_fraction": (0.0, 1.0),
+    "evict_fraction": (0.0, 1.0),
+    "seed": (0, (1 << 63) - 1),  # what torch.Generator.manual_seed accepts
+}
+
+
 GQA_REDUCTIONS = ("mean", "max")
 
 
@@ -188,10 +219,37 @@ class Admission(Protocol):
 
 
 class KVPolicy:
-    """Base class: keeps everything and evicts nothing. Subclasses are dataclasses."""
+    """Base class: keeps everything and evicts nothing. Subclasses are dataclasses.
+
+    Every numeric field is bounded (`FIELD_LIMITS`, narrowed by a subclass's `limits`); the registry
+    checks the bounds right after `validate` for every policy it hands out (`load_policy`), so no host
+    can run an out-of-range value.
+    """
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    #: Per-policy bounds overriding `FIELD_LIMITS` (e.g. GVote's sample counts, which set its cost).
+    limits: ClassVar[dict[str, tuple[float, float]]] = {}
+    #: Fields holding a file path (XKV's profile, WG-KV's gates): clients name them from the operator's
+    #: allow-list instead (`policies/files.py`).
+    file_fields: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def field_limits(cls) -> dict[str, tuple[float, float]]:
+        """The bounds of this policy's numeric fields (`{}` for a policy without fields)."""
+        if not is_dataclass(cls):
+            return {}
+        bounds = {**FIELD_LIMITS, **cls.limits}
+        return {f.name: bounds[f.name] for f in fields(cls) if f.name in bounds}
+
+    def check_limits(self) -> None:
+        """Raise PolicyConfigError when a numeric field is not a finite number within its bounds."""
+        for name, (low, high) in self.field_limits().items():
+            value = getattr(self, name)
+            if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+                continue  # the registry checks types; None means "not given" where a field allows it
+            if not low <= value <= high:  # also false for NaN
+                raise PolicyConfigError(f"{self.name}.{name} must lie in [{low:g}, {high:g}], got {value!r}")
 
     def validate(self) -> None:
         """Raise PolicyConfigError on bad hyperparameters (called by the registry)."""
@@ -325,7 +383,9 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 __all__ = [
+    "FIELD_LIMITS",
     "GQA_REDUCTIONS",
+    "MAX_WINDOW",
     "Admission",
     "Budget",
     "DecodeEviction",

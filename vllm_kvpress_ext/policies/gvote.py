@@ -52,7 +52,7 @@ Divergences:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -128,6 +128,10 @@ class GVotePolicy(KVPolicy):
 
     name = "gvote"
     summary = "budget-free: union of top-p nucleus votes of Gaussian-sampled future queries (Tang et al. 2025)"
+
+    # Each layer scores num_samples x future_positions synthetic queries against the whole prompt: these
+    # bounds keep that within a few prefills of the prompt itself, whatever a request asks for.
+    limits: ClassVar[dict[str, tuple[float, float]]] = {"num_samples": (1, 64), "future_positions": (1, 256)}
 
     p_nuc: float = 0.95
     num_samples: int = 8

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from vllm_kvpress_ext.policies.base import KVPolicy, PolicyConfigError
+from vllm_kvpress_ext.policies.files import PolicyFiles
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -82,6 +83,7 @@ def create_policy(name: str, **params: Any) -> KVPolicy:
         kwargs["tokens"] = None
     policy = cls(**kwargs)
     policy.validate()
+    policy.check_limits()
     return policy
 
 
@@ -90,6 +92,7 @@ def load_policy(spec: str | Path | dict[str, Any] | KVPolicy | None) -> KVPolicy
     if spec is None or isinstance(spec, KVPolicy):
         if isinstance(spec, KVPolicy):
             spec.validate()
+            spec.check_limits()
         return spec
     if isinstance(spec, dict):
         params = dict(spec)
@@ -107,6 +110,30 @@ def load_policy(spec: str | Path | dict[str, Any] | KVPolicy | None) -> KVPolicy
         preset = CONFIG_DIR / f"{text}.yaml"
         return load_policy(_read_preset(preset)) if preset.is_file() else create_policy(text)
     raise PolicyConfigError(f"unknown policy {text!r}; known policies: {', '.join(policy_names())}")
+
+
+def load_client_policy(spec: str | dict[str, Any] | None, files: PolicyFiles) -> KVPolicy | None:
+    """A policy from a spec a client sent: never a path, and file fields only by allowed name.
+
+    A name loads the policy with its preset (`configs/NAME.yaml`, the operator's file); a dict's file
+    fields (`file_fields`) are names the operator allowed in `files`, replaced here by their paths.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        if spec not in _REGISTRY:
+            raise PolicyConfigError(f"unknown policy {spec!r}; known policies: {', '.join(policy_names())}")
+        return load_policy(spec)
+    if not isinstance(spec, dict):
+        raise PolicyConfigError(f"a policy must be a name or an object with a `name`, got {type(spec).__name__}")
+    params = dict(spec)
+    name = params.get("name")
+    if not isinstance(name, str):
+        raise PolicyConfigError("a policy object needs a string `name`")
+    for field in policy_class(name).file_fields:
+        if params.get(field) is not None:
+            params[field] = files.resolve(name, field, params[field])
+    return load_policy(params)
 
 
 def _read_preset(path: Path) -> dict[str, Any]:

@@ -94,6 +94,8 @@ class WGKVPolicy(KVPolicy):
     name = "wgkv"
     summary = "learned write-gate admission: local ring + global cache, lazy promotion (WG-KV)"
 
+    file_fields = ("gates",)
+
     gates: str | None = None
     tau: float = 0.1
     local_window: int | None = None
@@ -126,6 +128,12 @@ class WGKVPolicy(KVPolicy):
     def admission(self, model_dir: str | Path, device: torch.device) -> GateAdmission:
         """Load (once per file and device) the gates for `model_dir` and bind them to this policy."""
         path = self.gate_path(model_dir)
+        if not path.is_file():
+            # No path in the message: it may be a client's request that asked for gates.
+            raise PolicyConfigError(
+                "wgkv: no write gates for this model (train them with `kvpress train-gate`, or name gates the "
+                "server's operator allowed)"
+            )
         gates = _cached_gates(path, device)
         window = self.local_window
         if window is None:

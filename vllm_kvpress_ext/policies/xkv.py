@@ -227,7 +227,7 @@ class XKVProfile:
         ):
             raise PolicyConfigError(f"{source}: `fractions` must be a non-empty list of numbers in [0, 1]")
         if data.get("num_layers", len(fractions)) != len(fractions):
-            raise PolicyConfigError(f"{source}: num_layers {data.get('num_layers')} != {len(fractions)} fractions")
+            raise PolicyConfigError(f"{source}: num_layers does not match its {len(fractions)} fractions")
         metadata = data.get("metadata") or {}
         if not isinstance(metadata, dict):
             raise PolicyConfigError(f"{source}: `metadata` must be a mapping")
@@ -273,7 +273,10 @@ def _load_profile(path: str, mtime_ns: int) -> XKVProfile:
     try:
         data = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as exc:
-        raise PolicyConfigError(f"XKV profile {path} is not valid YAML: {exc}") from None
+        # The parser's message quotes the offending line: never repeat a file's contents in an error.
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        where = f" (line {line + 1})" if line is not None else ""
+        raise PolicyConfigError(f"XKV profile {path} is not valid YAML{where}") from None
     return XKVProfile.from_dict(data, source=path)
 
 
@@ -302,6 +305,8 @@ class XKVPolicy(ObservationWindowScores):
     pooling: str = "avgpool"
     target_ratio: float | None = None
     profile: str | None = None
+
+    file_fields = ("profile",)
 
     @property
     def budget(self) -> Budget:

@@ -13,7 +13,9 @@ from vllm_kvpress_ext.engine import LLMEngine
 from vllm_kvpress_ext.server.config import ServerConfig
 from vllm_kvpress_ext.server.engine_loop import EngineLoop
 from vllm_kvpress_ext.server.errors import install_error_handlers
+from vllm_kvpress_ext.server.guards import BodySizeLimit
 from vllm_kvpress_ext.server.metrics import ServerMetrics
+from vllm_kvpress_ext.server.openapi import install_openapi
 from vllm_kvpress_ext.server.routes import router
 from vllm_kvpress_ext.server.serving import ServerState
 
@@ -45,4 +47,6 @@ def create_app(config: ServerConfig, engine: LLMEngine) -> FastAPI:
     app.state.kvpress = ServerState(config=config, engine=engine, loop=loop, metrics=metrics)
     install_error_handlers(app, on_rejected=lambda: metrics.requests.labels(status="rejected").inc())
     app.include_router(router)
+    install_openapi(app)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -13,6 +14,7 @@ from fastapi.responses import Response
 from vllm_kvpress_ext.engine.llm import chat_token_ids
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle
 from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
+from vllm_kvpress_ext.server.prompts import check_text
 from vllm_kvpress_ext.server.protocol import ChatCompletionRequest, ChatMessage
 from vllm_kvpress_ext.server.serving import (
     ServerState,
@@ -44,6 +46,7 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, str]:
                 )
             parts.append(part.text)
         text = "\n".join(parts)
+    check_text(text, f"messages.{index}.content", allow_empty=True)
     return {"role": message.role, "content": text}
 
 
@@ -68,7 +71,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise unsupported("tools", "tool calling is not supported")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise unsupported("response_format", "only the text response format is supported")
-    token_ids = chat_prompt(state, body.messages)
+    token_ids = await asyncio.to_thread(chat_prompt, state, body.messages)  # off the event loop
     requested = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, requested or max(1, state.max_model_len - len(token_ids)))
     handle = await submit(state, body, token_ids, params, arrival, "messages")
@@ -120,5 +123,5 @@ async def _stream(handle: RequestHandle, payload: Any, stop: tuple[str, ...], wi
                 if with_usage:
                     yield sse({**payload(obj), "usage": usage(handle, update)})
     except EngineStepError as exc:
-        yield sse(error_body(str(exc), type="server_error", code="engine_error"))
+        yield sse(error_body(str(exc), type="server_error", code=exc.code))
     yield DONE

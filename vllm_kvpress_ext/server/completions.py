@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,6 +12,7 @@ from fastapi.responses import Response
 
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle
 from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
+from vllm_kvpress_ext.server.prompts import check_text, encode_bounded
 from vllm_kvpress_ext.server.protocol import CompletionRequest
 from vllm_kvpress_ext.server.serving import (
     ServerState,
@@ -35,7 +37,8 @@ def prompt_token_ids(state: ServerState, prompt: str | list[int] | list[str] | l
     if isinstance(prompt, str):
         if state.tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", param="prompt")
-        return [int(t) for t in state.tokenizer.encode(prompt)]
+        check_text(prompt, "prompt")
+        return encode_bounded(state.tokenizer, prompt, state.max_model_len)
     return [int(t) for t in prompt]  # type: ignore[arg-type]
 
 
@@ -52,7 +55,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise unsupported("logprobs", "logprobs are not supported")
     if body.suffix:
         raise unsupported("suffix", "suffix is not supported")
-    token_ids = prompt_token_ids(state, body.prompt)
+    # Off the event loop: a long prompt must not stall other connections (or /health) while it tokenizes.
+    token_ids = await asyncio.to_thread(prompt_token_ids, state, body.prompt)
     params = sampling_params(body, body.max_tokens or 16)
     handle = await submit(state, body, token_ids, params, arrival, "prompt")
     completion_id = new_id("cmpl")
@@ -90,5 +94,5 @@ async def _stream(handle: RequestHandle, payload: Any, stop: tuple[str, ...], wi
             if update.finished and with_usage:
                 yield sse({**payload(), "usage": usage(handle, update)})
     except EngineStepError as exc:
-        yield sse(error_body(str(exc), type="server_error", code="engine_error"))
+        yield sse(error_body(str(exc), type="server_error", code=exc.code))
     yield DONE

@@ -77,6 +77,8 @@ class ServerConfig:
 
     `max_queue` bounds the requests accepted but not yet admitted by the engine (no pages yet);
     beyond it the server answers 429 so clients back off instead of piling up latency.
+    `max_request_bytes` bounds a request body (413 beyond it, before any parsing). `shutdown_grace`
+    is how long in-flight requests may run on after SIGTERM before they get the shutdown error.
     """
 
     model_dir: Path
@@ -94,12 +96,29 @@ class ServerConfig:
     dtype: str = "auto"
     device: str = "cpu"
     log_level: str = "info"
+    max_request_bytes: int = 2 << 20
+    shutdown_grace: float = 30.0
 
     def __post_init__(self) -> None:
         if self.num_pages is not None and self.kv_memory is not None:
             raise ValueError("give num_pages or kv_memory, not both")
-        if self.max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        positive = {
+            "max_queue": self.max_queue,
+            "page_size": self.page_size,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_request_bytes": self.max_request_bytes,
+            "num_pages": self.num_pages,
+            "kv_memory": self.kv_memory,
+            "max_model_len": self.max_model_len,
+        }
+        for name, value in positive.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 < self.port <= 65535:
+            raise ValueError(f"port must lie in [1, 65535], got {self.port}")
+        if not 0 <= self.shutdown_grace <= 3600:
+            raise ValueError(f"shutdown_grace must lie in [0, 3600] seconds, got {self.shutdown_grace}")
 
     @property
     def model_name(self) -> str:

@@ -6,9 +6,18 @@ commands (add, abort) on a thread-safe queue; the thread drains them between ste
 `engine.step()`, and posts each request's outputs to that request's `asyncio.Queue` on the event
 loop with `call_soon_threadsafe`.
 
-Failure policy: an exception inside a step fails and aborts every request that was in the engine's
-batch (their cache state after a half-run step is undefined), frees their pages, and the loop
-keeps serving the rest. Nothing an HTTP request does can kill the thread.
+Failure policy, innermost first:
+
+- What a request can set is validated before it reaches this thread (sampling parameters, policy
+  fields with their bounds), so a request cannot make the batch's shared work raise.
+- Per-request work inside a step (a policy's compression and eviction) is guarded by the engine: if
+  it raises, that request alone ends with finish reason "error" and is answered here as a failure
+  (500 `engine_error`, or the error event on a stream); the rest of the batch finishes normally.
+- An exception from the step itself (the batched forward pass) cannot be pinned on one request: it
+  fails and aborts every request in the batch (their cache state after a half-run step is
+  undefined), frees their pages, and the loop keeps serving the rest.
+
+Nothing an HTTP request does can kill the thread.
 """
 
 from __future__ import annotations
@@ -45,7 +54,15 @@ class EngineUnavailableError(Exception):
 
 
 class EngineStepError(Exception):
-    """The engine failed while running this request; it was aborted and its pages freed."""
+    """The engine failed while running this request, or the server shut down under it; it was aborted and
+    its pages freed. `code` is `engine_error` or `server_shutting_down`."""
+
+    def __init__(self, message: str, code: str = "engine_error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+SHUTTING_DOWN = "server_shutting_down"
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,7 @@ class Update:
 @dataclass(frozen=True)
 class Failure:
     message: str
+    code: str = "engine_error"
 
 
 @dataclass(frozen=True)
@@ -114,7 +132,7 @@ class RequestHandle:
             item = await self.queue.get()
             if isinstance(item, Failure):
                 self.finished = True
-                raise EngineStepError(item.message)
+                raise EngineStepError(item.message, item.code)
             self.finished = item.finished
             yield item
 
@@ -163,6 +181,7 @@ class EngineLoop:
         self._tracked: dict[str, _Tracked] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._draining = threading.Event()
         self._ids = itertools.count()
         self._peak = 0
         self._steps = 0
@@ -189,15 +208,27 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def drain(self) -> None:
+        """Refuse new requests (503) and let the ones in flight finish; `stop` ends what is left."""
+        self._draining.set()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the loop tracks (admitted or waiting); read from any thread."""
+        return len(self._tracked)
+
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+        running = self._thread is not None and self._thread.is_alive()
+        return running and not self._stopping.is_set() and not self._draining.is_set()
 
     async def submit(
         self, token_ids: list[int], params: SamplingParams, policy: KVPolicy | None, arrival: float
     ) -> RequestHandle:
         """Queue a request; returns once the engine accepted it (raises what `add_request` raised, or
         `QueueFullError`)."""
+        if self._draining.is_set():
+            raise EngineUnavailableError("the server is shutting down")
         if not self.alive:
             raise EngineUnavailableError("the engine loop is not running")
         label = policy_label(policy) if policy is not None else self.default_policy
@@ -313,9 +344,10 @@ class EngineLoop:
             tracked.tokens_seen = count
             tracked.last_token_time = now
             self.metrics.generation_tokens.inc(new)
-        if out.finished and out.error is not None:  # the runner failed this request alone
+        if out.finished and out.finish_reason == "error":
             del self._tracked[out.request_id]
             self.metrics.requests.labels(status="error").inc()
+            logger.warning("request %s failed in its policy work: %s", out.request_id, out.error)
             self._post(tracked, Failure(f"the engine failed while running this request ({out.error}); it was aborted"))
             return 1
         if out.finished:
@@ -404,6 +436,6 @@ class EngineLoop:
                 self.engine.abort(request_id)
             except Exception:  # pragma: no cover
                 logger.exception("engine loop: abort of %s at shutdown failed", request_id)
-            self._post(tracked, Failure("the server is shutting down"))
+            self._post(tracked, Failure("the server shut down before this request finished", SHUTTING_DOWN))
         self._tracked.clear()
         self._publish()

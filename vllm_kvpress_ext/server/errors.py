@@ -107,11 +107,14 @@ def install_error_handlers(app: FastAPI, on_rejected: Any = None) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), type=kind), status_code=exc.status_code)
+        code = {413: "request_too_large", 405: "method_not_allowed"}.get(exc.status_code)
+        # exc.headers carries e.g. the `Allow` header of a 405.
+        return JSONResponse(
+            error_body(str(exc.detail), type=kind, code=code), status_code=exc.status_code, headers=exc.headers
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving a request")
-        return JSONResponse(
-            error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"), status_code=500
-        )
+        # The type only: an exception's text may quote data (a file, a prompt) that is not the client's.
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", type="server_error"), status_code=500)

@@ -1,11 +1,25 @@
-"""`kvpress serve`: build the engine from a `ServerConfig`, then run uvicorn on the app."""
+"""`kvpress serve`: build the engine from a `ServerConfig`, then run uvicorn on the app.
+
+Shutdown (SIGTERM, or SIGINT once) drains: the listening socket closes, new requests get 503,
+requests in flight run on for `shutdown_grace` seconds, and whatever is still running then ends with
+the documented shutdown error (503, or an error event and `[DONE]` on a stream) instead of a cut
+connection. The process then exits 0. A second SIGINT forces the exit.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
+import threading
+from types import FrameType
+from typing import Any
+
+import uvicorn
 
 from vllm_kvpress_ext.engine import LLMEngine
 from vllm_kvpress_ext.server.config import ServerConfig
+from vllm_kvpress_ext.server.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +39,44 @@ def build_engine(config: ServerConfig) -> LLMEngine:
     )
 
 
-def serve(config: ServerConfig) -> None:
-    """Load the model, then serve until interrupted (uvicorn handles SIGINT/SIGTERM)."""
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose shutdown lets the engine loop's requests finish within `grace` seconds."""
 
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace: float) -> None:
+        super().__init__(config)
+        self.engine_loop = engine_loop
+        self.grace = grace
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises a captured signal once it has shut down, which ends the process with the
+        # signal's status; a drained shutdown is a normal exit (status 0).
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.engine_loop.drain()
+        # At the deadline the loop stops: each request still running gets the shutdown failure, its
+        # handler answers it, and the connection closes normally. `stop` joins a thread: not on the loop.
+        deadline = asyncio.get_running_loop().call_later(
+            self.grace, lambda: threading.Thread(target=self.engine_loop.stop, daemon=True).start()
+        )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+
+def draining_server(app: Any, config: ServerConfig, **uvicorn_settings: Any) -> DrainingServer:
+    """A `DrainingServer` for an app from `create_app`; uvicorn's own cut-off comes well after the grace."""
+    settings = {"host": config.host, "port": config.port, "log_level": config.log_level, **uvicorn_settings}
+    uv_config = uvicorn.Config(app, timeout_graceful_shutdown=int(config.shutdown_grace) + 10, **settings)
+    return DrainingServer(uv_config, app.state.kvpress.loop, config.shutdown_grace)
+
+
+def serve(config: ServerConfig) -> None:
+    """Load the model, then serve until SIGTERM/SIGINT, draining in-flight requests (module docstring)."""
     from vllm_kvpress_ext.server.app import create_app
 
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -43,4 +91,4 @@ def serve(config: ServerConfig) -> None:
         flush=True,
     )
     app = create_app(config, engine)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=5)
+    draining_server(app, config).run()

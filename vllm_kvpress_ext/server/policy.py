@@ -10,7 +10,9 @@ vLLM only forwards flat scalar values, so a policy's parameters may also come as
 fields beside `kv_policy`: `{"kv_policy": "snapkv", "kv_ratio": 0.25}`. The vLLM plugin parses its
 requests with this same function.
 Presets by file path are refused over HTTP: a path would let any client make the server read
-files of its choosing. Presets by name (`configs/NAME.yaml`) still apply.
+files of its choosing. Presets by name (`configs/NAME.yaml`) still apply. Fields that name a file
+(XKV's `profile`, WG-KV's `gates`) take a name from the operator's allow-list (`policies/files.py`),
+never a path.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vllm_kvpress_ext.policies import KVPolicy, PolicyConfigError, load_policy
+from vllm_kvpress_ext.policies import KVPolicy, PolicyConfigError, PolicyFiles, allowed_files, load_client_policy
 from vllm_kvpress_ext.server.errors import APIError, bad_request
 
 _XARGS_KEYS = ("kv_policy",)
@@ -116,12 +118,15 @@ def policy_spec(kv_policy: Any, vllm_xargs: dict[str, Any] | None) -> str | dict
     return body if body is not None else xargs
 
 
-def resolve_policy(spec: str | dict[str, Any] | None) -> KVPolicy | None:
-    """A validated policy instance (None: the server's default), or a 400 with the registry's message."""
+def resolve_policy(spec: str | dict[str, Any] | None, files: PolicyFiles | None = None) -> KVPolicy | None:
+    """A validated policy instance (None: the server's default), or a 400 with the registry's message.
+
+    `files` is the operator's allow-list for file fields (default: the process-wide one, `allowed_files()`).
+    """
     if spec is None:
         return None
     try:
-        policy = load_policy(spec)
+        policy = load_client_policy(spec, files if files is not None else allowed_files())
     except PolicyConfigError as exc:
         raise _policy_error(str(exc), "kv_policy") from None
     except (TypeError, ValueError) as exc:  # a policy's own constructor checks

@@ -2,10 +2,14 @@
 
 Unknown fields are rejected (`extra="forbid"`, answered 400 naming the field) rather than silently
 ignored: a misspelt `kv_polcy` would otherwise serve an uncompressed request and nobody would
-notice. The vLLM extensions this engine can honour (`top_k`, `ignore_eos`, `stop_token_ids`,
-`vllm_xargs`) are accepted; parameters OpenAI defines but this server does not implement (`n > 1`,
-`echo`, `logprobs`, penalties, ...) are accepted by the schema and refused with a clear 400 by
-the handlers, so the message says "not supported" instead of "unrecognized".
+notice. vLLM's sampling extensions are implemented (`top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `ignore_eos`, `skip_special_tokens`, `stop_token_ids`, `vllm_xargs`; OpenAI's presence
+and frequency penalties too). vLLM extensions this engine has no use for (`use_beam_search`,
+`length_penalty`, `include_stop_str_in_output`, ...) are accepted at their neutral value
+(`NEUTRAL_ONLY`), which is what load generators send, and refused with a 400 otherwise. Parameters
+OpenAI defines but this server does not implement (`n > 1`, `echo`, `logprobs`, ...) are accepted by
+the schema and refused with a clear 400 by the handlers, so the message says "not supported"
+instead of "unrecognized". Booleans are strict: `"echo": 0` is a 400, not a silent `false`.
 
 Response bodies are plain dicts built in `responses.py`: their shape is fixed by OpenAI's API and
 building them directly keeps the hot streaming path free of model validation.
@@ -15,16 +19,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 PolicyField = str | dict[str, Any] | None
+
+#: vLLM request fields accepted only at the value that changes nothing (None is always accepted).
+NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "include_stop_str_in_output": (False,),
+    "spaces_between_special_tokens": (True,),
+    "add_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "prompt_logprobs": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "priority": (0,),
+    "return_tokens_as_token_ids": (False,),
+}
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # vLLM's name; accepted, usage still comes once at the end
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False  # vLLM's name; accepted, usage still comes once at the end
 
 
 class _SamplingFields(BaseModel):
@@ -33,18 +52,22 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0, description="below 1e-5: greedy")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, description="vLLM extension; 0 or -1 disables it")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="vLLM extension; 0 disables it")
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator accepts
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, description="vLLM extension")
-    ignore_eos: bool | None = Field(default=None, description="vLLM extension: keep generating past EOS")
-    stream: bool | None = False
+    ignore_eos: StrictBool | None = Field(default=None, description="vLLM extension: keep generating past EOS")
+    min_tokens: int | None = Field(default=None, ge=0, description="vLLM extension: no EOS/stop token before this")
+    skip_special_tokens: StrictBool | None = Field(default=None, description="vLLM extension (default true)")
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, description="vLLM extension; 1 = off")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     kv_policy: PolicyField = Field(
@@ -54,6 +77,18 @@ class _SamplingFields(BaseModel):
     vllm_xargs: dict[str, Any] | None = Field(
         default=None, description="vLLM-style extra arguments; `kv_policy` is read from here too"
     )
+    # vLLM extensions accepted only at their neutral value (NEUTRAL_ONLY).
+    use_beam_search: StrictBool | None = None
+    length_penalty: float | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    add_special_tokens: StrictBool | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    priority: int | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -61,7 +96,7 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool | None = False
+    echo: StrictBool | None = False
     best_of: int | None = None
     logprobs: int | None = None
     suffix: str | None = None
@@ -90,7 +125,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
+    logprobs: StrictBool | None = None
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None

@@ -6,18 +6,28 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from vllm_kvpress_ext.policies import policy_names
 from vllm_kvpress_ext.server.chat import create_chat_completion
 from vllm_kvpress_ext.server.completions import create_completion
 from vllm_kvpress_ext.server.errors import error_body
+from vllm_kvpress_ext.server.guards import GuardedRoute
+from vllm_kvpress_ext.server.openapi import GENERATION_RESPONSES, HEALTH_RESPONSES
 from vllm_kvpress_ext.server.serving import ServerState
 
-router = APIRouter()
-router.add_api_route("/v1/completions", create_completion, methods=["POST"], summary="Text completion")
-router.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], summary="Chat completion")
+router = APIRouter(route_class=GuardedRoute)
+router.add_api_route(
+    "/v1/completions", create_completion, methods=["POST"], summary="Text completion", responses=GENERATION_RESPONSES
+)
+router.add_api_route(
+    "/v1/chat/completions",
+    create_chat_completion,
+    methods=["POST"],
+    summary="Chat completion",
+    responses=GENERATION_RESPONSES,
+)
 
 
 def _state(request: Request) -> ServerState:
@@ -25,7 +35,7 @@ def _state(request: Request) -> ServerState:
     return state
 
 
-@router.get("/health", summary="200 while the engine loop runs, 503 otherwise")
+@router.get("/health", summary="200 while the engine loop runs, 503 otherwise", responses=HEALTH_RESPONSES)
 async def health(request: Request) -> Response:
     if not _state(request).loop.alive:
         return JSONResponse(error_body("the engine loop is not running", type="server_error"), status_code=503)
@@ -50,7 +60,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     }
 
 
-@router.get("/metrics", summary="Prometheus metrics (kvpress_*)")
+@router.get("/metrics", summary="Prometheus metrics (kvpress_*)", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

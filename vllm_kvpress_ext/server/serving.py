@@ -20,6 +20,7 @@ from vllm_kvpress_ext.engine import LLMEngine, RequestRejectedError, SamplingPar
 from vllm_kvpress_ext.policies import PolicyConfigError
 from vllm_kvpress_ext.server.config import ServerConfig
 from vllm_kvpress_ext.server.engine_loop import (
+    SHUTTING_DOWN,
     EngineLoop,
     EngineStepError,
     EngineUnavailableError,
@@ -31,7 +32,7 @@ from vllm_kvpress_ext.server.engine_loop import (
 from vllm_kvpress_ext.server.errors import APIError, bad_request, unsupported
 from vllm_kvpress_ext.server.metrics import ServerMetrics
 from vllm_kvpress_ext.server.policy import policy_spec, resolve_policy
-from vllm_kvpress_ext.server.protocol import ChatCompletionRequest, CompletionRequest
+from vllm_kvpress_ext.server.protocol import NEUTRAL_ONLY, ChatCompletionRequest, CompletionRequest
 
 _DISCONNECT_POLL_S = 0.5
 
@@ -76,9 +77,11 @@ def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse OpenAI parameters this server does not implement instead of silently ignoring them."""
     if body.n not in (None, 1):
         raise unsupported("n", "only n=1 is supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise unsupported(name, "penalties are not supported")
+    for name, neutral in NEUTRAL_ONLY.items():
+        value = getattr(body, name, None)
+        if value is not None and value not in neutral:
+            allowed = " or ".join(repr(v) for v in (None, *neutral))
+            raise unsupported(name, f"only {allowed} is supported, got {value!r}")
     if body.logit_bias:
         raise unsupported("logit_bias", "logit_bias is not supported")
 
@@ -92,10 +95,16 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=top_k,
+            min_p=body.min_p or 0.0,
             seed=body.seed,
             stop=stop,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=bool(body.ignore_eos),
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            min_tokens=body.min_tokens or 0,
+            skip_special_tokens=body.skip_special_tokens is not False,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
@@ -149,7 +158,7 @@ async def wait_final(handle: RequestHandle, is_disconnected: Callable[[], Awaita
                 continue
             if isinstance(item, Failure):
                 handle.finished = True
-                raise EngineStepError(item.message)
+                raise EngineStepError(item.message, item.code)
             if item.finished:
                 handle.finished = True
                 return item
@@ -158,7 +167,8 @@ async def wait_final(handle: RequestHandle, is_disconnected: Callable[[], Awaita
 
 
 def engine_failure(exc: EngineStepError) -> APIError:
-    return APIError(500, str(exc), type="server_error", code="engine_error")
+    status = 503 if exc.code == SHUTTING_DOWN else 500
+    return APIError(status, str(exc), type="server_error", code=exc.code)
 
 
 async def final_response(
