@@ -228,14 +228,6 @@ class LLMEngine:
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             self._finish(request, "length")
 
-    def _fail(self, request: Request, exc: Exception) -> Request:
-        """End one request whose policy work raised (finish reason "error"); the rest of the batch goes on."""
-        request.error = f"{type(exc).__name__}: {exc}"
-        request.finish_reason = "error"
-        self.scheduler.finish(request)
-        self.requests.pop(request.request_id, None)
-        return request
-
     def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         if request.row is not None:
             self.runner.update_kv_stats(request)

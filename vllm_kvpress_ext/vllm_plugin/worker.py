@@ -184,7 +184,7 @@ class KVPressWorker(WorkerBase):
         result = runner.execute(schedule)
         sampled: dict[str, int] = {}
         if result.logits is not None:
-            tokens = sample(result.logits, [r.params for r in result.sample], [r.generator for r in result.sample])
+            tokens = sample(result.logits, result.sample, runner.config.eos_token_ids)
             for request, token in zip(result.sample, tokens, strict=True):
                 request.output_token_ids.append(token)
                 sampled[request.request_id] = token
