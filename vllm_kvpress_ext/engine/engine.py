@@ -136,8 +136,8 @@ class LLMEngine:
         self.scheduler.add(request)
         return request_id
 
-    def _admission_for(self, policy: KVPolicy | None, max_entries: int) -> Admission | None:
-        admission = self.runner.admission_for(policy, min(max_entries, self.max_model_len))
+    def _admission_for(self, policy: KVPolicy | None, max_entries: int | None = None) -> Admission | None:
+        admission = self.runner.admission_for(policy, min(max_entries or self.max_model_len, self.max_model_len))
         if admission is None:
             return None
         ring_pages = self.config.num_hidden_layers * self.config.num_key_value_heads * admission.window
