@@ -286,6 +286,7 @@ def test_pool_exhaustion_is_typed_and_harmless() -> None:
     with pytest.raises(PoolExhaustedError) as info:
         cache.append_slots([row], torch.tensor([[8]]))
     assert info.value.requested == 1 and info.value.free == 0
+    assert str(info.value) == "KV page pool exhausted: 1 pages requested, 0 free"
     assert int(cache.seq_lens[0, row, 0]) == 8
 
 
@@ -377,3 +378,30 @@ def test_keep_plan_from_mask_edges() -> None:
     for bad in (torch.ones(2, 3, dtype=torch.bool), torch.ones(1, 2, 3, dtype=torch.int64)):
         with pytest.raises(InvalidPlanError, match=r"keep mask must be a bool tensor \[L, H, n\]"):
             KeepPlan.from_mask(bad)
+
+
+def test_usage_counts_the_ring_and_page_sizes_by_hand() -> None:
+    assert PagePool.bytes_per_page_for(16, 64, torch.float16) == 2 * 16 * 64 * 2  # K and V, 2 bytes each
+    assert PagePool.bytes_per_page_for(4, 8, torch.float32) == 2 * 4 * 8 * 4
+    cache = PagedKVCache(1, 2, 8, num_pages=32, page_size=4, max_requests=1, dtype=torch.float32)
+    row = cache.add_request("r")
+    slots = cache.append_slots([row], torch.arange(12).view(1, -1))
+    cache.write(slots, torch.randn(*slots.shape, 8), torch.randn(*slots.shape, 8))
+    admitted = torch.zeros(1, 2, 12, dtype=torch.bool)
+    admitted[0, 0, :4] = True  # head 0 admits every token older than the ring, head 1 only one of them
+    admitted[0, 1, 2] = True
+    cache.start_ring("r", 8, admitted)
+    usage = cache.usage("r")
+    # Ring: the last 8 tokens in 2 pages per head; global: 4 tokens (1 page) in head 0, 1 token (1 page) in head 1.
+    assert usage.ring_tokens == 8 and usage.global_tokens.tolist() == [[4, 1]]
+    assert usage.pages == 2 * 2 + 1 + 1 == cache.pool.num_used
+    assert usage.tokens == 4 + 1 + 8 * 2
+    assert usage.bytes == usage.pages * 2 * 4 * 8 * 4
+    assert cache.pages_per_head("r").tolist() == [[3, 3]]
+
+
+def test_keep_plan_from_lists_pads_exactly() -> None:
+    plan = KeepPlan.from_lists([[[0, 2], torch.tensor([1])], [[], [3, 4, 5]]])
+    assert plan.indices.tolist() == [[[0, 2, -1], [1, -1, -1]], [[-1, -1, -1], [3, 4, 5]]]
+    assert plan.lengths.tolist() == [[2, 1], [0, 3]] and plan.indices.dtype == torch.int64
+    assert KeepPlan.from_lists([[[], []]]).indices.shape == (1, 2, 0)

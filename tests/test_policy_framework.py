@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.policies import PolicyConfigError, SnapKVPolicy, create_policy, load_policy, policy_names
-from vllm_kvpress_ext.policies.base import Budget, LayerPrefill
+from vllm_kvpress_ext.policies.base import Budget, KVPolicy, LayerPrefill
 from vllm_kvpress_ext.policies.capture import LayerCapture
 from vllm_kvpress_ext.policies.registry import CONFIG_DIR
 
@@ -207,3 +207,15 @@ def test_prompts_shorter_than_the_window(tiny_model: tuple[PreTrainedModel, Path
     ratio = _run(engine, prompt, policy={"name": "snapkv", "ratio": 0.25})
     decoded = GREEDY.max_tokens - 1
     assert ratio.kv.kept_per_layer == [2 + decoded] * 2
+
+
+def test_params_lists_the_hyperparameters() -> None:
+    assert SnapKVPolicy(tokens=16, ratio=None, window=4).params() == {
+        "ratio": None,
+        "tokens": 16,
+        "window": 4,
+        "kernel_size": 5,
+        "pooling": "avgpool",
+        "gqa_reduction": "mean",
+    }
+    assert KVPolicy().params() == {}  # the base class has no fields

@@ -404,15 +404,17 @@ def test_composition_decode_evicts_the_lowest_moving_averages_across_heads() -> 
     policy = WGKVPolicy(cap=cap, observation_window=window)
     rate = 1.0 / window
     g = torch.Generator().manual_seed(7)
-    # Start: layer 0 holds positions 0..3 in head 0 and 10..12 in head 1 (7 entries > cap * H = 6).
-    held = [[[0, 1, 2, 3], [10, 11, 12]], [[20], [30, 31]]]
+    # Start: layer 0 holds positions 0..3 in head 0 and 10..12 in head 1 (7 entries > cap * H = 6); three
+    # layers of two heads, so a loop over the wrong dimension shows.
+    held = [[[0, 1, 2, 3], [10, 11, 12]], [[20], [30, 31]], [[40, 41, 42], [50, 51, 52, 53]]]
+    num_layers = len(held)
     ref: list[list[dict[int, float]]] = [
         [{p: float(i + 1) / 10 for i, p in enumerate(h)} for h in layer] for layer in held
     ]
     width0 = 4
-    positions0 = torch.full((2, heads, width0), -1, dtype=torch.int64)
-    scores0 = torch.zeros(2, heads, width0)
-    for layer in range(2):
+    positions0 = torch.full((num_layers, heads, width0), -1, dtype=torch.int64)
+    scores0 = torch.zeros(num_layers, heads, width0)
+    for layer in range(num_layers):
         for head in range(heads):
             for i, p in enumerate(held[layer][head]):
                 positions0[layer, head, i] = p
@@ -422,7 +424,7 @@ def test_composition_decode_evicts_the_lowest_moving_averages_across_heads() -> 
     for step in range(6):
         new = 100 + step
         layers = []
-        for layer in range(2):
+        for layer in range(num_layers):
             if step % 2 == 0:
                 held[layer][0].append(new)  # a promotion from the ring
             for head in range(heads):  # storage order is not position order
@@ -452,7 +454,7 @@ def test_composition_decode_evicts_the_lowest_moving_averages_across_heads() -> 
             ):
                 got.add((layer, head, held[layer][head][entry]))
         want = set()
-        for layer in range(2):
+        for layer in range(num_layers):
             for head in range(heads):
                 for index, p in enumerate(held[layer][head]):
                     now = float(padded[layer].attention[head, :, index].mean())  # type: ignore[index]
