@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
+from vllm_utils import MODEL_DIR
 
 from vllm_kvpress_ext.policies import PolicyConfigError
 from vllm_kvpress_ext.server.errors import APIError
 from vllm_kvpress_ext.vllm_plugin import activation
-from vllm_kvpress_ext.vllm_plugin.cli_args import fold_into_additional_config, parse_policy_arg
+from vllm_kvpress_ext.vllm_plugin.cli_args import fold_into_additional_config, install_kv_policy_flag, parse_policy_arg
 from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics, SnapshotCollector
 from vllm_kvpress_ext.vllm_plugin.middleware import rewrite_request, rewrite_response
 from vllm_kvpress_ext.vllm_plugin.platform import validate_kvpress_request
@@ -197,3 +198,21 @@ def test_engine_metrics_reach_the_collector(tmp_path: Path) -> None:
     assert retention[("kvpress_kv_retention_ratio_count", "full", None)] == 1
     assert "full" not in {s.labels.get("policy") for s in families["kvpress_compression_seconds"].samples}
     assert list(SnapshotCollector(tmp_path / "absent.json").collect())  # no engine yet: zeros, no error
+
+
+def test_the_flag_reaches_additional_config_and_is_refused_when_the_plugin_is_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    install_kv_policy_flag()
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    argv = ["--model", str(MODEL_DIR), "--kv-policy", '{"name": "snapkv", "ratio": 0.25}']
+    monkeypatch.setenv(activation.ENV, "on")
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(argv))
+    assert engine_args.additional_config["kv_policy"] == {"name": "snapkv", "ratio": 0.25}
+    monkeypatch.setenv(activation.ENV, "off")
+    with pytest.raises(PolicyConfigError, match="KVPRESS_VLLM=off"):
+        EngineArgs.from_cli_args(parser.parse_args(argv))
+    assert EngineArgs.from_cli_args(parser.parse_args(["--model", str(MODEL_DIR)])).additional_config == {}

@@ -190,15 +190,20 @@ def run_one(server: str, policy: str, model: str, workdir: Path, config: VllmSer
         "ttft_ms_p99": data.get("p99_ttft_ms"),
         "itl_ms_mean": data.get("mean_itl_ms"),
         "itl_ms_p99": data.get("p99_itl_ms"),
+        "e2e_ms_mean": data.get("mean_e2el_ms"),
         "client_concurrency_peak": data.get("max_concurrent_requests"),
         "running_peak": _metric(metrics, "kvpress_requests_running_peak"),
         "pool_preemptions": _metric(metrics, "kvpress_pool_preemptions_total"),
+        "load_average": os.getloadavg()[0],
     }
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = "| server | policy | req/s | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | peak running |"
-    lines = [header, "|" + "---|" * 8]
+    header = (
+        "| policy | server | req/s | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | E2E mean ms "
+        "| peak running | load avg |"
+    )
+    lines = [header, "|" + "---|" * 10]
 
     def num(value: Any, digits: int = 1) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
@@ -206,8 +211,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         peak = "-" if r["running_peak"] is None else str(int(r["running_peak"]))
         lines.append(
-            f"| {r['server']} | {r['policy']} | {num(r['requests_per_s'], 2)} | {num(r['ttft_ms_mean'])} "
-            f"| {num(r['ttft_ms_p99'])} | {num(r['itl_ms_mean'])} | {num(r['itl_ms_p99'])} | {peak} |"
+            f"| {r['policy']} | {r['server']} | {num(r['requests_per_s'], 2)} | {num(r['ttft_ms_mean'])} "
+            f"| {num(r['ttft_ms_p99'])} | {num(r['itl_ms_mean'])} | {num(r['itl_ms_p99'])} | {num(r['e2e_ms_mean'])} "
+            f"| {peak} "
+            f"| {num(r.get('load_average'))} |"
         )
     return "\n".join(lines)
 
@@ -216,8 +223,10 @@ def run_vllm_serve_bench(config: VllmServeBenchConfig) -> list[dict[str, Any]]:
     model = config.model or str(default_model_dir())
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvpress-vllm-bench-") as tmp:
-        for server in config.servers:
-            for policy in config.policies:
+        # Interleaved (policy by policy, both servers) so that the two servers of a row pair see similar
+        # machine load; the 1-minute load average after each run is printed with it.
+        for policy in config.policies:
+            for server in config.servers:
                 print(f"[{server} serve, {policy}] ...", flush=True)
                 rows.append(run_one(server, policy, model, Path(tmp), config))
     print(format_table(rows))

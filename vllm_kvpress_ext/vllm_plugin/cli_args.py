@@ -83,10 +83,14 @@ def install_kv_policy_flag() -> None:
         return parser
 
     def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
+        from vllm_kvpress_ext.vllm_plugin.activation import ENV, plugin_active
+
         engine_args = original_from(cls, args)
-        engine_args.additional_config = fold_into_additional_config(
-            getattr(args, "kv_policy", None), engine_args.additional_config
-        )
+        policy = getattr(args, "kv_policy", None)
+        if policy is not None and not plugin_active():
+            # Never serve uncompressed while the user believes a policy is on.
+            raise PolicyConfigError(f"--kv-policy needs the vllm-kvpress-ext platform, which {ENV}=off turns off")
+        engine_args.additional_config = fold_into_additional_config(policy, engine_args.additional_config)
         return engine_args
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
