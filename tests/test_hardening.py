@@ -473,8 +473,7 @@ def _vllm_bench_completions_payload(prompt: str) -> dict[str, Any]:
         "logprobs": None,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-        "temperature": 0.0,
+        "ignore_eos": True,  # --ignore-eos; sampling flags such as --temperature would be merged in too
     }
 
 
@@ -487,7 +486,6 @@ def _vllm_bench_chat_payload(prompt: str) -> dict[str, Any]:
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
-        "temperature": 0.0,
     }
 
 
