@@ -360,6 +360,8 @@ def test_cli_cuda_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
 def test_empty_prompt_echo_zero_and_405(http: httpx.Client) -> None:
     assert assert_error(complete(http, prompt=""), 400, "prompt")["code"] == "invalid_prompt"
     assert_error(complete(http, echo=0), 400, "echo")
+    assert_error(complete(http, max_tokens=2.0), 400, "max_tokens")  # no silent conversions
+    assert_error(complete(http, top_k="3"), 400, "top_k")
     r = http.get("/v1/completions")
     assert_error(r, 405)
     assert r.headers["allow"] == "POST"
