@@ -139,6 +139,37 @@ def test_a_policy_that_raises_fails_only_its_own_request(
     assert complete(http).status_code == 200
 
 
+def test_a_failed_prefill_step_spares_the_requests_decoding(
+    server: LiveServer, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward pass that raises fails its own batch only: a new prompt's prefill, not the streams decoding."""
+    from vllm_kvpress_ext.engine.attention_context import PrefillContext
+
+    model = server.engine.model
+    forward = model.forward
+    armed = threading.Event()
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if armed.is_set() and isinstance(args[2], PrefillContext):
+            armed.clear()
+            raise RuntimeError("injected prefill failure")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", flaky)
+    body = {"prompt": STREAM_PROMPTS[1], "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    alone = complete(http, **body).json()["choices"][0]["text"]
+    started = [threading.Event() for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream_text, server.url, {**body, "stream": True}, e) for e in started]
+        assert all(e.wait(60) for e in started)  # every stream has a token: past its own prefill
+        armed.set()
+        error = assert_error(complete(http, prompt="key trout is 3 .", max_tokens=4), 500)
+        assert "injected prefill failure" in error["message"]
+        for text, reason, done in (s.result() for s in streams):
+            assert done and reason == "length" and text == alone
+    wait_for(lambda: pool_empty(http))
+
+
 # ---------------------------------------------------------------------- 2. bounded policy settings
 
 

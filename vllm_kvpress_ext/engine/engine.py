@@ -20,7 +20,7 @@ from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillCont
 from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestStatus
 from vllm_kvpress_ext.engine.sampler import sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
-from vllm_kvpress_ext.engine.scheduler import ScheduledChunk, Scheduler
+from vllm_kvpress_ext.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.loader import resolve_dtype
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
@@ -194,6 +194,7 @@ class LLMEngine:
         # Called with each request as it finishes, while its entries are still in the cache (benches
         # read what a policy really kept here, e.g. prompt coverage).
         self.finish_hooks: list[Callable[[Request], None]] = []
+        self.last_plan: SchedulerOutput | None = None  # the plan of the step running (or last run)
 
     # ------------------------------------------------------------------ requests
 
@@ -296,7 +297,10 @@ class LLMEngine:
     @torch.no_grad()  # not inference_mode: cache tables grown inside a step are mutated outside it later
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return a snapshot of every request that produced a token or finished."""
+        self.last_plan = None
         plan = self.scheduler.schedule()
+        # Kept so that a caller whose step raised knows which requests the failed batch held.
+        self.last_plan = plan
         # A preempted request that could not take another token even in an empty pool ends here
         # (with "length": it ran out of room), and is reported like any other finished request.
         touched = [r for r in plan.preempted if self._stop_if_pool_too_small(r)]
