@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,8 @@ from vllm_kvpress_ext.policies.base import (
     RequestPrefill,
 )
 from vllm_kvpress_ext.policies.capture import PrefillCapture
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KV_MEMORY = 1 << 30
 PolicySpec = str | Path | dict[str, Any] | KVPolicy
@@ -558,6 +561,7 @@ class LLMEngine:
 
     def _fail(self, request: Request, exc: Exception) -> Request:
         """End one request whose policy work raised (finish reason "error"); the rest of the batch goes on."""
+        logger.warning("request %s failed in its policy work", request.request_id, exc_info=exc)
         request.error = f"{type(exc).__name__}: {exc}"
         request.finish_reason = "error"
         self.scheduler.finish(request)

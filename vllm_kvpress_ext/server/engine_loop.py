@@ -350,7 +350,6 @@ class EngineLoop:
         if out.finished and out.finish_reason == "error":
             del self._tracked[out.request_id]
             self.metrics.requests.labels(status="error").inc()
-            logger.warning("request %s failed in its policy work: %s", out.request_id, out.error)
             self._post(tracked, Failure(f"the engine failed while running this request ({out.error}); it was aborted"))
             return 1
         if out.finished:
