@@ -139,6 +139,37 @@ def test_a_policy_that_raises_fails_only_its_own_request(
     assert complete(http).status_code == 200
 
 
+def test_a_failed_prefill_step_spares_the_requests_decoding(
+    server: LiveServer, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward pass that raises fails its own batch only: a new prompt's prefill, not the streams decoding."""
+    from vllm_kvpress_ext.engine.attention_context import PrefillContext
+
+    model = server.engine.model
+    forward = model.forward
+    armed = threading.Event()
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if armed.is_set() and isinstance(args[2], PrefillContext):
+            armed.clear()
+            raise RuntimeError("injected prefill failure")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", flaky)
+    body = {"prompt": STREAM_PROMPTS[1], "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    alone = complete(http, **body).json()["choices"][0]["text"]
+    started = [threading.Event() for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream_text, server.url, {**body, "stream": True}, e) for e in started]
+        assert all(e.wait(60) for e in started)  # every stream has a token: past its own prefill
+        armed.set()
+        error = assert_error(complete(http, prompt="key trout is 3 .", max_tokens=4), 500)
+        assert "injected prefill failure" in error["message"]
+        for text, reason, done in (s.result() for s in streams):
+            assert done and reason == "length" and text == alone
+    wait_for(lambda: pool_empty(http))
+
+
 # ---------------------------------------------------------------------- 2. bounded policy settings
 
 
@@ -360,6 +391,8 @@ def test_cli_cuda_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
 def test_empty_prompt_echo_zero_and_405(http: httpx.Client) -> None:
     assert assert_error(complete(http, prompt=""), 400, "prompt")["code"] == "invalid_prompt"
     assert_error(complete(http, echo=0), 400, "echo")
+    assert_error(complete(http, max_tokens=2.0), 400, "max_tokens")  # no silent conversions
+    assert_error(complete(http, top_k="3"), 400, "top_k")
     r = http.get("/v1/completions")
     assert_error(r, 405)
     assert r.headers["allow"] == "POST"
@@ -473,8 +506,7 @@ def _vllm_bench_completions_payload(prompt: str) -> dict[str, Any]:
         "logprobs": None,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-        "temperature": 0.0,
+        "ignore_eos": True,  # --ignore-eos; sampling flags such as --temperature would be merged in too
     }
 
 
@@ -487,7 +519,6 @@ def _vllm_bench_chat_payload(prompt: str) -> dict[str, Any]:
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
-        "temperature": 0.0,
     }
 
 

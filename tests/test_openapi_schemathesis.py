@@ -23,7 +23,7 @@ from schemathesis.specs.openapi.checks import (
 )
 from test_server import LiveServer, _start, _write_model, metric
 
-EXAMPLES = 40  # per operation and mode: tens of seconds in all on 2 cores
+EXAMPLES = 30  # per operation and mode: tens of seconds in all on 2 cores
 CHECKS = [
     not_a_server_error,
     status_code_conformance,

@@ -66,7 +66,7 @@ def test_every_numeric_field_has_a_bound() -> None:
 
 @pytest.mark.parametrize("name", policy_names())
 def test_policy_specs_validate_or_400_and_never_break_a_step(engine: LLMEngine, name: str) -> None:
-    @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(spec=spec_strategy(name))
     def check(spec: dict[str, Any]) -> None:
         try:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from test_server import PROMPT, LiveServer, _start, _write_model, metric, pool_empty, wait_for
 
-ROUNDS = 160  # requests in the soak; about 20 s on 2 cores
+ROUNDS = 120  # requests in the soak; about 15 s on 2 cores
 POLICIES: list[Any] = [
     None,
     "full",

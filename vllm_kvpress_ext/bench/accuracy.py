@@ -216,6 +216,8 @@ def _run_cell(
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished and out.request_id in pending:
+                    if out.finish_reason == "error":  # the engine isolates a policy failure; a bench must not
+                        raise RuntimeError(f"the policy failed on a request: {out.error}")
                     correct += score(pending[out.request_id], out.output_token_ids)
                     kv_bytes.append(out.kv.kv_bytes)
                     retention.append(out.kv.retention)

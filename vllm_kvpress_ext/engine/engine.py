@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,11 +21,13 @@ from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY, ModelRunner,
 from vllm_kvpress_ext.engine.request import Request, RequestOutput
 from vllm_kvpress_ext.engine.sampler import sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
-from vllm_kvpress_ext.engine.scheduler import Scheduler
+from vllm_kvpress_ext.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
 from vllm_kvpress_ext.policies.base import Admission, LayerPrefill
 
 __all__ = ["DEFAULT_KV_MEMORY", "LLMEngine", "RequestRejectedError"]
+
+logger = logging.getLogger(__name__)
 
 PolicySpec = str | Path | dict[str, Any] | KVPolicy
 
@@ -87,6 +90,7 @@ class LLMEngine:
         # Called with each request as it finishes, while its entries are still in the cache (benches
         # read what a policy really kept here, e.g. prompt coverage).
         self.finish_hooks: list[Callable[[Request], None]] = []
+        self.last_plan: SchedulerOutput | None = None  # the plan of the step running (or last run)
 
     # ------------------------------------------------------------------ requests
 
@@ -169,7 +173,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return a snapshot of every request that produced a token or finished."""
+        self.last_plan = None
         plan = self.scheduler.schedule()
+        # Kept so that a caller whose step raised knows which requests the failed batch held.
+        self.last_plan = plan
         # A preempted request that could not take another token even in an empty pool ends here
         # (with "length": it ran out of room), and is reported like any other finished request.
         touched = [r for r in plan.preempted if self._stop_if_pool_too_small(r)]
@@ -190,6 +197,7 @@ class LLMEngine:
 
     def _fail(self, failure: RequestFailure) -> None:
         """The runner could not complete this request's step: it ends alone, with its pages freed."""
+        logger.warning("request %s failed in its policy work", failure.request.request_id, exc_info=failure.error)
         failure.request.error = failure.message
         self._finish(failure.request, "error")
 

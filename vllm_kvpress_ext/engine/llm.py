@@ -58,6 +58,8 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
+                        if out.finish_reason == "error":  # offline, a failed request is the caller's error
+                            raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[i] for i in ids]

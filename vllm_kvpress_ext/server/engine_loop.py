@@ -13,9 +13,12 @@ Failure policy, innermost first:
 - Per-request work inside a step (a policy's compression and eviction) is guarded by the engine: if
   it raises, that request alone ends with finish reason "error" and is answered here as a failure
   (500 `engine_error`, or the error event on a stream); the rest of the batch finishes normally.
-- An exception from the step itself (the batched forward pass) cannot be pinned on one request: it
-  fails and aborts every request in the batch (their cache state after a half-run step is
-  undefined), frees their pages, and the loop keeps serving the rest.
+- An exception from the step itself (the batched forward pass) cannot be pinned on one request
+  within its batch: it fails and aborts the requests of that step's batch (the engine's
+  `last_plan`: the prefill chunks, or the decode batch; their cache state after a half-run step is
+  undefined), frees their pages, and the loop keeps serving the rest. A step is either prefill or
+  decode, so requests decoding while a new prompt's prefill fails are not touched; a batch of one
+  request fails exactly the request that caused it.
 
 Nothing an HTTP request does can kill the thread.
 """
@@ -347,7 +350,6 @@ class EngineLoop:
         if out.finished and out.finish_reason == "error":
             del self._tracked[out.request_id]
             self.metrics.requests.labels(status="error").inc()
-            logger.warning("request %s failed in its policy work: %s", out.request_id, out.error)
             self._post(tracked, Failure(f"the engine failed while running this request ({out.error}); it was aborted"))
             return 1
         if out.finished:
@@ -370,15 +372,24 @@ class EngineLoop:
                 self.metrics.compression.labels(policy=handle.policy).observe(kv.compression_seconds)
         self._post(tracked, Update(list(token_ids), text, True, reason, kv))
 
-    def _fail_batch(self, exc: Exception) -> None:
-        """Abort every request the failed step may have touched and tell their clients.
+    def _batch_of_failed_step(self) -> list[str]:
+        """The requests the failed step may have touched.
 
-        That is every tracked request except those still cleanly waiting for admission (they hold no
-        pages and were not in the batch), plus any admitted request the loop does not track.
+        The step's own batch when the engine recorded its plan; otherwise (it failed while scheduling)
+        every tracked request except those still cleanly waiting for admission (they hold no pages),
+        plus any admitted request the loop does not track.
         """
+        plan = getattr(self.engine, "last_plan", None)
+        if plan is not None:
+            batch = [c.request for c in plan.prefill] if plan.prefill else list(plan.decode)
+            return [r.request_id for r in batch]  # preempted ones went back to waiting, intact
         waiting = {r.request_id for r in self.engine.scheduler.waiting}
         affected = [rid for rid in self._tracked if rid not in waiting]
-        affected += [r.request_id for r in self.engine.scheduler.active]
+        return affected + [r.request_id for r in self.engine.scheduler.active]
+
+    def _fail_batch(self, exc: Exception) -> None:
+        """Abort every request the failed step may have touched (`_batch_of_failed_step`) and tell their clients."""
+        affected = self._batch_of_failed_step()
         message = f"the engine failed while running this request ({type(exc).__name__}: {exc}); it was aborted"
         for request_id in dict.fromkeys(affected):
             try:

@@ -9,7 +9,8 @@ and frequency penalties too). vLLM extensions this engine has no use for (`use_b
 (`NEUTRAL_ONLY`), which is what load generators send, and refused with a 400 otherwise. Parameters
 OpenAI defines but this server does not implement (`n > 1`, `echo`, `logprobs`, ...) are accepted by
 the schema and refused with a clear 400 by the handlers, so the message says "not supported"
-instead of "unrecognized". Booleans are strict: `"echo": 0` is a 400, not a silent `false`.
+instead of "unrecognized". Types are strict (`strict=True`): `"echo": 0`, `"max_tokens": 2.0` or
+`"top_k": "3"` is a 400, not a silent conversion; an integer is still a valid float.
 
 Response bodies are plain dicts built in `responses.py`: their shape is fixed by OpenAI's API and
 building them directly keeps the hot streaming path free of model validation.
@@ -40,7 +41,7 @@ NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: StrictBool | None = False
     continuous_usage_stats: StrictBool | None = False  # vLLM's name; accepted, usage still comes once at the end
@@ -49,7 +50,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=100.0, description="below 1e-5: greedy")
