@@ -21,7 +21,7 @@ from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestStatu
 from vllm_kvpress_ext.engine.sampler import sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.engine.scheduler import ScheduledChunk, Scheduler
-from vllm_kvpress_ext.models import load_model
+from vllm_kvpress_ext.models import load_model, load_tokenizer
 from vllm_kvpress_ext.models.loader import resolve_dtype
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
 from vllm_kvpress_ext.policies.base import (
@@ -125,15 +125,6 @@ class _LayerwiseCompression:
         self.request.kv.compression_seconds += self.seconds
 
 
-def _load_tokenizer(model_dir: Path) -> Any:
-    """The model directory's tokenizer, or None when it ships none (token-id-only use)."""
-    if not any((model_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -156,7 +147,7 @@ class LLMEngine:
         self.model = load_model(self.model_dir, dtype=dtype, device=self.device)
         self.config = self.model.config
         self.dtype = next(self.model.parameters()).dtype
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         cache_dtype = self.dtype if kv_dtype is None else resolve_dtype(kv_dtype)
         if num_pages is not None and kv_memory is not None:
             raise ValueError("give num_pages or kv_memory, not both")
