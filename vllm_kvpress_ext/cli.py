@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvpress_ext import __version__
+from vllm_kvpress_ext.cli_models import add_models_parser, resolve_model_arg
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -122,9 +123,16 @@ def _cmd_bench_accuracy(args: argparse.Namespace) -> int:
         except FileNotFoundError as err:
             print(f"kvpress bench accuracy: {err}", file=sys.stderr)
             return 2
-    elif not (Path(args.model) / "config.json").is_file():
-        print(f"kvpress bench accuracy: {args.model} is not a model directory (no config.json)", file=sys.stderr)
-        return 2
+    else:
+        args.model, ok = resolve_model_arg(args.model, "kvpress bench accuracy")
+        if not ok:
+            return 1
+        if not (Path(args.model) / "config.json").is_file() and Path(args.model).suffix.lower() != ".gguf":
+            print(
+                f"kvpress bench accuracy: {args.model} is not a model directory (no config.json) nor a .gguf file",
+                file=sys.stderr,
+            )
+            return 2
     if args.quick:
         config = AccuracyConfig.quick(args.model, out_dir=args.out or "runs/accuracy-quick")
     else:
@@ -419,6 +427,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "compression and the KV figures are real.",
             file=sys.stderr,
         )
+    requested = args.model_dir
+    args.model_dir, ok = resolve_model_arg(args.model_dir, "kvpress serve")
+    if not ok:
+        return 1
+    if args.model_dir != requested:  # a catalog name: clients send that name, not the cached file's
+        args.served_model_name = args.served_model_name or requested
     try:
         model_dir = resolve_model_dir(args.model_dir)
     except ModelDirError as exc:
@@ -483,7 +497,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server with per-request KV compression",
-        description="Serve MODEL_DIR over an OpenAI-compatible API (/v1/models, /v1/completions, "
+        description="Serve MODEL (an HF directory, a .gguf file or a catalog name) over an OpenAI-compatible API "
+        "(/v1/models, /v1/completions, "
         "/v1/chat/completions with SSE streaming, /health, /metrics, /debug/kv). A request picks its KV policy "
         'with the body field kv_policy ("snapkv" or {"name": "snapkv", "ratio": 0.1}) or vllm_xargs; usage '
         "reports the KV figures the page pool held. See docs/server.md.",
@@ -499,8 +514,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "model_dir",
         nargs="?",
         default=None,
-        metavar="MODEL_DIR",
-        help="HF-format model directory (config.json, safetensors, tokenizer); default: the bundled model "
+        metavar="MODEL",
+        help="HF-format model directory (config.json, safetensors, tokenizer), a .gguf file, or a catalog name "
+        "such as smollm2-135m (pulled on first use, see kvpress models list); default: the bundled model "
         "vllm_kvpress_ext/assets/default_model (docs/model.md)",
     )
     serve.add_argument(
@@ -764,6 +780,7 @@ def build_parser() -> argparse.ArgumentParser:
     policies.set_defaults(handler=_cmd_policies)
 
     _add_serve_parser(sub)
+    add_models_parser(sub)
 
     tm = sub.add_parser(
         "train-model",
