@@ -133,6 +133,15 @@ def _cmd_bench_accuracy(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    from vllm_kvpress_ext.bench.natural_accuracy import natural_config, run_natural_accuracy, uses_suite_tokenizer
+
+    if args.suite == "natural" or (args.suite == "auto" and not uses_suite_tokenizer(args.model)):
+        try:
+            run_natural_accuracy(natural_config(args.model, args))
+        except ValueError as err:
+            print(f"kvpress bench accuracy: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.quick:
         config = AccuracyConfig.quick(args.model, out_dir=args.out or "runs/accuracy-quick")
     else:
@@ -940,10 +949,28 @@ def build_parser() -> argparse.ArgumentParser:
         "per policy x budget x task, exact-match accuracy, the KV bytes the pool held (mean, p90), retention, and "
         "coverage: the share of prompt positions still held by at least one (layer, KV head) when a request "
         "finishes (and per layer by at least one of its heads, averaged over layers: head cov). Output: a table on "
-        "stdout, results.md/.csv/.json and accuracy_vs_memory.png in --out.",
+        "stdout, results.md/.csv/.json and accuracy_vs_memory.png in --out. A real pretrained model (any other "
+        "tokenizer, e.g. --model smollm2-135m) gets the natural-language tasks instead (RULER-style needles, "
+        "variable tracking, word counting, pass key; every registered policy at 50/25/10%% by default, 2K and 4K "
+        "tokens, each sample's shared prefix prefilled once; see vllm_kvpress_ext/bench/natural_accuracy.py).",
     )
     acc.add_argument(
-        "--model", default=None, help="HF-format model directory with the suite's tokenizer (default: bundled model)"
+        "--model",
+        default=None,
+        help="model directory, .gguf file or catalog name (default: the bundled model)",
+    )
+    acc.add_argument(
+        "--suite",
+        choices=("auto", "synthetic", "natural"),
+        default="auto",
+        help="task suite: synthetic (the suite's word-level tasks), natural (English tasks for any tokenizer); "
+        "auto: synthetic for models with the suite's tokenizer, natural otherwise",
+    )
+    acc.add_argument(
+        "--context-lens", type=_int_list, default=None, help="natural suite: prompt lengths (default: 2048,4096)"
+    )
+    acc.add_argument(
+        "--filler", choices=("noise", "prose"), default=None, help="natural suite: haystack text (default: noise)"
     )
     acc.add_argument("--policies", default=None, help="comma-separated policies (default: full and the baselines)")
     acc.add_argument("--budgets", type=_float_list, default=None, help="ratios (default: 0.5,0.25,0.1,0.05)")
@@ -956,7 +983,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--protocol",
         choices=("served", "strict", "agnostic"),
         default=None,
-        help="where compression happens (default: strict)",
+        help="where compression happens (default: strict; natural suite: agnostic, or served)",
     )
     acc.add_argument("--samples", type=int, default=None, help="held-out samples per task (default: 20)")
     acc.add_argument(

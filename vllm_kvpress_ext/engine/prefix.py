@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_kvpress_ext.engine.request import Request, RequestStatus
+from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestStatus
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
 from vllm_kvpress_ext.policies.base import LayerPrefill
@@ -34,13 +34,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class PrefixSnapshot:
-    """An uncompressed prefilled prefix: K/V `[L, H, n, d]` and each layer's prefill capture."""
+    """An uncompressed prefilled prefix: K/V `[L, H, n, d]`, each layer's prefill capture, and the
+    greedy next token (what a request whose prompt is exactly the prefix answers first)."""
 
     token_ids: list[int]
     keys: torch.Tensor
     values: torch.Tensor
     spec: CaptureSpec
     layers: list[LayerCapture]
+    next_token: int
 
     @property
     def length(self) -> int:
@@ -71,10 +73,20 @@ def merged_capture_spec(policies: list[KVPolicy | None]) -> CaptureSpec:
 
 
 @torch.no_grad()
-def capture_prefix(engine: LLMEngine, token_ids: list[int], spec: CaptureSpec, request_id: str) -> PrefixSnapshot:
-    """Prefill `token_ids` alone (nothing else may be running) and return its K/V and captures."""
-    if engine.has_unfinished_requests():
-        raise RuntimeError("capture_prefix needs an idle engine")
+def capture_prefix(
+    engine: LLMEngine,
+    token_ids: list[int],
+    spec: CaptureSpec,
+    request_id: str,
+    finished: dict[str, RequestOutput] | None = None,
+) -> PrefixSnapshot:
+    """Prefill `token_ids` and return its K/V and captures.
+
+    Other requests may be running only when `finished` is given: the steps taken here advance them
+    too, and the outputs of those that finish are stored there for the caller.
+    """
+    if engine.has_unfinished_requests() and finished is None:
+        raise RuntimeError("capture_prefix needs an idle engine, or a `finished` dict for the others' outputs")
     snapshot: dict[str, Any] = {}
 
     def keep(request: Request) -> None:
@@ -90,17 +102,22 @@ def capture_prefix(engine: LLMEngine, token_ids: list[int], spec: CaptureSpec, r
         snapshot["keys"], snapshot["values"] = torch.stack(keys), torch.stack(values)
         captures = (request.policy_state or {}).get("captures")
         snapshot["layers"] = captures if captures else [LayerCapture() for _ in keys]
+        snapshot["next_token"] = request.output_token_ids[0]
 
     policy = _CaptureOnly(spec) if not spec.empty else None
     engine.finish_hooks.append(keep)
     try:
         engine.add_request(token_ids, SamplingParams(max_tokens=1, temperature=0.0), request_id, policy=policy)
-        while engine.has_unfinished_requests():
-            engine.step()
+        while "keys" not in snapshot:
+            for out in engine.step():
+                if out.finished and out.request_id != request_id and finished is not None:
+                    finished[out.request_id] = out
     finally:
         engine.finish_hooks.remove(keep)
     engine.requests.pop(request_id, None)
-    return PrefixSnapshot(list(token_ids), snapshot["keys"], snapshot["values"], spec, snapshot["layers"])
+    return PrefixSnapshot(
+        list(token_ids), snapshot["keys"], snapshot["values"], spec, snapshot["layers"], snapshot["next_token"]
+    )
 
 
 def _own_capture(snapshot: PrefixSnapshot, spec: CaptureSpec, num_layers: int) -> PrefillCapture | None:

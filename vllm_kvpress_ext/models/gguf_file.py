@@ -13,7 +13,7 @@ Two things it leaves to the caller and that are done here:
 from __future__ import annotations
 
 import os
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,20 @@ if TYPE_CHECKING:
 
 GGUF_SUFFIX = ".gguf"
 _MAGIC = b"GGUF"
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """A `GGUFFile`, reused while the file is unchanged: parsing the fields of a 49K-token
+    vocabulary takes seconds, and the config, the weights and the tokenizer all read them."""
+    resolved = Path(path).expanduser().resolve()
+    stamp = resolved.stat().st_mtime_ns if resolved.is_file() else -1
+    return _open_cached(str(resolved), stamp)
+
+
+@lru_cache(maxsize=2)
+def _open_cached(path: str, stamp: int) -> GGUFFile:
+    del stamp  # part of the cache key only
+    return GGUFFile(path)
 
 
 def is_gguf_path(path: str | os.PathLike[str]) -> bool:

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from .config import ModelConfig, token_ids
 from .errors import ModelConfigError, ModelFileNotFoundError, ModelLoadError
 from .gguf_config import config_from_gguf
-from .gguf_file import GGUFFile, is_gguf_path
+from .gguf_file import GGUFFile, is_gguf_path, open_gguf
 from .gguf_weights import gguf_state_dict
 from .llama import LlamaFamilyForCausalLM
 
@@ -62,7 +62,7 @@ def load_model(
     naming whatever is missing, unsupported or mismatched.
     """
     if is_gguf_path(model_dir):
-        return _load_gguf_model(GGUFFile(model_dir), dtype, device)
+        return _load_gguf_model(open_gguf(model_dir), dtype, device)
     directory = _model_directory(model_dir)
     config = load_config(directory)
     target_dtype = resolve_dtype(dtype, config)
@@ -91,7 +91,7 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     file's metadata instead (end-of-turn tokens included).
     """
     if is_gguf_path(model_dir):
-        gguf = GGUFFile(model_dir)
+        gguf = open_gguf(model_dir)
         return config_from_gguf(gguf.metadata, set(gguf.tensor_names()), str(gguf.path))
     directory = _model_directory(model_dir)
     config = ModelConfig.from_json_file(directory / CONFIG_NAME)

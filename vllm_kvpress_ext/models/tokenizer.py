@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm_kvpress_ext.hub.catalog import cache_dir
 
-from .gguf_file import GGUFFile, is_gguf_path
+from .gguf_file import is_gguf_path, open_gguf
 
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -45,7 +45,7 @@ def _gguf_tokenizer(path: Path) -> Any:
     cached = gguf_tokenizer_cache(path)
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
-    if "tokenizer.ggml.tokens" not in GGUFFile(path).metadata:
+    if "tokenizer.ggml.tokens" not in open_gguf(path).metadata:
         return None
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     with contextlib.suppress(OSError):  # a read-only cache only costs the conversion next time
