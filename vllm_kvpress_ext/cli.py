@@ -951,7 +951,7 @@ def build_parser() -> argparse.ArgumentParser:
         "finishes (and per layer by at least one of its heads, averaged over layers: head cov). Output: a table on "
         "stdout, results.md/.csv/.json and accuracy_vs_memory.png in --out. A real pretrained model (any other "
         "tokenizer, e.g. --model smollm2-135m) gets the natural-language tasks instead (RULER-style needles, "
-        "variable tracking, word counting, pass key; every registered policy at 50/25/10%% by default, 2K and 4K "
+        "variable tracking, word counting, pass key; every registered policy at 50/25/10% by default, 2K and 4K "
         "tokens, each sample's shared prefix prefilled once; see vllm_kvpress_ext/bench/natural_accuracy.py).",
     )
     acc.add_argument(
