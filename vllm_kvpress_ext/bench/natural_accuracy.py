@@ -377,7 +377,7 @@ def _plot(summary: list[dict[str, Any]], path: Path, config: NaturalAccuracyConf
         ax.set_ylim(-5, 105)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"{Path(config.model).stem}: accuracy vs KV memory, {config.protocol} protocol")
+    fig.suptitle(f"{Path(config.model).stem}\naccuracy vs KV memory, {config.protocol} protocol", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
