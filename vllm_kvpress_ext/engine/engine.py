@@ -22,6 +22,7 @@ from vllm_kvpress_ext.engine.request import Request, RequestOutput
 from vllm_kvpress_ext.engine.sampler import sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.engine.scheduler import Scheduler, SchedulerOutput
+from vllm_kvpress_ext.models import load_tokenizer
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
 from vllm_kvpress_ext.policies.base import Admission, LayerPrefill
 
@@ -34,15 +35,6 @@ PolicySpec = str | Path | dict[str, Any] | KVPolicy
 
 class RequestRejectedError(ValueError):
     """The request can never run on this engine (too long for the model or for the whole pool)."""
-
-
-def _load_tokenizer(model_dir: Path) -> Any:
-    """The model directory's tokenizer, or None when it ships none (token-id-only use)."""
-    if not any((model_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 class LLMEngine:
@@ -79,7 +71,7 @@ class LLMEngine:
         self.dtype = self.runner.dtype
         self.cache = self.runner.cache
         self.scale = self.runner.scale
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.max_model_len = min(
             max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
         )

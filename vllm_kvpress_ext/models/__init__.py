@@ -1,4 +1,4 @@
-"""Llama-family model code (Llama 2/3, Mistral, Qwen2, Qwen3) in plain torch, loading HF directories.
+"""Llama-family model code (Llama 2/3, Mistral, Qwen2, Qwen3) in plain torch, loading HF directories or GGUF.
 
 The model runs a flat varlen batch of new tokens and owns no KV cache: each layer hands its q/k/v
 to an `AttentionContext` supplied by the caller, which stores them (paged, per head, compressible)
@@ -11,16 +11,20 @@ model knowing.
 
 Files: `config.py` (config.json -> ModelConfig), `rope.py` (rotary embeddings incl. llama3/linear
 scaling), `layers.py` (RMSNorm, MLP, Attention, DecoderLayer), `llama.py` (the model),
-`loader.py` (safetensors, single or sharded), `base.py` (AttentionContext), `errors.py`.
+`loader.py` (safetensors, single or sharded, or a `.gguf` file), `gguf_file.py` (GGUF reading and
+dequantisation), `gguf_config.py` (GGUF metadata -> ModelConfig), `gguf_weights.py` (GGUF tensor names,
+llama.cpp's Q/K row order), `tokenizer.py` (HF or GGUF tokenizer), `base.py` (AttentionContext), `errors.py`.
 """
 
 from .base import AttentionContext
 from .config import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelConfig, RopeScaling
 from .errors import ModelConfigError, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError
+from .gguf_file import GGUFFile, is_gguf_path
 from .layers import MLP, Attention, DecoderLayer, RMSNorm
 from .llama import LlamaFamilyForCausalLM
 from .loader import find_tensor_files, load_config, load_model, resolve_dtype
 from .rope import RotaryEmbedding, apply_rope, inverse_frequencies, rotate_half
+from .tokenizer import load_tokenizer
 
 __all__ = [
     "MLP",
@@ -29,6 +33,7 @@ __all__ = [
     "Attention",
     "AttentionContext",
     "DecoderLayer",
+    "GGUFFile",
     "LlamaFamilyForCausalLM",
     "ModelConfig",
     "ModelConfigError",
@@ -41,8 +46,10 @@ __all__ = [
     "apply_rope",
     "find_tensor_files",
     "inverse_frequencies",
+    "is_gguf_path",
     "load_config",
     "load_model",
+    "load_tokenizer",
     "resolve_dtype",
     "rotate_half",
 ]

@@ -1,10 +1,12 @@
-"""Load a Llama-family model from a local HF-format directory (config.json + safetensors).
+"""Load a Llama-family model from a local HF-format directory (config.json + safetensors) or a `.gguf` file.
 
 Local files only: nothing here talks to the Hugging Face hub. The model is built on the meta device
 (no random init, no second copy of the weights) and every parameter is then assigned straight from
 the checkpoint, converted to the requested dtype one tensor at a time. Before any tensor is read,
 names and shapes are checked against what config.json implies, so a wrong or truncated checkpoint
-fails with a message naming the tensors at fault instead of producing garbage text.
+fails with a message naming the tensors at fault instead of producing garbage text. A path ending
+in `.gguf` is read by `gguf_file.py` (metadata -> config in `gguf_config.py`, tensors in
+`gguf_weights.py`) and goes through the same build-on-meta, check, assign steps.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from safetensors import safe_open
 
 from .config import ModelConfig, token_ids
 from .errors import ModelConfigError, ModelFileNotFoundError, ModelLoadError
+from .gguf_config import config_from_gguf
+from .gguf_file import GGUFFile, is_gguf_path, open_gguf
+from .gguf_weights import gguf_state_dict
 from .llama import LlamaFamilyForCausalLM
 
 CONFIG_NAME = "config.json"
@@ -47,11 +52,17 @@ def load_model(
 ) -> LlamaFamilyForCausalLM:
     """Build the model described by `model_dir/config.json` and fill it from its safetensors.
 
+    `model_dir` may instead be a `.gguf` file: its metadata gives the config, its tensors are
+    dequantised (any GGML type the `gguf` package reads) and cast to `dtype` ("auto": the file's
+    float type, float32 for quantised files).
+
     dtype: fp32, bf16 or fp16 (a torch dtype or a name such as "bf16"; "auto" takes config.json's
     `dtype`/`torch_dtype`, else fp32). The returned model is in eval mode with gradients disabled.
     Raises a `ModelLoadError` (a ValueError; `ModelFileNotFoundError` is also a FileNotFoundError)
     naming whatever is missing, unsupported or mismatched.
     """
+    if is_gguf_path(model_dir):
+        return _load_gguf_model(open_gguf(model_dir), dtype, device)
     directory = _model_directory(model_dir)
     config = load_config(directory)
     target_dtype = resolve_dtype(dtype, config)
@@ -76,8 +87,12 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     """Parse `config.json`; stop tokens from `generation_config.json` are appended to `eos_token_ids`.
 
     Chat models (Llama 3 Instruct, Qwen) list their end-of-turn tokens only in
-    generation_config.json, and the engine must stop on those too.
+    generation_config.json, and the engine must stop on those too. A `.gguf` path reads the
+    file's metadata instead (end-of-turn tokens included).
     """
+    if is_gguf_path(model_dir):
+        gguf = open_gguf(model_dir)
+        return config_from_gguf(gguf.metadata, set(gguf.tensor_names()), str(gguf.path))
     directory = _model_directory(model_dir)
     config = ModelConfig.from_json_file(directory / CONFIG_NAME)
     generation_path = directory / GENERATION_CONFIG_NAME
@@ -89,6 +104,18 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
         raise ModelConfigError(f"{generation_path} is not a valid generation config: {e}") from e
     merged = config.eos_token_ids + tuple(t for t in extra if t not in config.eos_token_ids)
     return dataclasses.replace(config, eos_token_ids=merged)
+
+
+def _load_gguf_model(gguf: GGUFFile, dtype: torch.dtype | str, device: str | torch.device) -> LlamaFamilyForCausalLM:
+    config = config_from_gguf(gguf.metadata, set(gguf.tensor_names()), str(gguf.path))
+    target_dtype = resolve_dtype(dtype, config)
+    with torch.device("meta"):
+        model = LlamaFamilyForCausalLM(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    state = gguf_state_dict(gguf, config, expected, target_dtype, device)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    return model.eval()
 
 
 def resolve_dtype(dtype: torch.dtype | str, config: ModelConfig | None = None) -> torch.dtype:

@@ -53,7 +53,7 @@ def parse_size(text: str) -> int:
 
 
 def resolve_model_dir(model_dir: str | Path | None) -> Path:
-    """The directory to serve: the one given, else the bundled model if it exists.
+    """The model to serve: the directory or `.gguf` file given, else the bundled model if it exists.
 
     Fails loudly rather than inventing a model: serving random weights by accident would look
     like a working server that answers nonsense.
@@ -65,9 +65,13 @@ def resolve_model_dir(model_dir: str | Path | None) -> Path:
             f"the bundled model is missing from this installation (looked in {BUNDLED_MODEL_DIR}); "
             "pass MODEL_DIR, an HF-format directory with config.json, safetensors weights and a tokenizer"
         )
-    path = Path(model_dir)
+    path = Path(model_dir).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelDirError(f"GGUF file not found: {path}")
+        return path
     if not (path / "config.json").is_file():
-        raise ModelDirError(f"{path} is not a model directory (no config.json)")
+        raise ModelDirError(f"{path} is not a model directory (no config.json) nor a .gguf file")
     return path
 
 
@@ -122,5 +126,6 @@ class ServerConfig:
 
     @property
     def model_name(self) -> str:
-        """The id clients put in `model`: `--served-model-name`, else the directory's name."""
-        return self.served_model_name or self.model_dir.resolve().name
+        """The id clients put in `model`: `--served-model-name`, else the directory's (or GGUF file's) name."""
+        path = self.model_dir.resolve()
+        return self.served_model_name or (path.stem if path.suffix.lower() == ".gguf" else path.name)

@@ -1,0 +1,111 @@
+"""Natural-language tasks rendered with a real tokenizer, and the natural accuracy bench end to end.
+
+The tokenizer is SmolLM2's (from its GGUF file) when it has been pulled, else the byte-level BPE
+of the GGUF file the tests write; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gguf_utils import tiny_model, write_gguf
+
+from vllm_kvpress_ext.bench.natural import (
+    NATURAL_TASKS,
+    NOISE,
+    filler_sentences,
+    prose_sentences,
+    render,
+    score,
+)
+from vllm_kvpress_ext.hub.catalog import CATALOG, cached_path
+from vllm_kvpress_ext.models import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama GGUF with a byte-level tokenizer and a 4K context."""
+    model = tiny_model("llama")
+    model.config.max_position_embeddings = 4096
+    return write_gguf(tmp_path_factory.mktemp("nl") / "tiny.gguf", model)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    smollm = cached_path(CATALOG["smollm2-135m"])
+    return load_tokenizer(smollm if smollm.is_file() else tiny_gguf)
+
+
+@pytest.mark.parametrize("task", list(NATURAL_TASKS))
+def test_render_fits_the_length_and_holds_the_answers(tokenizer: Any, task: str) -> None:
+    length = 1500
+    prompt = render(task, tokenizer, length, seed=7, protocol="agnostic")
+    assert length - 80 <= len(prompt.token_ids) <= length  # the largest haystack that fits
+    assert prompt.compress_after == prompt.context_tokens < len(prompt.token_ids)
+    context = tokenizer.decode(prompt.token_ids[: prompt.context_tokens])
+    question = tokenizer.decode(prompt.token_ids[prompt.context_tokens :])
+    for answer in prompt.answers:
+        if task in ("nl_common_words", "nl_frequent_words"):
+            assert context.count(f" {answer}") >= 3, answer  # the counted words occur repeatedly
+        elif task == "nl_variable_tracking":
+            assert f"VAR {answer} =" in context
+        else:
+            assert answer in context and answer not in question
+    served = render(task, tokenizer, length, seed=7, protocol="served")
+    assert served.token_ids == prompt.token_ids and served.compress_after is None
+    assert render(task, tokenizer, length, seed=8).token_ids != prompt.token_ids
+
+
+def test_filler_kinds() -> None:
+    assert filler_sentences("noise", 7, random.Random(0)) == [*NOISE, *NOISE[:2]]
+    prose = prose_sentences()
+    assert len(prose) > 300 and all(s.endswith(".") and "\n" not in s for s in prose)
+    first, second = (filler_sentences("prose", 5, random.Random(s)) for s in (1, 2))
+    assert first != second and all(s in prose for s in first)
+    with pytest.raises(ValueError, match="filler must be one of"):
+        filler_sentences("lorem", 3, random.Random(0))  # type: ignore[arg-type]
+
+
+def test_prose_filler_and_errors(tokenizer: Any) -> None:
+    prompt = render("nl_passkey", tokenizer, 800, seed=1, filler="prose")
+    assert any(s in tokenizer.decode(prompt.token_ids) for s in prose_sentences())
+    with pytest.raises(ValueError, match="too short"):
+        render("nl_niah_multiquery", tokenizer, 20, seed=1)
+    with pytest.raises(ValueError, match="unknown natural task"):
+        render("nl_nope", tokenizer, 800, seed=1)
+    with pytest.raises(ValueError, match="protocol must be one of"):
+        render("nl_passkey", tokenizer, 800, seed=1, protocol="strict")  # type: ignore[arg-type]
+
+
+def test_score_is_the_share_of_answers_found(tokenizer: Any) -> None:
+    prompt = render("nl_niah_multivalue", tokenizer, 800, seed=3)
+    a, b, c, d = prompt.answers
+    assert score(prompt, f"{a}, {b} and {c.upper()}") == 0.75
+    assert score(prompt, f"{a} {b} {c} {d}") == 1.0 and score(prompt, "no idea") == 0.0
+
+
+@pytest.mark.slow
+def test_natural_bench_end_to_end(tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_kvpress_ext.cli import main
+
+    monkeypatch.setenv("KVPRESS_MODEL_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    argv = ["bench", "accuracy", "--model", str(tiny_gguf), "--tasks", "nl_passkey"]
+    argv += ["--policies", "full,snapkv,wgkv", "--budgets", "0.5,0.25", "--context-lens", "400"]
+    argv += ["--samples", "2", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads((out / "results.json").read_text())
+    summary = {(s["policy"], s["budget"]): s for s in result["summary"]}
+    assert set(summary) == {("full", None), ("snapkv", 0.5), ("snapkv", 0.25), ("wgkv", None)}
+    assert "no write gates" in summary[("wgkv", None)]["note"]
+    full = summary[("full", None)]["kv_bytes_mean"]
+    assert summary[("snapkv", 0.25)]["kv_bytes_mean"] < summary[("snapkv", 0.5)]["kv_bytes_mean"] < full
+    assert (out / "accuracy_vs_memory.png").stat().st_size > 0
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert len(runs) == 2 * 3  # samples x runnable (policy, budget)
+    assert all(r["task"] == "nl_passkey" and 0.0 <= r["score"] <= 1.0 for r in runs)
+    assert main([*argv[:-1], str(tmp_path / "bad"), "--protocol", "strict"]) == 2

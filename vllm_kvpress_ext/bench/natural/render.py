@@ -1,0 +1,97 @@
+"""Render a natural-language task for a real tokenizer at a given length, and score a continuation.
+
+Prompts are plain text completions (no chat template: small instruct models retrieve better that
+way, and every tokenizer has no-template text): `CONTEXT \\n QUESTION ANSWER-PREFIX`. The context and
+the question are tokenised separately and concatenated, so the context's tokens are an exact prefix
+of the prompt: that is where the question-agnostic protocol compresses (kvpress's pipeline
+protocol: context compressed, question prefilled after), and what a bench can prefill once and
+share between policies. The served protocol compresses after the whole prompt.
+
+Length: the largest haystack whose prompt fits `context_length` tokens (prompt tokens, answer
+excluded) is found by bisection on the task's size, each try drawn from the same seed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from .filler import FillerKind
+from .tasks import NATURAL_TASKS, Draft
+
+NaturalProtocol = Literal["served", "agnostic"]
+NATURAL_PROTOCOLS: tuple[str, ...] = get_args(NaturalProtocol)
+HELD_OUT_SEED = 2_000_000  # nothing is trained on these tasks; a fixed base keeps samples stable across runs
+
+
+@dataclass(frozen=True)
+class NaturalPrompt:
+    """A tokenised sample: `token_ids` = context + question; `compress_after` per the protocol."""
+
+    task: str
+    token_ids: list[int]
+    context_tokens: int
+    compress_after: int | None  # None: after the whole prompt (served)
+    answers: tuple[str, ...]
+    max_new_tokens: int
+    seed: int
+
+
+def _ids(tokenizer: Any, text: str, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def _tokens(tokenizer: Any, draft: Draft) -> tuple[list[int], list[int]]:
+    context = _ids(tokenizer, draft.context, special=True)
+    question = _ids(tokenizer, f"\n{draft.question} {draft.answer_prefix}", special=False)
+    return context, question
+
+
+def render(
+    task: str,
+    tokenizer: Any,
+    context_length: int,
+    seed: int,
+    protocol: NaturalProtocol = "agnostic",
+    filler: FillerKind = "noise",
+) -> NaturalPrompt:
+    """Sample `seed` of `task` as at most `context_length` prompt tokens of `tokenizer`."""
+    if task not in NATURAL_TASKS:
+        raise ValueError(f"unknown natural task {task!r}; known: {', '.join(NATURAL_TASKS)}")
+    if protocol not in NATURAL_PROTOCOLS:
+        raise ValueError(f"protocol must be one of {NATURAL_PROTOCOLS}, got {protocol!r}")
+    build = NATURAL_TASKS[task]
+
+    def draw(size: int) -> tuple[Draft, list[int], list[int]]:
+        draft = build(random.Random(f"{task}-{seed}"), size, filler)  # str seeds are stable across runs
+        return (draft, *_tokens(tokenizer, draft))
+
+    def length(size: int) -> int:
+        _, context, question = draw(size)
+        return len(context) + len(question)
+
+    low, high = 0, 1
+    if length(low) > context_length:
+        raise ValueError(f"{task}: context_length={context_length} is too short for the task without any haystack")
+    while length(high) <= context_length:  # grow until too long, then bisect
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if length(mid) <= context_length else (low, mid)
+    draft, context, question = draw(low)
+    return NaturalPrompt(
+        task=task,
+        token_ids=context + question,
+        context_tokens=len(context),
+        compress_after=len(context) if protocol == "agnostic" else None,
+        answers=draft.answers,
+        max_new_tokens=draft.max_new_tokens,
+        seed=seed,
+    )
+
+
+def score(prompt: NaturalPrompt, text: str) -> float:
+    """Fraction of the reference answers found in the continuation (case-insensitive substring)."""
+    lowered = text.lower()
+    return sum(answer.lower() in lowered for answer in prompt.answers) / len(prompt.answers)

