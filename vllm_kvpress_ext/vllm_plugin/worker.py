@@ -171,9 +171,11 @@ class KVPressWorker(WorkerBase):
         runner = self.runner
         assert runner is not None
         self._forget(scheduler_output)
-        self._admit(scheduler_output)
+        failed = self._admit(scheduler_output)
         schedule = Schedule()
         for request_id, count in scheduler_output.num_scheduled_tokens.items():
+            if request_id in failed:
+                continue
             request = self.requests[request_id]
             if request.status is RequestStatus.PREFILLING:
                 schedule.prefill.append(ScheduledChunk(request, request.num_processed, request.num_processed + count))
@@ -188,10 +190,9 @@ class KVPressWorker(WorkerBase):
             for request, token in zip(result.sample, tokens, strict=True):
                 request.output_token_ids.append(token)
                 sampled[request.request_id] = token
-        failed = {f.request.request_id: f.message for f in result.failed}
-        for request_id in failed:
-            request = self.requests.pop(request_id)
-            runner.release(request)
+        for failure in result.failed:
+            failed[failure.request.request_id] = failure.message
+            runner.release(self.requests.pop(failure.request.request_id))
         req_ids = list(scheduler_output.num_scheduled_tokens)
         output = ModelRunnerOutput(
             req_ids=req_ids,
@@ -217,25 +218,36 @@ class KVPressWorker(WorkerBase):
                 request.num_processed = 0
                 request.num_preemptions += 1
 
-    def _admit(self, scheduler_output: Any) -> None:
+    def _admit(self, scheduler_output: Any) -> dict[str, str]:
+        """Add new and resumed requests to the runner; those that cannot be added fail alone (id -> why)."""
         runner = self.runner
         assert runner is not None
+        failed: dict[str, str] = {}
         for new in scheduler_output.scheduled_new_reqs:
-            if new.num_computed_tokens:
-                raise RuntimeError("vllm-kvpress-ext needs prefix caching off; a new request arrived half computed")
-            policy = request_policy(new.sampling_params.extra_args, self.default_policy)
-            request = Request(
-                new.req_id, list(new.prompt_token_ids), runner_sampling_params(new.sampling_params), policy=policy
-            )
-            request.admission = runner.admission_for(policy)
+            try:
+                if new.num_computed_tokens:
+                    raise RuntimeError("prefix caching must be off; a new request arrived half computed")
+                policy = request_policy(new.sampling_params.extra_args, self.default_policy)
+                request = Request(
+                    new.req_id, list(new.prompt_token_ids), runner_sampling_params(new.sampling_params), policy=policy
+                )
+                request.admission = runner.admission_for(policy)
+                runner.add(request)
+            except Exception as exc:
+                failed[new.req_id] = f"{type(exc).__name__}: {exc}"
+                continue
             self.requests[new.req_id] = request
-            runner.add(request)
         cached = scheduler_output.scheduled_cached_reqs
         for request_id in cached.resumed_req_ids:
             request = self.requests[request_id]
             tokens = cached.all_token_ids[request_id]
             request.output_token_ids = list(tokens[len(request.prompt_token_ids) :])
-            runner.add(request)
+            try:
+                runner.add(request)
+            except Exception as exc:
+                failed[request_id] = f"{type(exc).__name__}: {exc}"
+                del self.requests[request_id]
+        return failed
 
     def _report(self, sampled: dict[str, int], failed: dict[str, str]) -> PoolReport:
         runner = self.runner
