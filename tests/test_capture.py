@@ -82,3 +82,11 @@ def test_no_capture_without_a_policy(tmp_path, monkeypatch) -> None:  # type: ig
     while engine.has_unfinished_requests():
         engine.step()
     assert created
+
+
+def test_capture_spec_merge_takes_the_union() -> None:
+    a = CaptureSpec(window=4, hidden_stats=True)
+    b = CaptureSpec(window=9, keys_pre_rope=True)
+    assert a.merge(b) == b.merge(a) == CaptureSpec(window=9, hidden_stats=True, keys_pre_rope=True)
+    assert CaptureSpec().merge(CaptureSpec()) == CaptureSpec() and CaptureSpec().empty
+    assert not CaptureSpec(keys_pre_rope=True).empty and not CaptureSpec(hidden_stats=True).empty

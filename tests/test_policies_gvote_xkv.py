@@ -655,3 +655,13 @@ def test_gvote_nucleus_size_at_exact_mass_and_parameter_boundaries() -> None:
     for field in ("window", "sink_tokens", "seed"):
         with pytest.raises(PolicyConfigError, match=f"^{field} must be >= 0, got -1$"):
             GVotePolicy(**{field: -1}).validate()
+
+
+def test_xkv_allocation_with_a_layer_without_mass() -> None:
+    """A layer whose window gave its prefix no attention counts as uniform: each entry is worth 1 / P of it."""
+    coverage = [torch.zeros(4, dtype=torch.float64), torch.tensor([3.0, 1.0], dtype=torch.float64)]
+    assert greedy_allocation(coverage, 1) == [0, 1]
+    assert greedy_allocation(coverage, 2) == [1, 1]  # 0.25 in both layers: the tie goes to the lower layer
+    assert coverage_ratio(coverage, [1, 0]) == 0.125
+    assert coverage_ratio(coverage, [4, 2]) == 1.0
+    assert allocation_for_target(coverage, 0.5) == [1, 1]
