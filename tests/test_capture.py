@@ -10,7 +10,7 @@ import torch
 from model_utils import DenseContext, tiny_hf_model
 
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
-from vllm_kvpress_ext.engine import engine as engine_module
+from vllm_kvpress_ext.engine import model_runner as engine_module
 from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.policies.base import KVPolicy, LayerPrefill
 from vllm_kvpress_ext.policies.capture import CaptureSpec

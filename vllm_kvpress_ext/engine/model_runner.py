@@ -159,10 +159,14 @@ class ModelRunner:
         request.num_processed = 0
 
     def release(self, request: Request) -> None:
-        """Return the request's pages and row, and forget its policy state (it may be recomputed later)."""
+        """Return the request's pages and row (its policy state stays readable, e.g. after it finished)."""
         if request.row is not None:
             self.cache.free_request(request.request_id)
             request.row = None
+
+    def reset(self, request: Request) -> None:
+        """Release the request and forget its policy state: it will be recomputed from token 0 (preemption)."""
+        self.release(request)
         request.policy_state = None
         request.capture = None
         request.admitted = None

@@ -101,6 +101,7 @@ class Scheduler:
     def preempt(self, request: Request) -> Request:
         """Free the request's pages and queue it for recomputation ahead of everything else."""
         self._release(request)
+        self.runner.reset(request)
         request.status = RequestStatus.WAITING
         request.num_processed = 0
         request.num_preemptions += 1

@@ -213,7 +213,7 @@ class KVPressWorker(WorkerBase):
         for request_id in scheduler_output.preempted_req_ids or ():
             request = self.requests.get(request_id)
             if request is not None:
-                runner.release(request)
+                runner.reset(request)
                 request.status = RequestStatus.WAITING
                 request.num_processed = 0
                 request.num_preemptions += 1
