@@ -190,7 +190,6 @@ def run_one(server: str, policy: str, model: str, workdir: Path, config: VllmSer
         "ttft_ms_p99": data.get("p99_ttft_ms"),
         "itl_ms_mean": data.get("mean_itl_ms"),
         "itl_ms_p99": data.get("p99_itl_ms"),
-        "e2e_ms_mean": data.get("mean_e2el_ms"),
         "client_concurrency_peak": data.get("max_concurrent_requests"),
         "running_peak": _metric(metrics, "kvpress_requests_running_peak"),
         "pool_preemptions": _metric(metrics, "kvpress_pool_preemptions_total"),
@@ -200,10 +199,9 @@ def run_one(server: str, policy: str, model: str, workdir: Path, config: VllmSer
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = (
-        "| policy | server | req/s | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | E2E mean ms "
-        "| peak running | load avg |"
+        "| policy | server | req/s | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | peak running | load avg |"
     )
-    lines = [header, "|" + "---|" * 10]
+    lines = [header, "|" + "---|" * 9]
 
     def num(value: Any, digits: int = 1) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
@@ -212,8 +210,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         peak = "-" if r["running_peak"] is None else str(int(r["running_peak"]))
         lines.append(
             f"| {r['policy']} | {r['server']} | {num(r['requests_per_s'], 2)} | {num(r['ttft_ms_mean'])} "
-            f"| {num(r['ttft_ms_p99'])} | {num(r['itl_ms_mean'])} | {num(r['itl_ms_p99'])} | {num(r['e2e_ms_mean'])} "
-            f"| {peak} "
+            f"| {num(r['ttft_ms_p99'])} | {num(r['itl_ms_mean'])} | {num(r['itl_ms_p99'])} | {peak} "
             f"| {num(r.get('load_average'))} |"
         )
     return "\n".join(lines)

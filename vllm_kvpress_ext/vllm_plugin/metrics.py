@@ -5,7 +5,8 @@ process's default Prometheus registry. The scheduler (`EngineMetrics`) therefore
 and writes a small JSON snapshot (atomically, at most a few times a second and at every finish) to
 the file named by `KVPRESS_METRICS_FILE`, which the API process sets before it starts the engine;
 `SnapshotCollector`, registered in the API process, turns the latest snapshot into metric families
-at each scrape.
+at each scrape. Each top-level process picks its own path, so a `vllm serve` started from a script
+that itself used `vllm.LLM` does not share the script's file.
 """
 
 from __future__ import annotations
@@ -23,19 +24,26 @@ from typing import Any
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 
 ENV = "KVPRESS_METRICS_FILE"
+_CHOSEN_BY = "KVPRESS_METRICS_FILE_PID"
 RETENTION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 COMPRESSION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _WRITE_INTERVAL_S = 0.25
 
 
+def choose_metrics_file() -> Path:
+    """A fresh snapshot path for this top-level process, inherited by the engine processes it starts."""
+    if os.environ.get(_CHOSEN_BY) == str(os.getpid()):
+        return Path(os.environ[ENV])
+    path = Path(tempfile.gettempdir()) / f"kvpress-vllm-metrics-{os.getpid()}.json"
+    os.environ[ENV] = str(path)
+    os.environ[_CHOSEN_BY] = str(os.getpid())
+    atexit.register(_remove, path)  # the process that chose the name cleans it up
+    return path
+
+
 def metrics_file() -> Path:
-    """The snapshot path, chosen once by the first (API) process and inherited by the engine's processes."""
-    path = os.environ.get(ENV)
-    if not path:
-        path = str(Path(tempfile.gettempdir()) / f"kvpress-vllm-metrics-{os.getpid()}.json")
-        os.environ[ENV] = path
-        atexit.register(_remove, Path(path))  # the process that chose the name cleans it up
-    return Path(path)
+    """The snapshot path this process writes or reads."""
+    return Path(os.environ[ENV]) if os.environ.get(ENV) else choose_metrics_file()
 
 
 def _remove(path: Path) -> None:

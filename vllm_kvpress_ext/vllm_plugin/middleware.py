@@ -15,13 +15,13 @@ otherwise). The same hook registers the `kvpress_*` metrics collector on the API
 from __future__ import annotations
 
 import json
-import os
+import multiprocessing
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from vllm_kvpress_ext.server.errors import APIError
 from vllm_kvpress_ext.server.policy import policy_spec
-from vllm_kvpress_ext.vllm_plugin.metrics import metrics_file, register_collector
+from vllm_kvpress_ext.vllm_plugin.metrics import choose_metrics_file, register_collector
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -174,11 +174,14 @@ def attach(app: Any) -> None:
 
 
 def install_into_api_server() -> None:
-    """Wrap vLLM's `build_app` in the first process (the API server); the engine's processes skip it."""
-    owner = os.environ.setdefault("KVPRESS_VLLM_API_PID", str(os.getpid()))
-    metrics_file()  # chosen here so the engine's processes inherit the same path
-    if owner != str(os.getpid()):
+    """Wrap vLLM's `build_app` in a top-level process (`vllm serve`, or a script using `vllm.LLM`).
+
+    vLLM's engine-core and worker processes are started through `multiprocessing`; they skip this.
+    The top-level process also picks the metrics snapshot path its engine processes will inherit.
+    """
+    if multiprocessing.parent_process() is not None:
         return
+    choose_metrics_file()
     try:
         from vllm.entrypoints.launchers import app as app_module
         from vllm.entrypoints.launchers.api_server import entry
