@@ -631,7 +631,7 @@ def test_xkv_profile_file_format_and_validation(tmp_path: Path) -> None:
         ({"policy": "xkv", "fractions": "0.5"}, "`fractions` must be a non-empty list"),
         ({"policy": "xkv", "fractions": [True]}, "`fractions` must be a non-empty list"),
         ({"policy": "xkv", "fractions": [-0.1]}, "`fractions` must be a non-empty list"),
-        ({"policy": "xkv", "fractions": [0.5], "num_layers": 2}, "num_layers 2 != 1 fractions"),
+        ({"policy": "xkv", "fractions": [0.5], "num_layers": 2}, "num_layers does not match its 1 fractions"),
         ({"policy": "xkv", "fractions": [0.5], "metadata": [1]}, "`metadata` must be a mapping"),
     ]
     for data, message in bad:

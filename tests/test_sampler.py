@@ -9,6 +9,7 @@ renormalised probabilities within a few standard errors.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -22,10 +23,20 @@ PROBS = [0.05, 0.4, 0.02, 0.15, 0.25, 0.03, 0.1]
 LOGITS = torch.tensor(PROBS).log()
 
 
+@dataclass
+class Row:
+    """What the sampler reads of a request: its parameters, generator and tokens so far (none here)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
 def draw(params: SamplingParams, logits: torch.Tensor = LOGITS, seed: int = 0) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     batch = logits.expand(DRAWS, -1)
-    return sample(batch, [params] * DRAWS, [generator] * DRAWS)
+    return sample(batch, [Row(params, generator)] * DRAWS)
 
 
 def check_distribution(tokens: list[int], expected: dict[int, float]) -> None:
@@ -91,4 +102,4 @@ def test_temperature_sharpens_before_the_filters() -> None:
 def test_greedy_rows_ignore_the_filters_and_the_generator() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
     greedy = SamplingParams(temperature=0.0, top_k=1, top_p=0.1)
-    assert sample(logits, [greedy, greedy], [None, None]) == [1, 0]
+    assert sample(logits, [Row(greedy), Row(greedy)]) == [1, 0]
