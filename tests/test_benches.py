@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from vllm_kvpress_ext.bench.cache_bench import CacheBenchConfig, run_cache_bench
@@ -77,3 +79,24 @@ def test_bench_capacity_cli_rejects_unknown_shape() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "capacity", "--shape", "llama-70b"])
     assert exc.value.code == 2
+
+
+def test_bench_policies_defaults_run_every_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    """The default run covers every registered policy; the random model gets untrained WG-KV gates."""
+    from vllm_kvpress_ext.policies import policy_names
+
+    assert main(["bench", "policies", "--prompt-lens", "48", "--decode-steps", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("48 ")]
+    assert sorted(r[1] for r in rows) == sorted(policy_names())
+
+
+def test_bench_policies_skips_wgkv_on_a_model_without_gates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_kvpress_ext.bench.models import bench_model_dir
+
+    model = bench_model_dir(tmp_path)
+    argv = ["bench", "policies", "--model", str(model), "--prompt-lens", "48", "--policies", "wgkv,snapkv"]
+    assert main([*argv, "--decode-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "wgkv: skipped, no write gates at" in out
+    assert [line.split()[1] for line in out.splitlines() if line.strip().startswith("48 ")] == ["snapkv"]
+    assert not list(model.parent.glob("*.wgkv.safetensors"))  # nothing written beside a user's model

@@ -13,7 +13,9 @@ Reported per policy, all on the same engine and model, one after the other:
 
 Budgets: a policy with a `ratio` field is run at `ratio`; WG-KV runs its admission with a hard cap of
 `ratio * prompt_len - local_window` global entries per head, so ring + global hold `ratio` of the
-prompt; a budget-free policy (GVote) runs with its defaults and its own retention is reported.
+prompt; a budget-free policy (GVote) runs with its defaults and its own retention is reported. On a random-weight
+model WG-KV gets untrained gates (`bench.models.write_untrained_gates`); on a model without gates it is
+skipped with a line saying so.
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ from typing import Any
 
 import torch
 
-from vllm_kvpress_ext.bench.models import model_or_bench_model, shaped_model_dir
+from vllm_kvpress_ext.bench.models import (
+    model_or_bench_model,
+    runnable_policies,
+    shaped_model_dir,
+    write_untrained_gates,
+)
 from vllm_kvpress_ext.bench.report import format_table
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.engine.scheduler import SchedulerOutput
-from vllm_kvpress_ext.models.write_gate import WriteGates, default_gate_path
 from vllm_kvpress_ext.policies import KVPolicy, create_policy
 from vllm_kvpress_ext.policies.wgkv import DEFAULT_WINDOW
 
@@ -62,23 +68,6 @@ def budgeted_policy(name: str, ratio: float, prompt_len: int) -> KVPolicy:
         return create_policy(name, cap=cap, local_window=DEFAULT_WINDOW)
     default = create_policy(name)
     return create_policy(name, ratio=ratio) if "ratio" in default.params() and name != "full" else default
-
-
-def ensure_gates(model_dir: Path) -> None:
-    """Untrained write gates beside a model that has none: initial bias +3, so nearly every key is admitted.
-
-    On a random-weight model no gate is meaningful; what WG-KV is measured on here is its ring +
-    global layout under the cap, not what a trained gate would choose.
-    """
-    path = default_gate_path(model_dir)
-    if path.exists():
-        return
-    from vllm_kvpress_ext.models import load_config
-
-    config = load_config(model_dir)
-    torch.manual_seed(0)
-    gates = WriteGates(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, init_bias=3.0)
-    gates.save(path, metadata={"local_window": DEFAULT_WINDOW, "note": "untrained (bench)"})
 
 
 def _one_policy(engine: LLMEngine, config: CapacityConfig, policy: KVPolicy) -> dict[str, Any]:
@@ -150,8 +139,9 @@ def _model(config: CapacityConfig) -> Iterator[Path]:
 
 def run_capacity_bench(config: CapacityConfig) -> list[dict[str, Any]]:
     with _model(config) as model_dir:
-        if "wgkv" in config.policies:
-            ensure_gates(Path(model_dir))
+        if config.model is None:
+            write_untrained_gates(model_dir)
+        policies = runnable_policies(config.policies, model_dir)
         engine = LLMEngine(
             model_dir,
             dtype=config.dtype,
@@ -174,7 +164,7 @@ def run_capacity_bench(config: CapacityConfig) -> list[dict[str, Any]]:
         while engine.has_unfinished_requests():
             engine.step()
         results = []
-        for name in config.policies:
+        for name in policies:
             policy = budgeted_policy(name, config.ratio, config.prompt_len)
             result = {"policy": name, **_one_policy(engine, config, policy)}
             results.append(result)

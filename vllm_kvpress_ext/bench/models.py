@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -104,3 +104,37 @@ def shaped_model_dir(shape: str, root: str | Path, dtype: str = "bfloat16", devi
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def write_untrained_gates(model_dir: str | Path) -> Path:
+    """Untrained WG-KV write gates beside a random-weight bench model (initial bias +3: nearly every key admitted).
+
+    No gate is meaningful on random weights; what a bench measures of WG-KV there is its ring + global
+    layout (and its cap, when set), not what a trained gate would choose. Never call it on a user's model.
+    """
+    import torch
+
+    from vllm_kvpress_ext.models import load_config
+    from vllm_kvpress_ext.models.write_gate import WriteGates, default_gate_path
+    from vllm_kvpress_ext.policies.wgkv import DEFAULT_WINDOW
+
+    path = default_gate_path(model_dir)
+    if not path.exists():
+        config = load_config(model_dir)
+        torch.manual_seed(0)
+        gates = WriteGates(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, init_bias=3.0)
+        gates.save(path, metadata={"local_window": DEFAULT_WINDOW, "note": "untrained (bench)"})
+    return path
+
+
+def runnable_policies(names: Iterable[str], model_dir: str | Path) -> list[str]:
+    """`names` less WG-KV when the model has no write gates beside it (a line says why it is skipped)."""
+    from vllm_kvpress_ext.models.write_gate import default_gate_path
+
+    kept = []
+    for name in names:
+        if name == "wgkv" and not default_gate_path(model_dir).exists():
+            print(f"wgkv: skipped, no write gates at {default_gate_path(model_dir)} (train them: kvpress train-gate)")
+            continue
+        kept.append(name)
+    return kept

@@ -4,7 +4,9 @@ For every registered policy and prompt length, one request runs on the engine: p
 policy's compression (timed inside the engine: scoring, planning and compaction), then a few
 decode steps so decode-time policies run too. Reported per row: prefill time without compression,
 compression time and its share of prefill, decode-step hook time, and the retention and KV bytes
-the pool actually held. All rows run side by side in one process on the same model.
+the pool actually held. All rows run side by side in one process on the same model. On the random
+bench model WG-KV runs with untrained gates (its ring + global layout, not a gate's choices); on a
+model without gates beside it, WG-KV is skipped with a line saying so.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_kvpress_ext.bench.models import model_or_bench_model
+from vllm_kvpress_ext.bench.models import model_or_bench_model, runnable_policies, write_untrained_gates
 from vllm_kvpress_ext.bench.report import format_table
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.models import load_config
@@ -35,11 +37,13 @@ class PoliciesBenchConfig:
 
 def run_policies_bench(config: PoliciesBenchConfig) -> list[dict[str, object]]:
     with model_or_bench_model(config.model, config.seed) as model_dir:
+        if config.model is None:
+            write_untrained_gates(model_dir)
         return _run(config, model_dir)
 
 
 def _run(config: PoliciesBenchConfig, model_dir: Path) -> list[dict[str, object]]:
-    policies = config.policies or tuple(policy_names())
+    policies = runnable_policies(config.policies or policy_names(), model_dir)
     longest = max(config.prompt_lens) + config.decode_steps + 2
     model_config = load_config(model_dir)
     page_size = 16
