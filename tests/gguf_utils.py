@@ -13,8 +13,8 @@ from typing import Any
 
 import gguf
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType as Q
+from model_utils import randomised
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -62,15 +62,7 @@ def tiny_model(arch: str, seed: int = 0) -> PreTrainedModel:
         bos_token_id=1,
         eos_token_id=2,
     )
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15)
-    return model
+    return randomised(model_cls(config), seed)
 
 
 def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:

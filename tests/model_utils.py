@@ -83,16 +83,19 @@ def tiny_hf_model(family: str, seed: int = 0) -> PreTrainedModel:
     randomising everything makes each tensor matter.
     """
     config_cls, model_cls, extra = FAMILIES[family]
-    config = config_cls(**{**TINY, **extra})
+    return randomised(model_cls(config_cls(**{**TINY, **extra})), seed)
+
+
+def randomised(model: PreTrainedModel, seed: int = 0) -> PreTrainedModel:
+    """`model` in eval mode with norms drawn from U(0.5, 1.5) and every other parameter from N(0, 0.15)."""
     torch.manual_seed(seed)
-    model = model_cls(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.15)
-    return model
+    return model.eval()
 
 
 def hf_logits(model: PreTrainedModel, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
