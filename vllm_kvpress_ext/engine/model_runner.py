@@ -243,7 +243,7 @@ class ModelRunner:
                 if compression is not None and compression.error is not None:
                     raise compression.error
                 if chunk.end == req.prefill_target:
-                    self._on_prefill_complete(req, compression)
+                    self.complete_prefill(req, compression)
             except Exception as exc:
                 failed.append(RequestFailure(req, exc))
                 continue
@@ -358,9 +358,12 @@ class ModelRunner:
             head_positions=positions if gated else None,
         )
 
-    def _on_prefill_complete(self, request: Request, layerwise: LayerwiseCompression | None = None) -> None:
+    def complete_prefill(self, request: Request, layerwise: LayerwiseCompression | None = None) -> None:
         """Prefill reached `prefill_target`: the policy scores every layer, plans, and the cache compacts.
 
+        `execute` calls this when a chunk ends at `prefill_target`. A caller that filled a request's
+        cache itself (its first `num_processed` entries written, its capture set, e.g. a copy of a
+        shared prefix: `engine/prefix.py`) calls it to compress and start decoding the same way.
         With `layerwise`, every layer was already compressed during the forward pass.
         """
         request.status = RequestStatus.RUNNING

@@ -176,5 +176,5 @@ def add_forked_request(
     request.capture = _own_capture(snapshot, spec, engine.config.num_hidden_layers)
     engine.requests[request_id] = request
     engine.scheduler.active.append(request)
-    engine.runner._on_prefill_complete(request)  # compresses (when there is a policy) and marks it running
+    engine.runner.complete_prefill(request)  # compresses (when there is a policy) and marks it running
     return request_id
