@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from vllm_kvpress_ext.engine import LLM, SamplingParams
+    from vllm_kvpress_ext.engine import LLM, ContextQuestion, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "ContextQuestion", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so `import vllm_kvpress_ext` (and `kvpress --help`) does not pay for torch.
-    if name in ("LLM", "SamplingParams"):
+    if name in ("LLM", "ContextQuestion", "SamplingParams"):
         from vllm_kvpress_ext import engine
 
         return getattr(engine, name)

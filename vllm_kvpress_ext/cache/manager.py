@@ -649,6 +649,19 @@ class PagedKVCache:
         positions = self.pool.positions.view(-1)[slots.to(self.device)].cpu().to(torch.int64)
         return positions.masked_fill(~valid, -1), lens
 
+    def ring_positions(self, request_id: Hashable) -> torch.Tensor:
+        """Positions of the valid local-ring entries of a request, `[L, H, ring_len]` (ring_len 0 without a ring).
+
+        Ring slots are not kept in position order (token t sits at slot t % W); the order here is slot order.
+        """
+        row = self.row_of(request_id)
+        n = int(self.ring_lens([row])[0])
+        e = torch.arange(n)
+        tables = self.ring_tables[:, row].to(torch.int64)  # [L, H, Pr]
+        pages = tables.gather(-1, torch.div(e, self.page_size, rounding_mode="floor").expand(*tables.shape[:2], n))
+        slots = pages * self.page_size + e % self.page_size
+        return self.pool.positions.view(-1)[slots.to(self.device)].cpu().to(torch.int64)
+
     # ------------------------------------------------------------------ accounting
 
     def usage(self, request_id: Hashable) -> CacheUsage:

@@ -4,8 +4,19 @@
 """
 
 from vllm_kvpress_ext.engine.engine import LLMEngine, RequestRejectedError
+from vllm_kvpress_ext.engine.inputs import ContextQuestion
+from vllm_kvpress_ext.engine.kept import KeptEntries
 from vllm_kvpress_ext.engine.llm import LLM
 from vllm_kvpress_ext.engine.request import KVStats, RequestOutput
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "KVStats", "LLMEngine", "RequestOutput", "RequestRejectedError", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "ContextQuestion",
+    "KVStats",
+    "KeptEntries",
+    "LLMEngine",
+    "RequestOutput",
+    "RequestRejectedError",
+    "SamplingParams",
+]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY, ModelRunner, RequestFailure
 from vllm_kvpress_ext.engine.request import Request, RequestOutput
 from vllm_kvpress_ext.engine.sampler import sample
@@ -79,8 +80,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.eos_token_ids = set(self.config.eos_token_ids)
-        # Called with each request as it finishes, while its entries are still in the cache (benches
-        # read what a policy really kept here, e.g. prompt coverage).
+        # Called with each request as it finishes, while its entries are still in the cache (for reading
+        # more than `SamplingParams(return_kept=True)` returns, e.g. the K/V of a shared prefix).
         self.finish_hooks: list[Callable[[Request], None]] = []
         self.last_plan: SchedulerOutput | None = None  # the plan of the step running (or last run)
 
@@ -115,6 +116,8 @@ class LLMEngine:
             raise RequestRejectedError(
                 f"prompt has {len(token_ids)} tokens; the model's limit is {self.max_model_len} (prompt + output)"
             )
+        if compress_after is not None and (not isinstance(compress_after, int) or isinstance(compress_after, bool)):
+            raise TypeError(f"compress_after must be an integer or None, got {compress_after!r}")
         if compress_after is not None and not 0 < compress_after <= len(token_ids):
             raise RequestRejectedError(f"compress_after must lie in [1, {len(token_ids)}], got {compress_after}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -145,10 +148,11 @@ class LLMEngine:
             )
         return admission
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens=False` for text that continues a prompt (no BOS)."""
         if self.tokenizer is None:
             raise ValueError(f"{self.model_dir} has no tokenizer; pass token ids instead of text")
-        return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and return its pages to the pool."""
@@ -231,6 +235,8 @@ class LLMEngine:
     def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         if request.row is not None:
             self.runner.update_kv_stats(request)
+            if request.params.return_kept and reason != "error":  # read before `scheduler.finish` frees the row
+                request.kv.kept = kept_entries(self.cache, request.request_id)
             if reason != "error":
                 for hook in self.finish_hooks:
                     hook(request)

@@ -8,11 +8,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from vllm_kvpress_ext.engine.engine import LLMEngine
+from vllm_kvpress_ext.engine.engine import LLMEngine, PolicySpec
+from vllm_kvpress_ext.engine.inputs import Prompt, compress_points, is_single_prompt, prepare_prompt
 from vllm_kvpress_ext.engine.request import RequestOutput
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
-
-Prompt = str | list[int]
+from vllm_kvpress_ext.policies import load_policy
 
 
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -38,21 +38,38 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        compress_after: int | Sequence[int | None] | None = None,
+        policy: PolicySpec | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
-        batch: list[Prompt]
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            batch = [prompts]
-        else:
-            batch = list(prompts)  # type: ignore[arg-type]
+        """Generate for every prompt; outputs come back in prompt order.
+
+        A prompt is text, token ids, or a `ContextQuestion` (context compressed, then the question
+        read from the compressed cache). `compress_after` (one value for all prompts, or one per
+        prompt; None = after the whole prompt) is the same point for plain prompts, in prompt tokens.
+        `policy` overrides the engine's default policy for these prompts (`"full"`: no compression).
+        """
+        batch: list[Prompt] = [prompts] if is_single_prompt(prompts) else list(prompts)  # type: ignore[list-item,arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(batch)
         else:
             params = list(sampling_params)
             if len(params) != len(batch):
                 raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(batch, params, strict=True)]
+        points = compress_points(compress_after, len(batch))
+        resolved = load_policy(policy)  # once, not per prompt; an instance (even "full") overrides the default
+        # Every prompt is checked before any is queued, so a bad one leaves the engine idle.
+        prepared = [prepare_prompt(p, c, self.engine.encode) for p, c in zip(batch, points, strict=True)]
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prepared, params, strict=True):
+                ids.append(
+                    self.engine.add_request(prompt.token_ids, sp, compress_after=prompt.compress_after, policy=resolved)
+                )
+        except Exception:
+            for rid in ids:  # a later prompt was rejected: the earlier ones must not run on their own
+                self.engine.abort(rid)
+            raise
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
             while self.engine.has_unfinished_requests():

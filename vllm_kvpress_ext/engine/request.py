@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvpress_ext.engine.kept import KeptEntries
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class KVStats:
     kept_per_layer: list[int] = field(default_factory=list)  # mean entries per KV head of each layer
     kept_per_head: list[list[int]] = field(default_factory=list)  # [layer][KV head] entries, ring included
     counters: dict[str, int] = field(default_factory=dict)  # policy event counts, e.g. eviction triggers
+    kept: KeptEntries | None = None  # positions held at finish, with `SamplingParams(return_kept=True)`
 
     @property
     def retention(self) -> float:

@@ -33,6 +33,8 @@ class SamplingParams:
     `stop_token_ids` until that many tokens are out. `stop` strings end generation and are not included
     in the returned text; `stop_token_ids` and EOS (unless `ignore_eos`) end it with the token included
     in `output_token_ids` but not in the text. `skip_special_tokens` drops special tokens from the text.
+    `return_kept` asks for the positions every (layer, KV head) held when the request finished
+    (`RequestOutput.kv.kept`, a `KeptEntries`); reading them costs a pass over the request's tables.
     """
 
     max_tokens: int = 16
@@ -49,6 +51,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    return_kept: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +79,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if not isinstance(self.return_kept, bool):
+            raise ValueError(f"return_kept must be True or False, got {self.return_kept!r}")
 
     @property
     def greedy(self) -> bool:
