@@ -15,6 +15,7 @@ from vllm_kvpress_ext.bench.tasks import build_prompt, generate
 from vllm_kvpress_ext.cache import KeepPlan, PagedKVCache
 from vllm_kvpress_ext.cli import main
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
+from vllm_kvpress_ext.engine.kept import kept_entries
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +85,14 @@ def test_prompt_coverage_reads_the_positions_the_cache_holds() -> None:
     n = 10
     slots = cache.append_slots([row], torch.arange(n).view(1, -1))
     cache.write(slots, torch.zeros(*slots.shape, 4), torch.zeros(*slots.shape, 4))
-    assert prompt_coverage(cache, "a", n) == (1.0, 1.0)
+    assert prompt_coverage(kept_entries(cache, "a"), n) == (1.0, 1.0)
     keep = torch.zeros(2, 2, n, dtype=torch.bool)
     keep[0, 0, [0, 1]] = keep[0, 1, [1, 2]] = keep[1, 0, [5]] = keep[1, 1, [5]] = True
     cache.apply_keep_plan("a", KeepPlan.from_mask(keep))
     # Union over everything: {0, 1, 2, 5}; per layer: {0, 1, 2} and {5}.
-    assert prompt_coverage(cache, "a", n) == pytest.approx((4 / n, (3 / n + 1 / n) / 2))
+    assert prompt_coverage(kept_entries(cache, "a"), n) == pytest.approx((4 / n, (3 / n + 1 / n) / 2))
     # Entries past the prompt (generated tokens) never count; a shorter "prompt" ignores the rest.
-    assert prompt_coverage(cache, "a", 3) == pytest.approx((1.0, (1.0 + 0.0) / 2))
+    assert prompt_coverage(kept_entries(cache, "a"), 3) == pytest.approx((1.0, (1.0 + 0.0) / 2))
     # A local ring's entries count too: the last W tokens in every head, plus the admitted older ones.
     row_b = cache.add_request("b")
     slots = cache.append_slots([row_b], torch.arange(n).view(1, -1))
@@ -99,7 +100,7 @@ def test_prompt_coverage_reads_the_positions_the_cache_holds() -> None:
     admitted = torch.zeros(2, 2, n, dtype=torch.bool)
     admitted[1, 0, 2] = True
     cache.start_ring("b", 4, admitted)
-    assert prompt_coverage(cache, "b", n) == pytest.approx((5 / n, (4 / n + 5 / n) / 2))
+    assert prompt_coverage(kept_entries(cache, "b"), n) == pytest.approx((5 / n, (4 / n + 5 / n) / 2))
 
 
 def test_bench_accuracy_rejects_a_directory_without_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,15 +29,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import torch
 from tqdm import tqdm
 
 from vllm_kvpress_ext.bench.report import format_table
 from vllm_kvpress_ext.bench.tasks import TASKS, PromptSpec, build_prompt, generate, score
 from vllm_kvpress_ext.bench.tasks.prompt import PROTOCOLS, Protocol
-from vllm_kvpress_ext.cache import PagedKVCache
-from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
-from vllm_kvpress_ext.engine.request import Request
+from vllm_kvpress_ext.engine import KeptEntries, LLMEngine, SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy, create_policy, load_policy, policy_class
 from vllm_kvpress_ext.policies.kvec import head_coverage, unique_token_coverage
 
@@ -119,29 +116,14 @@ def make_policy(policy: str, budget: float | None) -> KVPolicy:
     return resolved if budget is None else create_policy(resolved.name, **{**resolved.params(), "ratio": budget})
 
 
-def prompt_coverage(cache: PagedKVCache, request_id: str, prompt_len: int) -> tuple[float, float]:
-    """(unique-token coverage, mean per-layer head coverage) of the prompt positions `request_id` holds now.
+def prompt_coverage(kept: KeptEntries, prompt_len: int) -> tuple[float, float]:
+    """(unique-token coverage, mean per-layer head coverage) of the prompt positions a finished request held.
 
-    Reads the positions from the cache itself (global region and, when the request has one, its local
-    ring) rather than from a policy's plan, so decode-time evictions and protocol tails count as they
-    really are.
+    `kept` comes from the cache itself (global region and local ring, read as the request finished),
+    not from a policy's plan, so decode-time evictions and protocol tails count as they really are.
     """
-    positions, _ = cache.entry_positions(request_id)  # [L, H, N], -1 as padding
-    row = cache.row_of(request_id)
-    ring = int(cache.ring_lens([row])[0])
-    if ring:  # ring entries are every head's recent tokens; they live outside the global block tables
-        heads = [
-            cache.gather(request_id, layer, head, region="ring")[2].cpu().to(torch.int64)
-            for layer in range(cache.num_layers)
-            for head in range(cache.num_kv_heads)
-        ]
-        positions = torch.cat([positions, torch.stack(heads).view(*positions.shape[:2], -1)], dim=-1)
-    # Out-of-prompt and padding entries land in one spare column, dropped after the scatter.
-    slots = torch.where((positions >= 0) & (positions < prompt_len), positions, prompt_len)
-    kept = torch.zeros(*positions.shape[:2], prompt_len + 1, dtype=torch.bool)
-    kept.scatter_(-1, slots, True)
-    kept = kept[..., :prompt_len]
-    return unique_token_coverage(kept), head_coverage(kept)
+    held = kept.mask(prompt_len)
+    return unique_token_coverage(held), head_coverage(held)
 
 
 def _p90(values: list[int]) -> float:
@@ -200,31 +182,25 @@ def _run_cell(
     start = time.perf_counter()
     pending: dict[str, PromptSpec] = {}
     for i, spec in enumerate(specs):
-        params = SamplingParams(max_tokens=spec.max_new_tokens, temperature=0.0, stop_token_ids=spec.stop_ids)
+        params = SamplingParams(
+            max_tokens=spec.max_new_tokens, temperature=0.0, stop_token_ids=spec.stop_ids, return_kept=True
+        )
         rid = f"{name}-{budget}-{task}-{i}"
         compress_after = spec.compress_after if spec.compress_after < len(spec.token_ids) else None
         engine.add_request(spec.token_ids, params, request_id=rid, policy=policy, compress_after=compress_after)
         pending[rid] = spec
     correct, kv_bytes, retention, coverage = 0, [], [], []
-    held: dict[str, tuple[float, float]] = {}
-
-    def record_coverage(request: Request) -> None:  # runs while the finished request's entries are still held
-        held[request.request_id] = prompt_coverage(engine.cache, request.request_id, len(request.prompt_token_ids))
-
-    engine.finish_hooks.append(record_coverage)
-    try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished and out.request_id in pending:
-                    if out.finish_reason == "error":  # the engine isolates a policy failure; a bench must not
-                        raise RuntimeError(f"the policy failed on a request: {out.error}")
-                    correct += score(pending[out.request_id], out.output_token_ids)
-                    kv_bytes.append(out.kv.kv_bytes)
-                    retention.append(out.kv.retention)
-                    coverage.append(held.pop(out.request_id))
-                    bar.update(1)
-    finally:
-        engine.finish_hooks.remove(record_coverage)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id in pending:
+                if out.finish_reason == "error":  # the engine isolates a policy failure; a bench must not
+                    raise RuntimeError(f"the policy failed on a request: {out.error}")
+                correct += score(pending[out.request_id], out.output_token_ids)
+                kv_bytes.append(out.kv.kv_bytes)
+                retention.append(out.kv.retention)
+                assert out.kv.kept is not None  # asked for with `return_kept`
+                coverage.append(prompt_coverage(out.kv.kept, len(out.prompt_token_ids)))
+                bar.update(1)
     return Row(
         task=task,
         policy=name,
