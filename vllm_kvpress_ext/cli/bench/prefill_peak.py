@@ -1,0 +1,56 @@
+"""`kvpress bench prefill-peak`: KV memory at the prefill peak, end-of-prefill against layer-wise compression."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm_kvpress_ext.cli.common import Subparsers
+
+
+def register(bench_sub: Subparsers) -> None:
+    pp = bench_sub.add_parser(
+        "prefill-peak",
+        help="KV memory at the prefill peak vs after compression: end-of-prefill vs layer-wise compression",
+        description="One prompt per row (full, xkv, xkv with a profile compressed layer by layer, lava one-shot, "
+        "lava cascading), all at one ratio budget: the request's exact high-water mark of KV pages during prefill, "
+        "what it holds after compression, and what admission reserves. Without --model, the random-weight bench "
+        "model is used; without --profile, an XKV profile is measured first on two other prompts.",
+    )
+    pp.add_argument("--model", default=None, help="HF-format model directory (default: random bench model)")
+    pp.add_argument("--context-len", type=int, default=2048, help="prompt tokens (default: 2048)")
+    pp.add_argument("--ratio", type=float, default=0.25, help="mean fraction kept by xkv and lava (default: 0.25)")
+    pp.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="prefill chunk size (default: the whole prompt in one chunk; layer-wise compression only lowers "
+        "the peak of the last chunk)",
+    )
+    pp.add_argument("--profile", default=None, help="XKV profile YAML (default: measure one first)")
+    pp.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    pp.add_argument("--dtype", default="float32", help="model dtype (default: float32)")
+    pp.add_argument("--seed", type=int, default=0, help="default: 0")
+    pp.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.bench.prefill_peak import PrefillPeakConfig, run_prefill_peak_bench
+
+    try:
+        run_prefill_peak_bench(
+            PrefillPeakConfig(
+                model=args.model,
+                context_len=args.context_len,
+                ratio=args.ratio,
+                max_batched_tokens=args.max_batched_tokens,
+                profile=args.profile,
+                dtype=args.dtype,
+                device=args.device,
+                seed=args.seed,
+            )
+        )
+    except ValueError as exc:
+        print(f"kvpress bench prefill-peak: {exc}", file=sys.stderr)
+        return 2
+    return 0

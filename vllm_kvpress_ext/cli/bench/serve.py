@@ -1,0 +1,65 @@
+"""`kvpress bench serve`: HTTP load on `kvpress serve` (requests/s, TTFT, inter-token latency), per policy."""
+
+from __future__ import annotations
+
+import argparse
+
+from vllm_kvpress_ext.cli.common import Subparsers, policy_list
+
+
+def register(bench_sub: Subparsers) -> None:
+    bs = bench_sub.add_parser(
+        "serve",
+        help="HTTP load test of kvpress serve: requests/s, TTFT, inter-token latency, requests held, per policy",
+        description="Streams completions against a server it starts on 127.0.0.1 (one per policy, all with the same "
+        "--kv-memory) or against --url. Per policy: requests/s, TTFT and inter-token latency p50/p90/p99 (client "
+        "side), and the peak number of requests holding KV pages at once (from the server's metrics). The run is "
+        "bounded by --num-requests and --duration. Without --model, a random-weight bench model with the suite "
+        "tokenizer is written to a temporary directory.",
+    )
+    bs.add_argument("--url", default=None, help="base URL of a running server (default: start one per policy)")
+    bs.add_argument("--model", default=None, help="HF-format model directory (default: random bench model)")
+    bs.add_argument(
+        "--policies",
+        type=policy_list,
+        default=("full", "snapkv", "streaming_llm"),
+        help="default: full,snapkv,streaming_llm",
+    )
+    bs.add_argument("--kv-memory", default="16MiB", help="KV pool of the servers this bench starts (default: 16MiB)")
+    bs.add_argument("--num-requests", type=int, default=64, help="requests per policy (default: 64)")
+    bs.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (default: 32)")
+    bs.add_argument("--duration", type=float, default=60.0, help="seconds per policy at most (default: 60)")
+    bs.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (default: 512)")
+    bs.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default: 32)")
+    bs.add_argument("--max-num-seqs", type=int, default=64, help="server's --max-num-seqs (default: 64)")
+    bs.add_argument("--page-size", type=int, default=16, help="server's --page-size (default: 16)")
+    bs.add_argument("--device", default="cpu", help="server's torch device (default: cpu)")
+    bs.add_argument("--dtype", default="float32", help="server's model dtype (default: float32)")
+    bs.add_argument("--seed", type=int, default=0, help="prompt and model seed (default: 0)")
+    bs.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    bs.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.bench.serve_bench import ServeBenchConfig, run_serve_bench
+
+    run_serve_bench(
+        ServeBenchConfig(
+            url=args.url,
+            model=args.model,
+            policies=args.policies,
+            kv_memory=args.kv_memory,
+            num_requests=args.num_requests,
+            concurrency=args.concurrency,
+            duration=args.duration,
+            prompt_len=args.prompt_len,
+            max_tokens=args.max_tokens,
+            max_num_seqs=args.max_num_seqs,
+            page_size=args.page_size,
+            device=args.device,
+            dtype=args.dtype,
+            seed=args.seed,
+            out=args.out,
+        )
+    )
+    return 0

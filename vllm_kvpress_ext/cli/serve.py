@@ -1,0 +1,189 @@
+"""`kvpress serve`: the OpenAI-compatible HTTP server over the embedded engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vllm_kvpress_ext.cli.common import Subparsers, at_least, port, seconds, size
+from vllm_kvpress_ext.cli.models import resolve_model_arg
+
+
+def register(sub: Subparsers) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with per-request KV compression",
+        description="Serve MODEL (an HF directory, a .gguf file or a catalog name) over an OpenAI-compatible API "
+        "(/v1/models, /v1/completions, "
+        "/v1/chat/completions with SSE streaming, /health, /metrics, /debug/kv). A request picks its KV policy "
+        'with the body field kv_policy ("snapkv" or {"name": "snapkv", "ratio": 0.1}) or vllm_xargs; usage '
+        "reports the KV figures the page pool held. See docs/server.md.",
+    )
+    serve.add_argument(
+        "--random-model",
+        action="store_true",
+        help="serve a random-weight GQA Llama with the synthetic suite's tokenizer, written to a temporary "
+        "directory: its text is noise, but the API, compression and KV figures are real (for trying the server "
+        "without a trained model)",
+    )
+    serve.add_argument(
+        "model_dir",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF-format model directory (config.json, safetensors, tokenizer), a .gguf file, or a catalog name "
+        "such as smollm2-135m (pulled on first use, see kvpress models list); default: the bundled model "
+        "vllm_kvpress_ext/assets/default_model (docs/model.md)",
+    )
+    serve.add_argument(
+        "--kv-policy",
+        default=None,
+        metavar="NAME|PATH",
+        help="default policy for requests that do not choose one: a name (kvpress policies) or a YAML preset "
+        "path (default: none, i.e. full)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument("--port", type=port, default=8000, help="port to bind (default: 8000)")
+    pool = serve.add_mutually_exclusive_group()
+    pool.add_argument("--num-pages", type=at_least(1), default=None, help="KV pool size in pages")
+    pool.add_argument(
+        "--kv-memory",
+        type=size,
+        default=None,
+        metavar="SIZE",
+        help="KV pool size in bytes, e.g. 2GiB or 512MiB (default: 1GiB)",
+    )
+    serve.add_argument("--page-size", type=at_least(1), default=16, help="tokens per KV page (default: 16)")
+    serve.add_argument(
+        "--max-num-seqs", type=at_least(1), default=64, help="most requests holding KV pages at once (default: 64)"
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=at_least(1),
+        default=2048,
+        help="prompt tokens per prefill step (default: 2048)",
+    )
+    serve.add_argument(
+        "--max-model-len", type=at_least(2), default=None, help="prompt + output limit (default: the model's maximum)"
+    )
+    serve.add_argument(
+        "--max-request-size",
+        type=size,
+        default="2MiB",
+        metavar="SIZE",
+        help="largest request body accepted; larger ones get 413 unread (default: 2MiB)",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long in-flight requests may finish before they get the shutdown error "
+        "(default: 30)",
+    )
+    serve.add_argument(
+        "--policy-file",
+        action="append",
+        default=None,
+        metavar="POLICY.FIELD:NAME=PATH",
+        help="allow requests to use a policy file by NAME, e.g. xkv.profile:long=/srv/long.yaml or "
+        "wgkv.gates:mine=/srv/gates.safetensors; repeatable. Requests never name paths (docs/server.md)",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=at_least(1),
+        default=1024,
+        help="requests waiting for admission before new ones get 429 (default: 1024)",
+    )
+    serve.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="model dtype (default: auto)",
+    )
+    serve.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    serve.add_argument(
+        "--served-model-name", default=None, help="model id clients send (default: the model directory's name)"
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="log level (default: info)",
+    )
+    serve.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.server.config import ModelDirError, ServerConfig, resolve_model_dir
+
+    if args.random_model:
+        if args.model_dir is not None:
+            print("kvpress serve: give MODEL_DIR or --random-model, not both", file=sys.stderr)
+            return 2
+        import tempfile
+
+        from vllm_kvpress_ext.bench.models import suite_bench_model_dir
+
+        args.model_dir = suite_bench_model_dir(Path(tempfile.mkdtemp(prefix="kvpress-random-model-")))
+        args.served_model_name = args.served_model_name or "random-model"
+        print(
+            f"kvpress serve: serving a RANDOM-WEIGHT model ({args.model_dir}): its text is noise; the API, the "
+            "compression and the KV figures are real.",
+            file=sys.stderr,
+        )
+    requested = args.model_dir
+    args.model_dir, ok = resolve_model_arg(args.model_dir, "kvpress serve")
+    if not ok:
+        return 1
+    if args.model_dir != requested:  # a catalog name: clients send that name, not the cached file's
+        args.served_model_name = args.served_model_name or requested
+    try:
+        model_dir = resolve_model_dir(args.model_dir)
+    except ModelDirError as exc:
+        print(f"kvpress serve: {exc}", file=sys.stderr)
+        return 2
+    from vllm_kvpress_ext.policies import PolicyConfigError, load_policy
+
+    try:
+        load_policy(args.kv_policy)  # fail before loading the model
+    except PolicyConfigError as exc:
+        print(f"kvpress serve: --kv-policy: {exc}", file=sys.stderr)
+        return 2
+    if str(args.device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"kvpress serve: --device {args.device}: CUDA is not available on this machine", file=sys.stderr)
+            return 2
+    from vllm_kvpress_ext.policies import PolicyFiles, set_allowed_files
+
+    try:
+        set_allowed_files(PolicyFiles.parse(args.policy_file or ()))
+    except ValueError as exc:
+        print(f"kvpress serve: --policy-file: {exc}", file=sys.stderr)
+        return 2
+    config = ServerConfig(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name,
+        kv_policy=args.kv_policy,
+        host=args.host,
+        port=args.port,
+        num_pages=args.num_pages,
+        kv_memory=args.kv_memory,
+        page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        max_queue=args.max_queue,
+        dtype=args.dtype,
+        device=args.device,
+        log_level=args.log_level,
+        max_request_bytes=args.max_request_size,
+        shutdown_grace=args.shutdown_grace,
+    )
+    from vllm_kvpress_ext.server.launch import serve
+
+    serve(config)
+    return 0
