@@ -23,6 +23,7 @@ from model_utils import TINY, budget_per_head, check_kept, hf_greedy, run_record
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vllm_kvpress_ext.bench.tasks import TASKS, build_prompt, generate
+from vllm_kvpress_ext.bench.xkv_profile import profile_xkv
 from vllm_kvpress_ext.cache import KeepPlan
 from vllm_kvpress_ext.engine import LLM, LLMEngine, SamplingParams
 from vllm_kvpress_ext.models.config import ModelConfig
@@ -37,7 +38,6 @@ from vllm_kvpress_ext.policies.xkv import (
     allocation_from_fractions,
     coverage_ratio,
     greedy_allocation,
-    profile_xkv,
 )
 
 # ----------------------------------------------------------------------------- shared helpers

@@ -118,7 +118,7 @@ def _profile_xkv(args: argparse.Namespace, model_dir: Path, tasks: tuple[str, ..
     from vllm_kvpress_ext.bench.tasks import build_prompt, generate
     from vllm_kvpress_ext.bench.tokenizer import load_tokenizer
     from vllm_kvpress_ext.models.loader import load_config
-    from vllm_kvpress_ext.policies.xkv import profile_xkv
+    from vllm_kvpress_ext.bench.xkv_profile import profile_xkv
 
     try:
         config = load_config(model_dir)

@@ -43,9 +43,11 @@ Budgets, exactly one of (none given: `ratio` 0.25, the SnapKV family's default):
   about w + (sum_l f_l / L) P entries per (layer, KV head) on average (each m_l is rounded); with
   a budget only the proportions f_l / sum_l f_l matter.
 
-Profiling (`profile_xkv`, the command `kvpress profile xkv`): sampled prompts run once each in the
-`target_ratio` mode; f_l is the mean over those requests of m_l / P (requests with P = 0 skipped),
-so each f_l lies in [0, 1] and sum_l f_l / L is the mean share of the ranked prefix they kept.
+Profiling (`profile_xkv` in `bench/xkv_profile.py`, which runs the engine, and the command
+`kvpress profile xkv`): sampled prompts run once each in the `target_ratio` mode; f_l is the mean
+over those requests of m_l / P (requests with P = 0 skipped), so each f_l lies in [0, 1] and
+sum_l f_l / L is the mean share of the ranked prefix they kept. Only the measurement lives there:
+this module stays free of the engine, which imports the policies.
 
 Defaults: ows = 8 (`window`) and average pooling of size 7 (`kernel_size`, `pooling`), the
 paper's settings; `gqa_reduction` mean (the project's SnapKV-family default).
@@ -431,51 +433,3 @@ class XKVPolicy(ObservationWindowScores):
         if layer == request.num_layers - 1:
             self._note_allocation(state, [r.coverage for r in layer_results], sizes, n)
         return LayerKeep([layer], self._layer_mask(layer_results[layer], sizes[layer], window, n).unsqueeze(0))
-
-
-@dataclass
-class _RecordingXKV(XKVPolicy):
-    """XKV that also records each request's allocation (for `profile_xkv`; not registered)."""
-
-    records: list[tuple[list[int], int]] = field(default_factory=list, compare=False, repr=False)
-
-    def plan(self, request: RequestPrefill, layer_results: list[Any], state: dict[str, Any]) -> KeepPlan:
-        plan = super().plan(request, layer_results, state)
-        self.records.append((list(state["allocation"]), int(state["capacity"])))
-        return plan
-
-
-def profile_xkv(
-    model_dir: str | Path,
-    prompts: Sequence[Sequence[int]],
-    *,
-    target_ratio: float = 0.9,
-    window: int = 8,
-    kernel_size: int = 7,
-    pooling: str = "avgpool",
-    **engine_kwargs: Any,
-) -> XKVProfile:
-    """Run `prompts` (token ids) once each with XKV's R_avg mode and return the mean per-layer fractions.
-
-    `kvpress profile xkv` calls this on sampled suite prompts; save the result with `XKVProfile.save`.
-    """
-    from vllm_kvpress_ext.engine import LLMEngine, SamplingParams  # the engine imports policies
-
-    recorder = _RecordingXKV(target_ratio=target_ratio, window=window, kernel_size=kernel_size, pooling=pooling)
-    recorder.validate()
-    engine = LLMEngine(model_dir, **engine_kwargs)
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    for prompt in prompts:
-        engine.add_request(list(prompt), params, policy=recorder)
-    while engine.has_unfinished_requests():
-        engine.step()
-    allocations = [a for a, _ in recorder.records]
-    capacities = [c for _, c in recorder.records]
-    return XKVProfile.from_allocations(
-        allocations,
-        capacities,
-        window=window,
-        kernel_size=kernel_size,
-        pooling=pooling,
-        metadata={"target_ratio": target_ratio, "model": str(model_dir)},
-    )

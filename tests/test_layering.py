@@ -1,0 +1,43 @@
+"""Layering: the policies depend on the cache, attention and models only, never on the engine that drives them."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def loaded_after(statement: str) -> set[str]:
+    """`vllm_kvpress_ext` modules in `sys.modules` after `statement` runs in a fresh interpreter."""
+    listing = "sorted(m for m in sys.modules if m.startswith('vllm_kvpress_ext'))"
+    code = f"import json, sys\n{statement}\nprint(json.dumps({listing}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_importing_the_policies_does_not_import_the_engine() -> None:
+    loaded = loaded_after("import vllm_kvpress_ext.policies")
+    assert "vllm_kvpress_ext.policies.xkv" in loaded  # the check sees what it is meant to see
+    assert not any(m.startswith("vllm_kvpress_ext.engine") for m in loaded)
+    # `hub` comes with the models (their GGUF tokenizer cache lives in the hub's cache directory).
+    allowed = ("policies", "cache", "attention", "models", "kernels", "utils", "hub")
+    outside = {m for m in loaded if m != "vllm_kvpress_ext" and m.split(".")[1] not in allowed}
+    assert not outside, f"the policies import {sorted(outside)}"
+
+
+def test_no_policy_module_imports_the_engine_even_lazily() -> None:
+    """A function-level import escapes the `sys.modules` check until it runs; the source tells at once."""
+    offenders = []
+    for path in sorted((ROOT / "vllm_kvpress_ext" / "policies").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            offenders += [f"{path.name}:{node.lineno}" for n in names if n.startswith("vllm_kvpress_ext.engine")]
+    assert not offenders, f"policies import the engine at {offenders}"
