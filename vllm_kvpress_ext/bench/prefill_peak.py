@@ -32,9 +32,9 @@ import torch
 
 from vllm_kvpress_ext.bench.models import model_or_bench_model
 from vllm_kvpress_ext.bench.report import format_table
+from vllm_kvpress_ext.bench.xkv_profile import profile_xkv
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.models import load_config
-from vllm_kvpress_ext.bench.xkv_profile import profile_xkv
 
 PAGE_SIZE = 16
 

@@ -117,8 +117,8 @@ def _profile_xkv(args: argparse.Namespace, model_dir: Path, tasks: tuple[str, ..
     from vllm_kvpress_ext.bench.report import format_table
     from vllm_kvpress_ext.bench.tasks import build_prompt, generate
     from vllm_kvpress_ext.bench.tokenizer import load_tokenizer
-    from vllm_kvpress_ext.models.loader import load_config
     from vllm_kvpress_ext.bench.xkv_profile import profile_xkv
+    from vllm_kvpress_ext.models.loader import load_config
 
     try:
         config = load_config(model_dir)

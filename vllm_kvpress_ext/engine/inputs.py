@@ -76,12 +76,9 @@ def prepare_prompt(
         if compress_after is not None:
             raise ValueError("a ContextQuestion sets its own compression point; do not pass compress_after for it")
         context = encode(prompt.context, True) if isinstance(prompt.context, str) else list(prompt.context)
+        # The question continues the prompt: no special tokens (a BOS mid-prompt would change the answer).
         question = prompt.question
-        question_ids: list[int] = []
-        if isinstance(question, str):
-            question_ids = encode(question, False) if question else []
-        else:
-            question_ids = list(question)
+        question_ids = list(question) if not isinstance(question, str) else encode(question, False) if question else []
         if not context:
             raise ValueError("the context has no tokens: there is nothing to compress before the question")
         return PreparedPrompt(context + question_ids, len(context) if question_ids else None)
