@@ -209,7 +209,7 @@ class RecordingAdmission:
 class RecordingWGKV(WGKVPolicy):
     recorder: Any = None
 
-    def admission(self, model_dir: str | Path, device: torch.device) -> Any:
+    def admission(self, model_dir: str | Path, device: torch.device, gate_store: Any = None) -> Any:
         return self.recorder
 
 

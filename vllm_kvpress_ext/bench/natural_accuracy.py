@@ -122,7 +122,8 @@ def run_natural_accuracy(config: NaturalAccuracyConfig) -> list[NaturalRow]:
         try:
             policy = make_policy(name, budget)
             if policy is not None and policy.compresses:
-                policy.admission(engine.model_dir, engine.device)  # fails here when it cannot run on this model
+                # Fails here when it cannot run on this model (e.g. WG-KV without gates for it).
+                policy.admission(engine.model_dir, engine.device, engine.runner.gate_store)
             policies[(name, budget)] = policy
         except (OSError, ValueError) as err:
             policies[(name, budget)] = f"not run: {err}"
@@ -182,7 +183,7 @@ def _validate(config: NaturalAccuracyConfig) -> None:
 
 
 def _shares_prefill(policy: KVPolicy, engine: LLMEngine) -> bool:
-    return policy.admission(engine.model_dir, engine.device) is None
+    return policy.admission(engine.model_dir, engine.device, engine.runner.gate_store) is None
 
 
 def _submit_sample(

@@ -32,6 +32,7 @@ from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression
 from vllm_kvpress_ext.engine.request import Request, RequestStatus
 from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.loader import resolve_dtype
+from vllm_kvpress_ext.models.write_gate import GateStore
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.policies.base import Admission, DecodeLayer, DecodeStep, LayerPrefill, RequestPrefill
 from vllm_kvpress_ext.policies.capture import PrefillCapture
@@ -116,6 +117,8 @@ class ModelRunner:
             device=self.device,
         )
         self.scale = self.config.head_dim**-0.5
+        # The write gates this runner's requests use (WG-KV): loaded once per file, never shared with another runner.
+        self.gate_store = GateStore()
 
     # ------------------------------------------------------------------ requests
 
@@ -132,7 +135,7 @@ class ModelRunner:
         than that, rounded up to whole pages: a longer one would evict nothing more and only cost
         pages, so a request whose ring outlasts it holds what `full` holds.
         """
-        admission = policy.admission(self.model_dir, self.device) if policy is not None else None
+        admission = policy.admission(self.model_dir, self.device, self.gate_store) if policy is not None else None
         if admission is None:
             return None
         if max_entries is not None:

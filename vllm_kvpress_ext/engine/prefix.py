@@ -158,7 +158,8 @@ def add_forked_request(
     resolved = load_policy(policy)
     if resolved is not None and not resolved.compresses:
         resolved = None
-    if resolved is not None and resolved.admission(engine.model_dir, engine.device) is not None:
+    store = engine.runner.gate_store
+    if resolved is not None and resolved.admission(engine.model_dir, engine.device, store) is not None:
         raise ValueError(f"policy {resolved.name!r} gates writes during prefill; run it on the whole prompt instead")
     spec = resolved.capture_spec() if resolved is not None else CaptureSpec()
     if spec.merge(snapshot.spec) != snapshot.spec:

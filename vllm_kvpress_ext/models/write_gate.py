@@ -138,6 +138,35 @@ def load_gates(path: str | Path, device: torch.device | str = "cpu") -> WriteGat
     return gates.to(device).eval()
 
 
+class GateStore:
+    """Loaded write gates, each file loaded once per device, for as long as the store's owner lives.
+
+    The model runner owns one (so every request of an engine shares its gates and two engines never
+    share theirs). An entry is keyed by the resolved path, the device and the file's size and
+    modification time: gates rewritten in place (`kvpress train-gate` again) are loaded afresh, never
+    served stale.
+    """
+
+    def __init__(self) -> None:
+        self._loaded: dict[tuple[Path, str], tuple[tuple[int, int], WriteGates]] = {}
+
+    def __len__(self) -> int:
+        return len(self._loaded)
+
+    def get(self, path: str | Path, device: torch.device | str = "cpu") -> WriteGates:
+        """The gates in `path` on `device`, loaded now if this store does not hold the file's current version."""
+        resolved = Path(path).resolve()
+        stat = resolved.stat() if resolved.is_file() else None
+        version = (stat.st_size, stat.st_mtime_ns) if stat is not None else (-1, -1)
+        key = (resolved, str(torch.device(device)))
+        held = self._loaded.get(key)
+        if held is not None and held[0] == version:
+            return held[1]
+        gates = load_gates(resolved, device)  # a missing or foreign file raises here
+        self._loaded[key] = (version, gates)
+        return gates
+
+
 def write_gated_attention(
     query: torch.Tensor,
     keys: torch.Tensor,

@@ -49,6 +49,7 @@ from vllm_kvpress_ext.policies.capture import CaptureSpec, LayerCapture
 
 if TYPE_CHECKING:
     from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
+    from vllm_kvpress_ext.models.write_gate import GateStore
 
 
 class PolicyConfigError(ValueError):
@@ -257,8 +258,13 @@ class KVPolicy:
     def capture_spec(self) -> CaptureSpec:
         return CaptureSpec()
 
-    def admission(self, model_dir: str | Path, device: torch.device) -> Admission | None:
-        """The write-time admission rule for a model, or None (every key is written; the default)."""
+    def admission(
+        self, model_dir: str | Path, device: torch.device, gate_store: GateStore | None = None
+    ) -> Admission | None:
+        """The write-time admission rule for a model, or None (every key is written; the default).
+
+        `gate_store` holds the learned gates its owner (the model runner) already loaded.
+        """
         return None
 
     @property

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from vllm_kvpress_ext.cache import KeepPlan
-from vllm_kvpress_ext.models.write_gate import WriteGates, default_gate_path, gate_metadata, load_gates
+from vllm_kvpress_ext.models.write_gate import GateStore, WriteGates, default_gate_path, gate_metadata, load_gates
 from vllm_kvpress_ext.policies.base import (
     GQA_REDUCTIONS,
     DecodeEviction,
@@ -75,16 +75,6 @@ class GateAdmission:
     def flags(self, layer: int, k_pre_rope: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Admission flags `[n, H]` (g >= tau) for the keys `[n, H, d]` just written in `layer`."""
         return self.gates(layer, k_pre_rope, k) >= self.tau
-
-
-_GATES: dict[tuple[Path, str], WriteGates] = {}
-
-
-def _cached_gates(path: Path, device: torch.device) -> WriteGates:
-    key = (path.resolve(), str(device))
-    if key not in _GATES:
-        _GATES[key] = load_gates(path, device)
-    return _GATES[key]
 
 
 @dataclass
@@ -125,8 +115,10 @@ class WGKVPolicy(KVPolicy):
     def gate_path(self, model_dir: str | Path) -> Path:
         return Path(self.gates) if self.gates is not None else default_gate_path(model_dir)
 
-    def admission(self, model_dir: str | Path, device: torch.device) -> GateAdmission:
-        """Load (once per file and device) the gates for `model_dir` and bind them to this policy."""
+    def admission(
+        self, model_dir: str | Path, device: torch.device, gate_store: GateStore | None = None
+    ) -> GateAdmission:
+        """The gates for `model_dir`, bound to this policy: from the caller's `gate_store`, or loaded afresh."""
         path = self.gate_path(model_dir)
         if not path.is_file():
             # No path in the message: it may be a client's request that asked for gates.
@@ -134,7 +126,7 @@ class WGKVPolicy(KVPolicy):
                 "wgkv: no write gates for this model (train them with `kvpress train-gate`, or name gates the "
                 "server's operator allowed)"
             )
-        gates = _cached_gates(path, device)
+        gates = gate_store.get(path, device) if gate_store is not None else load_gates(path, device)
         window = self.local_window
         if window is None:
             window = int(gate_metadata(path).get("local_window", DEFAULT_WINDOW))
