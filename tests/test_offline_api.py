@@ -53,6 +53,14 @@ def test_context_question_keeps_what_the_bench_route_keeps(llm: LLM, policy: Any
         assert not out.kv.kept.mask(CONTEXT).all()
         if not evicts_in_decode:  # compressed once, the context only: every question token is still held
             assert out.kv.kept.mask(CONTEXT + QUESTION)[..., CONTEXT:].all()
+        # Right after compression the cache held the compressed context only: what a request whose prompt
+        # is the context alone holds when it finishes after one token (that token is never written).
+        at_compression = out.kv.kept_at_compression
+        assert at_compression is not None
+        (alone,) = run_recording(llm.engine, [context], SamplingParams(max_tokens=1), policy=policy)
+        assert held_sets(at_compression) == alone.held
+        if not evicts_in_decode:
+            assert torch.equal(at_compression.mask(CONTEXT), out.kv.kept.mask(CONTEXT))
     # A per-prompt `compress_after` on plain token ids is the same request.
     plain = llm.generate([c + q for c, q in pairs], KEPT, compress_after=[CONTEXT, CONTEXT], policy=policy)
     for a, b in zip(outputs, plain, strict=True):
@@ -129,7 +137,10 @@ def test_kept_entries_include_the_local_ring(llm: LLM, tmp_path: Path) -> None:
 
 def test_positions_are_only_returned_when_asked(llm: LLM) -> None:
     (out,) = llm.generate(token_ids(20, 1), GREEDY, policy="snapkv")
-    assert out.kv.kept is None
+    assert out.kv.kept is None and out.kv.kept_at_compression is None
+    (full,) = llm.generate(token_ids(20, 1), KEPT, policy="full")  # nothing compressed: no compression snapshot
+    assert full.kv.kept is not None and full.kv.kept_at_compression is None
+    assert full.kv.kept.total == full.kv.tokens_full
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,8 @@ from vllm_kvpress_ext.cache import PagedKVCache
 
 @dataclass(frozen=True)
 class KeptEntries:
-    """The entries a request held in the cache when it finished, just before its pages were released.
+    """The entries a request held in the cache at one moment: right after its policy compressed, or when it
+    finished (just before its pages were released).
 
     `positions[l, h, :lengths[l, h]]` are the global region's token positions of layer l, KV head h in
     storage order (compaction keeps order; decode-time eviction does not), padded with -1: exactly what

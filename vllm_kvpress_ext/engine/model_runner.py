@@ -28,6 +28,7 @@ import torch
 from vllm_kvpress_ext.cache import PagedKVCache, PagePool
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
+from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression
 from vllm_kvpress_ext.engine.request import Request, RequestStatus
 from vllm_kvpress_ext.models import load_model
@@ -398,6 +399,8 @@ class ModelRunner:
             request.capture = None
             request.kv.compression_seconds += self.clock() - start
         self.update_kv_stats(request)
+        if policy is not None and request.params.return_kept:  # before any later token enters the cache
+            request.kv.kept_at_compression = kept_entries(self.cache, request.request_id)
 
     def _start_ring(self, request: Request) -> None:
         """Admission at prefill completion: last W tokens into the ring, older ones kept only if admitted."""

@@ -33,7 +33,10 @@ class KVStats:
     kept_per_layer: list[int] = field(default_factory=list)  # mean entries per KV head of each layer
     kept_per_head: list[list[int]] = field(default_factory=list)  # [layer][KV head] entries, ring included
     counters: dict[str, int] = field(default_factory=dict)  # policy event counts, e.g. eviction triggers
-    kept: KeptEntries | None = None  # positions held at finish, with `SamplingParams(return_kept=True)`
+    # With `SamplingParams(return_kept=True)`: the positions held when the request finished, and those held
+    # right after its policy compressed (the end of prefill, or `compress_after`; None without a policy).
+    kept: KeptEntries | None = None
+    kept_at_compression: KeptEntries | None = None
 
     @property
     def retention(self) -> float:

@@ -34,7 +34,8 @@ class SamplingParams:
     in the returned text; `stop_token_ids` and EOS (unless `ignore_eos`) end it with the token included
     in `output_token_ids` but not in the text. `skip_special_tokens` drops special tokens from the text.
     `return_kept` asks for the positions every (layer, KV head) held when the request finished
-    (`RequestOutput.kv.kept`, a `KeptEntries`); reading them costs a pass over the request's tables.
+    (`RequestOutput.kv.kept`) and right after its policy compressed (`kv.kept_at_compression`), as
+    `KeptEntries`; each costs a pass over the request's tables.
     """
 
     max_tokens: int = 16
