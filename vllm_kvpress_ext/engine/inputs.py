@@ -64,6 +64,12 @@ def compress_points(compress_after: int | Sequence[int | None] | None, count: in
     return points
 
 
+def _token_ids(part: str | list[int], encode: Callable[[str, bool], list[int]], special: bool) -> list[int]:
+    if isinstance(part, str):
+        return encode(part, special) if part else []
+    return list(part)
+
+
 def prepare_prompt(
     prompt: Prompt, compress_after: int | None, encode: Callable[[str, bool], list[int]]
 ) -> PreparedPrompt:
@@ -75,10 +81,9 @@ def prepare_prompt(
     if isinstance(prompt, ContextQuestion):
         if compress_after is not None:
             raise ValueError("a ContextQuestion sets its own compression point; do not pass compress_after for it")
-        context = encode(prompt.context, True) if isinstance(prompt.context, str) else list(prompt.context)
+        context = _token_ids(prompt.context, encode, special=True)
         # The question continues the prompt: no special tokens (a BOS mid-prompt would change the answer).
-        question = prompt.question
-        question_ids = list(question) if not isinstance(question, str) else encode(question, False) if question else []
+        question_ids = _token_ids(prompt.question, encode, special=False)
         if not context:
             raise ValueError("the context has no tokens: there is nothing to compress before the question")
         return PreparedPrompt(context + question_ids, len(context) if question_ids else None)
