@@ -239,14 +239,19 @@ def write_kv(
             f"values {tuple(values.shape)}, pool head_dim {head_dim}"
         )
     flat_slots = slots.reshape(-1).to(device=kv_pool.device, dtype=torch.int64)
+    k, v = keys.reshape(-1, head_dim), values.reshape(-1, head_dim)
+    pos = positions.reshape(-1) if position_pool is not None and positions is not None else None
     keep = flat_slots >= 0
-    flat_slots = flat_slots[keep]
+    # This is the cache's CPU write path: skip the masking copies when nothing is padding (the cache's case).
+    if not bool(keep.all()):
+        flat_slots, k, v = flat_slots[keep], k[keep], v[keep]
+        pos = pos[keep] if pos is not None else None
     rows = _kv_rows(flat_slots, page_size)
     flat = kv_pool.view(-1, head_dim)
-    flat[rows] = keys.reshape(-1, head_dim)[keep].to(flat.dtype)
-    flat[rows + page_size] = values.reshape(-1, head_dim)[keep].to(flat.dtype)
-    if position_pool is not None and positions is not None:
-        position_pool.view(-1)[flat_slots] = positions.reshape(-1)[keep].to(position_pool.device, position_pool.dtype)
+    flat[rows] = k.to(flat.dtype)
+    flat[rows + page_size] = v.to(flat.dtype)
+    if position_pool is not None and pos is not None:
+        position_pool.view(-1)[flat_slots] = pos.to(position_pool.device, position_pool.dtype)
 
 
 def copy_slots(kv_pool: torch.Tensor, position_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

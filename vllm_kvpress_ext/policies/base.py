@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from vllm_kvpress_ext.attention import ops
 from vllm_kvpress_ext.cache import KeepPlan
 from vllm_kvpress_ext.policies.capture import CaptureSpec, LayerCapture
 
@@ -328,6 +329,34 @@ def window_attention(
     return torch.softmax(scores, dim=-1)
 
 
+def window_votes(
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float,
+    window_reduction: str = "sum",
+    group_reduction: str | None = "mean",
+) -> torch.Tensor:
+    """`window_attention` reduced over the window, then over each KV head's query heads: `[Hkv, n]` fp32.
+
+    Runs `attention.ops.window_scores`, so a CUDA layer gets the Triton kernel (which never materialises
+    the `[Hq, w, n]` probabilities) and the CPU the torch reference (the same math as `window_attention`
+    followed by the reductions, bit for bit). `group_reduction=None` keeps one row per query head,
+    `[Hq, n]`, for policies that transform per query head before reducing: the keys are then repeated per
+    query head (group 1), a temporary copy of `G` times the layer's keys on the kernel path.
+    """
+    if group_reduction is not None:
+        check_choice("gqa_reduction", group_reduction, GQA_REDUCTIONS)
+        reduction = group_reduction
+        return ops.window_scores(queries, query_positions, keys, key_positions, scale, window_reduction, reduction)
+    group = queries.shape[1] // keys.shape[0]
+    if key_positions.dim() == 2:
+        key_positions = key_positions.repeat_interleave(group, dim=0)
+    expanded = keys.repeat_interleave(group, dim=0)  # [Hq, n, d]
+    return ops.window_scores(queries, query_positions, expanded, key_positions, scale, window_reduction, "mean")
+
+
 def reduce_group(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
     """`[Hq, ...]` -> `[Hkv, ...]` by mean or max over each KV head's query heads."""
     grouped = scores.view(num_kv_heads, scores.shape[0] // num_kv_heads, *scores.shape[1:])
@@ -402,4 +431,5 @@ __all__ = [
     "recent_window",
     "reduce_group",
     "window_attention",
+    "window_votes",
 ]

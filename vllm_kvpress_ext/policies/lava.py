@@ -87,7 +87,7 @@ from vllm_kvpress_ext.policies.base import (
     pool_scores,
     recent_window,
     reduce_group,
-    window_attention,
+    window_votes,
 )
 from vllm_kvpress_ext.policies.snapkv import ObservationWindowScores
 
@@ -220,12 +220,18 @@ class LavaPolicy(ObservationWindowScores):
         capture = layer.capture
         assert capture is not None and capture.queries is not None and capture.query_positions is not None
         w = max(1, min(self.window, capture.queries.shape[0]))
-        probs = window_attention(
-            capture.queries[-w:], capture.query_positions[-w:], layer.keys, layer.positions, layer.scale
-        )  # [Hq, w, n]
-        votes = pool_scores(probs[:, :, :prefix].sum(dim=1), self.kernel_size, self.pooling)  # [Hq, prefix]
+        queries, qpos = capture.queries[-w:], capture.query_positions[-w:]
         value_norm = layer.values[:, :prefix].float().abs().sum(dim=-1).amax(dim=-1)  # [Hkv]
-        group = probs.shape[0] // layer.num_kv_heads
+        if self.gqa_reduction == "max" and (self.pooling == "maxpool" or self.kernel_size <= 1):
+            # Max over the group commutes with max-pooling and with the positive per-KV-head scale, exactly,
+            # so the group can be reduced first, inside `window_votes` (the kernel on CUDA, [Hkv, n] only).
+            votes = window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "sum", "max")
+            pooled = pool_scores(votes[:, :prefix], self.kernel_size, self.pooling)  # [Hkv, prefix]
+            return pooled * (value_norm.to(pooled.device) / w).unsqueeze(-1)
+        # Otherwise pool and scale per query head first, as the equations order it.
+        per_query = window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "sum", None)  # [Hq, n]
+        votes = pool_scores(per_query[:, :prefix], self.kernel_size, self.pooling)  # [Hq, prefix]
+        group = votes.shape[0] // layer.num_kv_heads
         scaled = votes * (value_norm.to(votes.device) / w).repeat_interleave(group).unsqueeze(-1)
         return reduce_group(scaled, layer.num_kv_heads, self.gqa_reduction)
 
