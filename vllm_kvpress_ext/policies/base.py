@@ -292,6 +292,18 @@ class KVPolicy:
         """
         raise NotImplementedError(f"{type(self).__name__} does not compress layer by layer")
 
+    def prefill_peak_pages(self, length: int, num_layers: int, num_kv_heads: int, page_size: int) -> int:
+        """Most pages a request holds during a layer-wise prefill of its `length`-entry prompt in one chunk.
+
+        Schedulers reserve this at admission instead of the whole prompt in every layer, and the engine
+        holds the request to it: an allocation past it fails that request alone. Only consulted when
+        `compresses_layerwise` is True and the whole prompt is one prefill chunk (otherwise the earlier
+        chunks write every layer whole and the full prompt is reserved). Default: the full prompt,
+        `full_prompt_pages`. A layer-wise policy returns a bound that holds for every prompt of this
+        length, whatever its scores (`pages_bound` turns entry counts into pages).
+        """
+        return full_prompt_pages(length, num_layers, num_kv_heads, page_size)
+
     @property
     def wants_decode_steps(self) -> bool:
         return False
@@ -308,6 +320,26 @@ class KVPolicy:
         if not is_dataclass(self):
             return {}
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# ---------------------------------------------------------------------- prefill peak arithmetic
+
+
+def full_prompt_pages(length: int, num_layers: int, num_kv_heads: int, page_size: int) -> int:
+    """Pages of an uncompressed prompt: `length` entries in every (layer, KV head)."""
+    return num_layers * num_kv_heads * -(-length // page_size)
+
+
+def pages_bound(entries: int, sequences: int, page_size: int, max_per_sequence: int) -> int:
+    """Most pages `entries` entries can take when split in any way over `sequences` (layer, head) page lists.
+
+    Each list holds at most `max_per_sequence` entries and rounds its last page up, so the pages are at
+    most ceil(entries / page_size) + sequences - 1 (every list but one wasting part of a page), and never
+    more than every list full.
+    """
+    if entries <= 0 or sequences <= 0:
+        return 0
+    return min(sequences * -(-max_per_sequence // page_size), -(-entries // page_size) + sequences - 1)
 
 
 # ---------------------------------------------------------------------- shared scoring
@@ -426,7 +458,9 @@ __all__ = [
     "PolicyConfigError",
     "RequestPrefill",
     "check_choice",
+    "full_prompt_pages",
     "keep_top",
+    "pages_bound",
     "pool_scores",
     "recent_window",
     "reduce_group",

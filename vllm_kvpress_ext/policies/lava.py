@@ -84,6 +84,7 @@ from vllm_kvpress_ext.policies.base import (
     LayerKeep,
     LayerPrefill,
     RequestPrefill,
+    pages_bound,
     pool_scores,
     recent_window,
     reduce_group,
@@ -285,6 +286,33 @@ class LavaPolicy(ObservationWindowScores):
     def compresses_layerwise(self) -> bool:
         """The cascading form compresses (and re-compresses) layers during the last prefill chunk."""
         return self.cascading
+
+    def prefill_peak_pages(self, length: int, num_layers: int, num_kv_heads: int, page_size: int) -> int:
+        """Cascading form: a bound valid for any entropies (they are only known once each layer is scored).
+
+        While layer l is prefilled (all n entries per head), layers 0..l-1 hold their step-(l-1) budgets,
+        which share at most min(T, l * cap) selectable entries (T = L H (B - w), cap = H (n - w)) plus one
+        per layer from rounding the intermediate steps up (`cascade_step`), and their windows, l H w.
+        How those entries split over the l H (layer, head) page lists is score-dependent, so their pages
+        are bounded by `pages_bound`. Without ranking (the budget keeps everything, or only the window)
+        every head keeps the same count and the bound is exact.
+        """
+        full = super().prefill_peak_pages(length, num_layers, num_kv_heads, page_size)
+        if not self.cascading:
+            return full
+        heads, n = num_kv_heads, length
+        budget, window, ranked = self._shape(n)
+        whole = heads * -(-n // page_size)
+        if not ranked:
+            kept = heads * -(-(n if budget >= n else window) // page_size)
+            return min(full, max(kept * (num_layers - 1) + whole, kept * num_layers))
+        total, cap = num_layers * heads * (budget - window), heads * (n - window)
+        peak = whole
+        for layer in range(1, num_layers):
+            earlier = min(total, layer * cap) + layer + layer * heads * window
+            peak = max(peak, pages_bound(earlier, layer * heads, page_size, n) + whole)
+        final = pages_bound(total + num_layers * heads * window, num_layers * heads, page_size, n)
+        return min(full, max(peak, final))
 
     def plan_layer(
         self, request: RequestPrefill, layer: int, layer_results: list[Any], state: dict[str, Any]
