@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 from vllm_kvpress_ext.attention import ops
+from vllm_kvpress_ext.attention.reference import mask_future_
 from vllm_kvpress_ext.cache import KeepPlan
 from vllm_kvpress_ext.policies.capture import CaptureSpec, LayerCapture
 
@@ -356,9 +357,7 @@ def window_attention(
     group = num_q_heads // keys.shape[0]
     k = keys.float().repeat_interleave(group, dim=0)  # [Hq, n, d]
     scores = torch.einsum("whd,hnd->hwn", queries.float(), k) * scale
-    causal = key_positions.view(1, 1, -1) <= query_positions.view(1, -1, 1)
-    scores = scores.masked_fill(~causal, float("-inf"))
-    return torch.softmax(scores, dim=-1)
+    return torch.softmax(mask_future_(scores, key_positions.view(-1), query_positions.view(-1)), dim=-1)
 
 
 def window_votes(
