@@ -33,7 +33,9 @@ import torch.nn.functional as F
 
 from vllm_kvpress_ext.attention import ops, reference
 from vllm_kvpress_ext.cache import KeepPlan, PagedKVCache
-from vllm_kvpress_ext.policies.base import reduce_group, window_attention
+from vllm_kvpress_ext.policies import load_policy
+from vllm_kvpress_ext.policies.base import LayerPrefill, RequestPrefill, reduce_group, window_attention
+from vllm_kvpress_ext.policies.capture import LayerCapture
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
@@ -322,45 +324,6 @@ def test_copy_slots_read_before_write(device: str) -> None:
     assert torch.equal(kv, kv_ref) and torch.equal(positions, pos_ref)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_copy_slots_drives_compaction_and_eviction(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The manager's keep-plan compaction and decode eviction, with the kernel doing the copies."""
-    kernel = _kernel("compaction")
-    torch.manual_seed(5)
-
-    def build() -> PagedKVCache:
-        cache = PagedKVCache(2, 2, 64, num_pages=64, page_size=4, max_requests=2, dtype=torch.float32, device=device)
-        gen = torch.Generator().manual_seed(0)
-        for rid in ("a", "b"):
-            row = cache.add_request(rid)
-            slots = cache.append_slots([row], torch.arange(30).view(1, -1))
-            keys = torch.randn(*slots.shape, 64, generator=gen)
-            cache.write(slots, keys.to(device), torch.randn(*slots.shape, 64, generator=gen).to(device))
-        return cache
-
-    expected, actual = build(), build()
-    monkeypatch.setattr(
-        actual, "_copy_slots", lambda src, dst: kernel.copy_slots(actual.pool.kv, actual.pool.positions, src, dst)
-    )
-    mask = torch.rand(2, 2, 30) < 0.5
-    mask[..., 0] = True
-    for cache in (expected, actual):
-        cache.apply_keep_plan("a", KeepPlan.from_mask(mask))
-        cache.evict([cache.row_of("b")] * 3, [0, 1, 1], [0, 1, 1], [2, 5, 6])
-    monkeypatch.setattr(
-        actual,
-        "_copy_slots",
-        lambda src, dst: kernel.copy_slots(actual.pool.kv, actual.pool.positions, src, dst, disjoint=True),
-    )
-    for cache in (expected, actual):
-        cache.evict([cache.row_of("b")] * 2, [1, 0], [0, 0], [0, 3])  # tail entries move into the holes
-    for rid in ("a", "b"):
-        for layer in range(2):
-            for head in range(2):
-                for want, got in zip(expected.gather(rid, layer, head), actual.gather(rid, layer, head), strict=True):
-                    assert torch.equal(want, got)
-
-
 # --------------------------------------------------------------------------------------- window scores
 
 
@@ -404,6 +367,128 @@ def test_window_scores_per_head_positions_and_half_precision(device: str) -> Non
         out = kernel.window_scores(queries, query_pos, keys, key_pos, 0.1, wr, gr, block_n=16)
         expected = reference.window_scores(queries, query_pos, keys, key_pos, 0.1, wr, gr)
         torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+
+
+# ------------------------------------------------------------------------- the hot path through the ops
+
+
+def _dispatch_to_kernels(monkeypatch: pytest.MonkeyPatch, device: str) -> list[str]:
+    """Make `attention.ops` run its Triton kernels on these tensors (interpreted on CPU); record the kernels used."""
+    used: list[str] = []
+
+    def module(name: str) -> ModuleType:
+        used.append(name)
+        return _kernel(name)
+
+    monkeypatch.delenv(ops.DISABLE_TRITON_ENV, raising=False)
+    monkeypatch.setattr(ops, "_kernel_module", module)
+    if device == "cpu":
+        monkeypatch.setattr(ops, "_on_cuda", lambda tensors: True)
+    return used
+
+
+def _cache_life(device: str) -> PagedKVCache:
+    """Prefill writes, a keep plan, a decode eviction, and a ring request promoting tokens while decoding."""
+    head_dim = 32
+    cache = PagedKVCache(2, 2, head_dim, num_pages=120, page_size=4, max_requests=3, dtype=torch.float32, device=device)
+    gen = torch.Generator().manual_seed(21)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, head_dim, generator=gen).to(device)
+
+    for rid in ("a", "b", "ring"):
+        row = cache.add_request(rid)
+        slots = cache.append_slots([row], torch.arange(30).view(1, -1))
+        cache.write(slots, rand(*slots.shape), rand(*slots.shape))
+    mask = torch.rand(2, 2, 30, generator=gen) < 0.5
+    mask[..., 0] = True
+    cache.apply_keep_plan("a", KeepPlan.from_mask(mask))
+    cache.evict([cache.row_of("b")] * 4, [0, 1, 1, 0], [0, 1, 1, 1], [2, 5, 6, 29])
+    cache.start_ring("ring", 8, torch.rand(2, 2, 30, generator=gen) < 0.5)
+    for t in range(30, 42):
+        row = cache.row_of("ring")
+        step = cache.append_slots([row], torch.tensor([[t]]))
+        cache.write(step[:, :, :, 0], rand(2, 1, 2), rand(2, 1, 2))
+        cache.admit(0, [row], torch.tensor([[t % 2 == 0, t % 3 == 0]]))
+        cache.admit(1, [row], torch.tensor([[True, False]]))
+    return cache
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cache_writes_and_copies_run_through_the_kernels(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manager's writes, compaction, eviction, ring start and promotions give the same cache either way."""
+    _kernel("kv_write")  # skips where the interpreter cannot run
+    monkeypatch.setenv(ops.DISABLE_TRITON_ENV, "1")
+    expected = _cache_life(device)
+    monkeypatch.undo()
+    used = _dispatch_to_kernels(monkeypatch, device)
+    actual = _cache_life(device)
+    assert {"kv_write", "compaction"} <= set(used)
+    assert torch.equal(actual.block_tables, expected.block_tables) and torch.equal(actual.seq_lens, expected.seq_lens)
+    for rid in ("a", "b", "ring"):
+        for layer in range(2):
+            for head in range(2):
+                for region in ("global", "ring") if rid == "ring" else ("global",):
+                    for want, got in zip(
+                        expected.gather(rid, layer, head, region), actual.gather(rid, layer, head, region), strict=True
+                    ):
+                        assert torch.equal(want, got)
+
+
+def _scoring_layers(device: str, n: int = 48, hkv: int = 2, hq: int = 8, d: int = 16) -> list[LayerPrefill]:
+    layers = []
+    for index in range(3):
+        g = torch.Generator().manual_seed(100 + index)
+        capture = LayerCapture(
+            queries=(torch.randn(20, hq, d, generator=g) * 1.5).to(device), query_positions=torch.arange(n - 20, n)
+        )
+        keys, values = torch.randn(hkv, n, d, generator=g) * 1.5, torch.randn(hkv, n, d, generator=g)
+        positions = torch.arange(n).to(device)
+        layer = LayerPrefill(index, 3, keys.to(device), values.to(device), positions, capture, None, d**-0.5)  # type: ignore[arg-type]
+        layers.append(layer)
+    return layers
+
+
+def _plan_masks(spec: dict[str, object], layers: list[LayerPrefill]) -> torch.Tensor:
+    policy = load_policy(spec)
+    assert policy is not None
+    state: dict[str, object] = {}
+    results = [policy.on_layer_prefilled(layer, state) for layer in layers]
+    first = layers[0]
+    assert first.capture is not None and first.capture.queries is not None
+    request = RequestPrefill("r", len(layers), first.num_kv_heads, first.capture.queries.shape[1], first.length)
+    plan = policy.plan(request, results, state)
+    assert plan is not None
+    return plan.to_mask(torch.full((len(layers), first.num_kv_heads), first.length))
+
+
+POLICIES_SCORED_BY_WINDOW = [
+    {"name": "snapkv", "window": 8, "ratio": 0.3},
+    {"name": "pyramidkv", "window": 8, "ratio": 0.3},
+    {"name": "adakv", "window": 8, "ratio": 0.3, "gqa_reduction": "max"},
+    {"name": "kvec", "window": 8, "extended_window": 16, "delta": 1, "ratio": 0.3},
+    {"name": "kvec", "window": 8, "extended_window": 16, "delta": 1, "lam": 0.0, "ratio": 0.3},
+    {"name": "lava", "window": 8, "ratio": 0.3},
+    {"name": "lava", "window": 8, "ratio": 0.3, "pooling": "avgpool", "gqa_reduction": "mean"},
+    {"name": "xkv", "window": 8, "ratio": 0.3},
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", POLICIES_SCORED_BY_WINDOW, ids=lambda s: "-".join(f"{v}" for v in s.values()))
+def test_window_scoring_policies_plan_the_same_through_the_kernel(
+    device: str, spec: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SnapKV family, K-VEC, LAVa and XKV score through `attention.ops.window_scores`: same plans either way."""
+    _kernel("window_scores")
+    layers = _scoring_layers(device)
+    monkeypatch.setenv(ops.DISABLE_TRITON_ENV, "1")
+    expected = _plan_masks(spec, layers)
+    monkeypatch.undo()
+    used = _dispatch_to_kernels(monkeypatch, device)
+    actual = _plan_masks(spec, layers)
+    assert "window_scores" in used
+    assert torch.equal(actual, expected)
 
 
 # --------------------------------------------------------------------------------------- vertical-slash

@@ -370,6 +370,10 @@ def test_bench_prefill_peak_on_a_tiny_model(model_dir: Path, capsys: pytest.Capt
         assert by_name[name]["prefill_peak_bytes"] == full > by_name[name]["final_bytes"]
     for name in ("xkv + profile", "lava cascading"):
         assert by_name[name]["final_bytes"] < by_name[name]["prefill_peak_bytes"] < full
+        # Admission reserves the declared peak (never below the measured one) and takes more requests at once.
+        assert by_name[name]["prefill_peak_bytes"] <= by_name[name]["reserved_bytes"] < full
+        assert by_name[name]["admitted_at_once"] > by_name["full"]["admitted_at_once"] == 4
+    assert by_name["xkv + profile"]["reserved_bytes"] == by_name["xkv + profile"]["prefill_peak_bytes"]
     table = capsys.readouterr().out
     assert "prefill peak" in table and "lava cascading" in table
 
@@ -377,3 +381,132 @@ def test_bench_prefill_peak_on_a_tiny_model(model_dir: Path, capsys: pytest.Capt
     assert "xkv + profile" in capsys.readouterr().out
     assert main(["bench", "prefill-peak", "--model", str(model_dir), "--context-len", "1"]) == 2
     assert "context_len must be >= 2" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- admission by the declared peak
+
+
+def full_pages(n: int = N) -> int:
+    return LAYERS * HEADS * pages(n)
+
+
+@pytest.mark.parametrize("n", [N, 37, 9])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"name": "lava", "tokens": 40, "window": WINDOW, "cascading": True},
+        {"name": "lava", "ratio": 0.3, "window": WINDOW, "cascading": True},
+        {"name": "lava", "ratio": 0.05, "window": WINDOW, "cascading": True},  # the window shrinks to the budget
+        {"name": "lava", "tokens": 200, "window": WINDOW, "cascading": True},  # keeps everything
+    ],
+    ids=["tokens", "ratio", "shrunk-window", "everything"],
+)
+def test_lava_cascading_declares_a_peak_it_never_passes(model_dir: Path, spec: dict[str, Any], n: int) -> None:
+    policy = load_policy(spec)
+    assert policy is not None
+    declared = policy.prefill_peak_pages(n, LAYERS, HEADS, PAGE)
+    for seed in (1, 2, 3):  # the bound holds whatever the scores (entropies) turn out to be
+        measured = run(model_dir, policy, ids=prompt(n, seed=seed))
+        assert measured.peak_pages <= declared <= full_pages(n)
+    if spec.get("tokens") == 40 and n == N:
+        assert declared < full_pages(n)
+
+
+def test_xkv_profile_declares_its_exact_peak(model_dir: Path, profile: str) -> None:
+    for n in (N, 37, 9):
+        for spec in ({"profile": profile}, {"profile": profile, "ratio": 0.3}):
+            policy = XKVPolicy(**spec)
+            assert run(model_dir, policy, ids=prompt(n)).peak_pages == policy.prefill_peak_pages(n, LAYERS, HEADS, PAGE)
+    # Without a profile (end of prefill) and for policies that do not compress layer by layer: the full prompt.
+    for other in (XKVPolicy(ratio=0.3), LavaPolicy(ratio=0.3), load_policy("snapkv")):
+        assert other is not None and other.prefill_peak_pages(N, LAYERS, HEADS, PAGE) == full_pages()
+
+
+@pytest.mark.parametrize("layerwise", ["xkv", "lava"])
+def test_the_scheduler_admits_by_the_declared_peak(model_dir: Path, profile: str, layerwise: str) -> None:
+    """A pool with room for two uncompressed prompts prefills more layer-wise requests at once; same results."""
+    spec: dict[str, Any] = (
+        {"name": "xkv", "profile": profile}
+        if layerwise == "xkv"
+        else {"name": "lava", "tokens": 40, "window": WINDOW, "cascading": True}
+    )
+    ids = [prompt(N, seed=20 + i) for i in range(5)]
+    solo = [run(model_dir, spec, ids=p, max_tokens=3) for p in ids]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    def first_step(policy: Any) -> tuple[int, LLMEngine, list[str]]:
+        engine = LLMEngine(
+            model_dir, dtype=torch.float32, num_pages=2 * full_pages() + 3, page_size=PAGE, max_num_batched_tokens=8 * N
+        )
+        rids = [engine.add_request(p, params, policy=policy) for p in ids]
+        engine.step()
+        prefilled = sum(engine.requests[r].num_processed == N for r in rids)
+        return prefilled, engine, rids
+
+    conservative, _, _ = first_step(
+        EndOfPrefillXKV(profile=profile) if layerwise == "xkv" else {**spec, "cascading": False}
+    )
+    admitted, engine, rids = first_step(spec)
+    assert conservative == 2 and admitted > conservative
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for rid, alone in zip(rids, solo, strict=True):
+        assert done[rid].output_token_ids == alone.tokens and done[rid].kv.kept_per_head == alone.kept_per_head
+    assert engine.cache.pool.num_used == 0
+
+
+class UnderDeclaringLava(LavaPolicy):
+    """LAVa cascading that declares room for one layer whole and a page: its second layer passes it."""
+
+    def prefill_peak_pages(self, length: int, num_layers: int, num_kv_heads: int, page_size: int) -> int:
+        return num_kv_heads * -(-length // page_size) + 1
+
+
+def test_a_wrong_declaration_fails_that_request_alone(model_dir: Path) -> None:
+    liar = UnderDeclaringLava(ratio=None, tokens=40, window=WINDOW, cascading=True)
+    honest: list[Any] = [{"name": "lava", "tokens": 40, "window": WINDOW, "cascading": True}, None]
+    ids = [prompt(N, seed=30 + i) for i in range(3)]
+    solo = [run(model_dir, spec, ids=p, max_tokens=3) for spec, p in zip(honest, ids[1:], strict=True)]
+    declared = liar.prefill_peak_pages(N, LAYERS, HEADS, PAGE)
+    honest_peak = load_policy(honest[0]).prefill_peak_pages(N, LAYERS, HEADS, PAGE)  # type: ignore[union-attr]
+    # Exactly the three reservations: any page the liar took past its own would be another request's.
+    engine = LLMEngine(
+        model_dir,
+        dtype=torch.float32,
+        num_pages=declared + honest_peak + full_pages(),
+        page_size=PAGE,
+        max_num_batched_tokens=4 * N,
+    )
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(p, params, policy=spec) for spec, p in zip([liar, *honest], ids, strict=True)]
+    done: dict[str, Any] = {}
+    first = True
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if first:  # all three were admitted into the first step
+            assert all(r in done or engine.requests[r].num_processed > 0 for r in rids)
+            first = False
+    assert done[rids[0]].finish_reason == "error" and "prefill_peak_pages" in (done[rids[0]].error or "")
+    for rid, alone in zip(rids[1:], solo, strict=True):
+        assert done[rid].finish_reason != "error"
+        assert done[rid].output_token_ids == alone.tokens and done[rid].kv.kept_per_head == alone.kept_per_head
+    assert engine.cache.pool.num_used == 0
+
+
+def test_the_vllm_scheduler_reserves_by_the_same_rule(profile: str) -> None:
+    """The plugin's scheduler asks its `PoolReport` (no vLLM needed here): the embedded scheduler's figures."""
+    from vllm_kvpress_ext.vllm_plugin.report import PoolReport
+
+    report = PoolReport(1000, 1000, PAGE, LAYERS * HEADS, 64, num_layers=LAYERS, num_kv_heads=HEADS)
+    lava = load_policy({"name": "lava", "tokens": 40, "window": WINDOW, "cascading": True})
+    assert lava is not None
+    declared = lava.prefill_peak_pages(N, LAYERS, HEADS, PAGE)
+    assert report.prefill_pages(N, lava, whole_prompt=True) == declared < full_pages()
+    assert report.prefill_pages(N, lava, whole_prompt=False) == full_pages()  # chunked: every layer whole first
+    assert report.prefill_pages(N, load_policy("snapkv"), whole_prompt=True) == full_pages()
+    assert report.prefill_pages(N, None, whole_prompt=True) == full_pages()
+    xkv = XKVPolicy(profile=profile)
+    assert report.prefill_pages(N, xkv, whole_prompt=True) == xkv.prefill_peak_pages(N, LAYERS, HEADS, PAGE)
+    # A report from a worker that does not say its shape: the uncompressed peak, as before.
+    assert PoolReport(1000, 1000, PAGE, LAYERS * HEADS, 64).prefill_pages(N, lava, True) == full_pages()

@@ -296,6 +296,39 @@ def test_h2o_prefill_matches_reference(
             assert sorted(held[held >= 0].tolist()) == positions
 
 
+@pytest.mark.parametrize(("n", "hkv", "group"), [(1, 2, 2), (37, 2, 4), (700, 2, 4), (300, 4, 1)])
+def test_h2o_column_sums_agree_on_every_path(n: int, hkv: int, group: int) -> None:
+    """The fused passes (flash on CPU), the query tiles and the dense blocks give the same column sums."""
+    g = torch.Generator().manual_seed(n)
+    d = 16
+    queries = torch.randn(n, hkv * group, d, generator=g) * 2
+    keys = torch.randn(hkv, n, d, generator=g) * 2
+    dense = h2o_module.dense_column_sums(queries, torch.arange(n), keys, torch.arange(n), d**-0.5)
+    for fast in (
+        h2o_module.causal_column_sums(queries, keys, d**-0.5),
+        h2o_module.tiled_column_sums(queries, keys, d**-0.5, tile=64),
+    ):
+        torch.testing.assert_close(fast, dense, rtol=2e-5, atol=1e-5)
+    torch.testing.assert_close(dense.sum(dim=-1), torch.full((hkv, group), float(n)))  # each query's row sums to 1
+
+
+def test_h2o_plans_are_those_of_the_dense_computation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same plans and scores as before the fused column sums (the dense blocks are the previous computation)."""
+    layers = [synthetic_layer(90 + i, 600, 600, layer=i, num_layers=3) for i in range(3)]
+    policy = H2OPolicy(ratio=0.2)
+    plan, state = run_prefill(policy, layers)
+    monkeypatch.setattr(
+        h2o_module,
+        "causal_column_sums",
+        lambda q, k, scale: h2o_module.dense_column_sums(
+            q, torch.arange(k.shape[1]), k, torch.arange(k.shape[1]), scale
+        ),
+    )
+    before, before_state = run_prefill(policy, layers)
+    assert torch.equal(plan.indices, before.indices) and torch.equal(plan.lengths, before.lengths)
+    torch.testing.assert_close(state["scores"], before_state["scores"], rtol=2e-5, atol=1e-5)
+
+
 def test_h2o_decode_matches_reference_under_shuffled_storage() -> None:
     """Simulated decode: storage order is shuffled after every step, scores must follow positions."""
     torch.manual_seed(0)

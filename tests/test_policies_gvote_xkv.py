@@ -665,3 +665,17 @@ def test_xkv_allocation_with_a_layer_without_mass() -> None:
     assert coverage_ratio(coverage, [1, 0]) == 0.125
     assert coverage_ratio(coverage, [4, 2]) == 1.0
     assert allocation_for_target(coverage, 0.5) == [1, 1]
+
+
+def test_gvote_top_selection_equals_the_stable_sort() -> None:
+    """`top_with_low_ties` keeps what a stable descending arg-sort keeps, ties included (both selection paths)."""
+    from vllm_kvpress_ext.policies.gvote import top_with_low_ties
+
+    g = torch.Generator().manual_seed(3)
+    for n, top in ((50, 50), (400, 30)):  # sort path (large counts), topk path (counts <= n / 8)
+        scores = torch.randint(0, 6, (12, n), generator=g).float()  # many ties
+        counts = torch.randint(1, top + 1, (12,), generator=g)
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        expected = torch.zeros_like(scores, dtype=torch.bool)
+        expected.scatter_(-1, order, torch.arange(n).expand(12, n) < counts.view(-1, 1))
+        assert torch.equal(top_with_low_ties(scores, counts), expected)

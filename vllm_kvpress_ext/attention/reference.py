@@ -239,14 +239,19 @@ def write_kv(
             f"values {tuple(values.shape)}, pool head_dim {head_dim}"
         )
     flat_slots = slots.reshape(-1).to(device=kv_pool.device, dtype=torch.int64)
+    k, v = keys.reshape(-1, head_dim), values.reshape(-1, head_dim)
+    pos = positions.reshape(-1) if position_pool is not None and positions is not None else None
     keep = flat_slots >= 0
-    flat_slots = flat_slots[keep]
+    # This is the cache's CPU write path: skip the masking copies when nothing is padding (the cache's case).
+    if not bool(keep.all()):
+        flat_slots, k, v = flat_slots[keep], k[keep], v[keep]
+        pos = pos[keep] if pos is not None else None
     rows = _kv_rows(flat_slots, page_size)
     flat = kv_pool.view(-1, head_dim)
-    flat[rows] = keys.reshape(-1, head_dim)[keep].to(flat.dtype)
-    flat[rows + page_size] = values.reshape(-1, head_dim)[keep].to(flat.dtype)
-    if position_pool is not None and positions is not None:
-        position_pool.view(-1)[flat_slots] = positions.reshape(-1)[keep].to(position_pool.device, position_pool.dtype)
+    flat[rows] = k.to(flat.dtype)
+    flat[rows + page_size] = v.to(flat.dtype)
+    if position_pool is not None and pos is not None:
+        position_pool.view(-1)[flat_slots] = pos.to(position_pool.device, position_pool.dtype)
 
 
 def copy_slots(kv_pool: torch.Tensor, position_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -263,6 +268,26 @@ def copy_slots(kv_pool: torch.Tensor, position_pool: torch.Tensor, src: torch.Te
     flat[torch.cat([dst_rows, dst_rows + page_size])] = flat[torch.cat([src_rows, src_rows + page_size])]
     pos = position_pool.view(-1)
     pos[dst] = pos[src]
+
+
+def mask_future_(scores: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """Set `scores[..., w, n]` to -inf where key position > query position, in place; returns `scores`.
+
+    `key_positions` `[n]` or `[H, n]` (broadcast over the leading dimension), `query_positions` `[w]`.
+    When the key positions are one ascending row (a prompt before compression, the usual case), the
+    keys at or before the first query are visible to every query, so only the columns after them are
+    compared and masked: the same result as masking the whole `[w, n]` block, for a fraction of the work.
+    """
+    n, window = scores.shape[-1], query_positions.shape[0]
+    keys = key_positions.reshape(-1, n)
+    if keys.shape[0] == 1 and n > 1 and bool((keys[0, 1:] >= keys[0, :-1]).all()):
+        lowest = query_positions.min().to(keys.dtype) if window else None
+        first = int(torch.searchsorted(keys[0].contiguous(), lowest, right=True)) if lowest is not None else n
+        tail = keys[0, first:]
+        future = tail.view(1, -1) > query_positions.view(-1, 1)  # [w, n - first]
+        scores[..., first:].masked_fill_(future, float("-inf"))
+        return scores
+    return scores.masked_fill_(keys.view(-1, 1, n) > query_positions.view(1, window, 1), float("-inf"))
 
 
 def window_scores(
@@ -286,7 +311,7 @@ def window_scores(
         raise ValueError(f"window_reduction must be 'sum' or 'mean', got {window_reduction!r}")
     if group_reduction not in ("mean", "max"):
         raise ValueError(f"group_reduction must be 'mean' or 'max', got {group_reduction!r}")
-    window, num_q_heads, _ = queries.shape
+    num_q_heads = queries.shape[1]
     num_kv_heads, n, _ = keys.shape
     group = num_q_heads // num_kv_heads
     k = keys.float().repeat_interleave(group, dim=0)  # [Hq, n, d]
@@ -294,8 +319,7 @@ def window_scores(
     key_pos = key_positions.to(keys.device).reshape(-1, n)  # [1 or Hkv, n]
     if key_pos.shape[0] > 1:
         key_pos = key_pos.repeat_interleave(group, dim=0)  # [Hq, n]
-    causal = key_pos.view(-1, 1, n) <= query_positions.to(keys.device).view(1, window, 1)
-    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    probs = torch.softmax(mask_future_(scores, key_pos, query_positions.to(keys.device)), dim=-1)
     reduced = probs.sum(dim=1) if window_reduction == "sum" else probs.mean(dim=1)  # [Hq, n]
     grouped = reduced.view(num_kv_heads, group, n)
     return grouped.mean(dim=1) if group_reduction == "mean" else grouped.amax(dim=1)

@@ -10,8 +10,13 @@ the pool's own accounting:
 - prefill peak: the request's high-water mark of pages held (`KVStats.kv_bytes_peak`; exact, the
   cache updates it at every allocation) with `max_tokens=1`, so no decode step adds to it;
 - after prefill: what the request holds once compression is done;
-- reserved at admission: what the scheduler sets aside for the request (the uncompressed peak,
-  for every policy: admission stays conservative, see docs/architecture.md).
+- reserved at admission: what the scheduler sets aside for the request: the uncompressed prompt,
+  or, for a layer-wise policy whose prompt is one prefill chunk, the peak the policy declares
+  (`KVPolicy.prefill_peak_pages`, a bound valid for any prompt of this length);
+- admitted at once: with a pool of `ADMISSION_POOL_PROMPTS` uncompressed prompts and 16 copies of the
+  request waiting, how many the scheduler admits into its first step, each then prefilled and
+  compressed without error (whole-prompt chunks; not measured with `--max-batched-tokens`, where a
+  step's token budget, not the pool, limits admission).
 
 Rows: full (no compression); XKV with its per-request allocation (Algorithm 1 ranks every layer's
 scores together, so it compresses at the end of prefill); XKV with a saved profile, layer-wise;
@@ -34,9 +39,12 @@ from vllm_kvpress_ext.bench.models import model_or_bench_model
 from vllm_kvpress_ext.bench.report import format_table
 from vllm_kvpress_ext.bench.xkv_profile import profile_xkv
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
+from vllm_kvpress_ext.engine.layerwise import prefill_reservation
 from vllm_kvpress_ext.models import load_config
+from vllm_kvpress_ext.policies import load_policy
 
 PAGE_SIZE = 16
+ADMISSION_POOL_PROMPTS = 4  # the admission column's pool, in uncompressed prompts
 
 
 @dataclass(frozen=True)
@@ -104,7 +112,7 @@ def _run(config: PrefillPeakConfig, model_dir: Path, tmp: Path) -> list[dict[str
     ]
     engine = LLMEngine(model_dir, **kwargs)
     page_bytes = engine.cache.pool.bytes_per_page
-    reserved = engine.cache.pages_for_prompt(config.context_len) * page_bytes
+    whole_prompt = config.max_batched_tokens is None or config.max_batched_tokens >= config.context_len
     print(f"config: {asdict(config)}")
     print(
         f"model: {model_dir} ({layers} layers, {kv_heads} KV heads, head_dim {model_config.head_dim}), "
@@ -118,13 +126,17 @@ def _run(config: PrefillPeakConfig, model_dir: Path, tmp: Path) -> list[dict[str
         while engine.has_unfinished_requests():
             outputs += [o for o in engine.step() if o.finished]
         kv = outputs[0].kv
+        reserved = prefill_reservation(
+            load_policy(policy), config.context_len, whole_prompt, layers, kv_heads, PAGE_SIZE
+        )
         results.append(
             {
                 "policy": label,
                 "compression": form,
                 "prefill_peak_bytes": kv.kv_bytes_peak,
                 "final_bytes": kv.kv_bytes,
-                "reserved_bytes": reserved,
+                "reserved_bytes": reserved * page_bytes,
+                "admitted_at_once": _admitted_at_once(model_dir, kwargs, prompt, policy) if whole_prompt else None,
             }
         )
     full_peak = results[0]["prefill_peak_bytes"]
@@ -136,12 +148,43 @@ def _run(config: PrefillPeakConfig, model_dir: Path, tmp: Path) -> list[dict[str
             _mib(r["final_bytes"]),
             f"{r['prefill_peak_bytes'] / full_peak:.3f}",
             _mib(r["reserved_bytes"]),
+            "-" if r["admitted_at_once"] is None else str(r["admitted_at_once"]),
         ]
         for r in results
     ]
-    headers = ["policy", "compression", "prefill peak", "after prefill", "peak / full", "reserved at admission"]
+    headers = [
+        "policy",
+        "compression",
+        "prefill peak",
+        "after prefill",
+        "peak / full",
+        "reserved at admission",
+        f"admitted at once (pool of {ADMISSION_POOL_PROMPTS} prompts)",
+    ]
     print(format_table(headers, rows))
     return results
+
+
+def _admitted_at_once(model_dir: Path, kwargs: dict[str, Any], prompt: list[int], policy: Any) -> int:
+    """Requests the scheduler takes into its first step from 16 waiting, pool = `ADMISSION_POOL_PROMPTS` prompts.
+
+    Each of them must finish that step (prefill, compression, first token) without error to count.
+    """
+    waiting = 16
+    layers_heads_pages = kwargs["num_pages"] // (-(-(len(prompt) + 1) // PAGE_SIZE) + 1)  # layers x KV heads
+    engine = LLMEngine(
+        model_dir,
+        **{
+            **kwargs,
+            "num_pages": ADMISSION_POOL_PROMPTS * layers_heads_pages * -(-len(prompt) // PAGE_SIZE),
+            "max_num_seqs": waiting,
+            "max_num_batched_tokens": waiting * len(prompt),
+        },
+    )
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for _ in range(waiting):
+        engine.add_request(prompt, params, policy=policy)
+    return sum(1 for o in engine.step() if o.finished and o.finish_reason != "error")
 
 
 def _mib(num_bytes: int) -> str:

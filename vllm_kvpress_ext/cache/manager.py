@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_kvpress_ext.attention import ops
 from vllm_kvpress_ext.attention.reference import gather_paged
 from vllm_kvpress_ext.cache.plan import InvalidPlanError, KeepPlan
 from vllm_kvpress_ext.cache.pool import PagePool, PoolExhaustedError
@@ -217,7 +218,7 @@ class PagedKVCache:
             if bool(promote.any()):
                 src = ring_slots[..., 0][promote].to(self.device)
                 dst = slots[:, ring_b, :, 0][promote].to(self.device)
-                self._copy_slots(src, dst)
+                self._copy_slots(src, dst, disjoint=True)  # ring pages and global pages never coincide
             slots[:, ring_b] = ring_slots
             # The new token is not admitted until `admit` says otherwise.
             self._clear_flags(r, ring_slot)
@@ -337,35 +338,25 @@ class PagedKVCache:
     # ------------------------------------------------------------------ data
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store `keys`/`values` (`[..., head_dim]`) at flat `slots` (`[...]`, from `append_slots`)."""
+        """Store `keys`/`values` (`[..., head_dim]`) at flat `slots` (`[...]`, from `append_slots`).
+
+        Runs `attention.ops.write_kv`: the Triton kernel for a CUDA pool, the torch reference otherwise.
+        """
         if keys.shape != values.shape or keys.shape[:-1] != slots.shape:
             raise ValueError(
                 f"write shapes disagree: slots {tuple(slots.shape)}, keys {tuple(keys.shape)}, "
                 f"values {tuple(values.shape)}"
             )
-        rows_k = self._kv_rows(slots.reshape(-1))
-        flat = self.pool.kv.view(-1, self.head_dim)
-        flat[rows_k] = keys.reshape(-1, self.head_dim).to(device=flat.device, dtype=flat.dtype)
-        flat[rows_k + self.page_size] = values.reshape(-1, self.head_dim).to(device=flat.device, dtype=flat.dtype)
+        ops.write_kv(self.pool.kv, slots, keys.to(self.device), values.to(self.device))
 
-    def _kv_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """Row of each slot's key in `pool.kv` viewed as `[num_pages * 2 * page_size, head_dim]`.
+    def _copy_slots(self, src: torch.Tensor, dst: torch.Tensor, disjoint: bool = False) -> None:
+        """Copy K, V and positions from flat slots `src` to `dst` (reads happen before writes).
 
-        The value sits `page_size` rows further. Single-index row gathers and scatters take torch's
-        fast path, unlike indexing `kv[page, :, offset]` with a slice between two index tensors.
+        Runs `attention.ops.copy_slots` (kernel on a CUDA pool, reference otherwise). `disjoint` says no
+        slot is both a source and a destination (eviction's tail-into-hole moves, ring promotions), which
+        lets the kernel copy in one pass; order-preserving compaction must leave it False.
         """
-        ps = self.page_size
-        return torch.div(slots, ps, rounding_mode="floor") * (2 * ps) + slots % ps
-
-    def _copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy K, V and positions from flat slots `src` to `dst` (reads happen before writes)."""
-        ps = self.page_size
-        src_rows, dst_rows = self._kv_rows(src), self._kv_rows(dst)
-        flat = self.pool.kv.view(-1, self.head_dim)
-        both_src = torch.cat([src_rows, src_rows + ps])
-        flat[torch.cat([dst_rows, dst_rows + ps])] = flat[both_src]
-        pos = self.pool.positions.view(-1)
-        pos[dst] = pos[src]
+        ops.copy_slots(self.pool.kv, self.pool.positions, src, dst, disjoint=disjoint)
 
     def admit(self, layer: int, rows: torch.Tensor | list[int], flags: torch.Tensor) -> None:
         """Set the admission flags `[B, H]` of the token each ring row just appended in `layer`."""
@@ -513,7 +504,8 @@ class PagedKVCache:
         if src_e.numel():
             src = self._slot(g_l[src_g], g_r[src_g], g_h[src_g], src_e)
             dst = self._slot(g_l[dst_g], g_r[dst_g], g_h[dst_g], dst_e)
-            self._copy_slots(src.to(self.device), dst.to(self.device))
+            # Sources lie at or past each head's new length, holes below it: never the same slot.
+            self._copy_slots(src.to(self.device), dst.to(self.device), disjoint=True)
         # Truncate each touched (l, r, h): free pages past the new length.
         ps = self.page_size
         have, keep_pages = _ceil_div(g_len, ps), _ceil_div(g_new, ps)
@@ -588,9 +580,7 @@ class PagedKVCache:
         ring_slot = e_idx % window  # [L, H, m]
         dst_page = pages.to(torch.int64)[l_idx, h_idx, torch.div(ring_slot, ps, rounding_mode="floor")]
         dst = (dst_page * ps + ring_slot % ps).reshape(-1).to(self.device)
-        dst_page, dst_off = torch.div(dst, ps, rounding_mode="floor"), dst % ps
-        self.pool.kv[dst_page, :, dst_off] = ring_kv
-        self.pool.positions[dst_page, dst_off] = ring_pos
+        ops.write_kv(self.pool.kv, dst, ring_kv[:, 0], ring_kv[:, 1], self.pool.positions, ring_pos)
         row_flags = self.ring_flags[:, row]  # view [L, H, W]
         row_flags.zero_()
         row_flags[..., e % window] = admitted[..., n - in_ring :].cpu()

@@ -33,8 +33,8 @@ from vllm_kvpress_ext.policies.capture import PrefillCapture
 class LayerwisePrefill(Protocol):
     """Per-layer allocation and compression of one segment (implemented by the engine)."""
 
-    def slots(self, layer: int) -> torch.Tensor:
-        """Allocate the segment's slots in `layer` now; `[Hkv, n]` flat slot ids."""
+    def slots(self, layer: int) -> torch.Tensor | None:
+        """Allocate the segment's slots in `layer` now; `[Hkv, n]` flat slot ids, None if the request failed."""
         ...
 
     def compress(self, layer: int) -> None:
@@ -83,6 +83,11 @@ class PrefillContext:
             sl = slice(seg.offset, seg.offset + seg.length)
             if seg.layerwise is not None:
                 slots = seg.layerwise.slots(layer_idx)
+                if slots is None:
+                    # This request failed its layer-wise prefill (it is dropped after the pass): it gets no
+                    # pages, and an output over its own chunk only keeps the batch's pass going.
+                    out[sl] = causal_attention(q[sl][None], k[sl][None], v[sl][None], self.scale)[0]
+                    continue
             else:
                 assert seg.slots is not None
                 slots = seg.slots[layer_idx, 0]

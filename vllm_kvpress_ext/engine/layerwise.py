@@ -9,10 +9,44 @@ import torch
 from vllm_kvpress_ext.cache import KeepPlan
 from vllm_kvpress_ext.engine.request import Request
 from vllm_kvpress_ext.policies import KVPolicy
-from vllm_kvpress_ext.policies.base import LayerKeep, RequestPrefill
+from vllm_kvpress_ext.policies.base import LayerKeep, RequestPrefill, full_prompt_pages
 
 if TYPE_CHECKING:
     from vllm_kvpress_ext.engine.model_runner import ModelRunner
+
+
+def _ceil_div(x: int, d: int) -> int:
+    return -(-x // d)
+
+
+class PrefillPeakExceededError(RuntimeError):
+    """A layer-wise prefill needed more pages than its policy declared (`KVPolicy.prefill_peak_pages`)."""
+
+
+def prefill_reservation(
+    policy: KVPolicy | None,
+    length: int,
+    whole_prompt: bool,
+    num_layers: int,
+    num_kv_heads: int,
+    page_size: int,
+    gated: bool = False,
+) -> int:
+    """Pages a scheduler reserves for a prefill of `length` entries; the engine holds the request to it.
+
+    The full prompt in every layer and head, unless the prefill compresses layer by layer in one chunk
+    (`whole_prompt`: the first chunk is the whole prefill; a write-gated request never does): then the
+    policy's declared peak, capped at the full prompt. A declaration that raises counts as the full
+    prompt, and the request's own prefill will report the error.
+    """
+    full = full_prompt_pages(length, num_layers, num_kv_heads, page_size)
+    if policy is None or gated or not whole_prompt or not policy.compresses_layerwise:
+        return full
+    try:
+        declared = int(policy.prefill_peak_pages(length, num_layers, num_kv_heads, page_size))
+    except Exception:
+        return full
+    return max(0, min(full, declared))
 
 
 class LayerwiseCompression:
@@ -26,9 +60,13 @@ class LayerwiseCompression:
     those layers at once, returning their pages before layer l + 1 allocates. No later layer
     reads layer l's cache, so hidden states and logits are those of the ordinary path.
 
-    A policy that raises does not stop the batch's forward pass: the error is kept in `error`, the
-    remaining layers are left uncompressed (admission reserved the uncompressed peak, so they still
-    fit), and the runner fails this request alone once the pass is over.
+    The request never holds more than `reserved` pages (`prefill_reservation`: the policy's declared
+    peak for a one-chunk prefill, the full prompt otherwise), which is what its scheduler set aside. A
+    policy that raises, or a layer whose pages would pass the reservation (the declaration was wrong),
+    does not stop the batch's forward pass: the error is kept in `error`, the remaining layers of this
+    request get no pages (`slots` returns None; nothing is written for them and their attention output
+    is discarded), and the runner fails this request alone once the pass is over, freeing its pages.
+    Other requests never see a page they were promised taken.
     """
 
     def __init__(self, runner: ModelRunner, request: Request, start: int, end: int) -> None:
@@ -53,11 +91,35 @@ class LayerwiseCompression:
         self.held: list[torch.Tensor | None] = [None] * config.num_hidden_layers
         self.seconds = 0.0
         self.error: Exception | None = None
+        self.start, self.end = start, end
+        self.reserved = prefill_reservation(
+            self.policy,
+            end,
+            start == 0,
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            runner.cache.page_size,
+            request.admission is not None,
+        )
 
-    def slots(self, layer: int) -> torch.Tensor:
-        """This chunk's slots in `layer`. Cannot exhaust the pool: admission reserved the uncompressed peak."""
+    def slots(self, layer: int) -> torch.Tensor | None:
+        """This chunk's slots in `layer`, or None once this request failed or would pass its reservation."""
+        if self.error is not None:
+            return None
+        cache = self.runner.cache
+        request_id = self.request.request_id
+        held = int(cache.pages_per_head(request_id).sum())
+        ps, heads = cache.page_size, cache.num_kv_heads
+        # Layer `layer` holds the earlier chunks' `start` entries per head and grows to `end`.
+        new_pages = heads * (_ceil_div(self.end, ps) - _ceil_div(self.start, ps))
+        if held + new_pages > self.reserved:
+            self.error = PrefillPeakExceededError(
+                f"layer {layer} needs {new_pages} more pages on top of {held} held, past the {self.reserved} "
+                f"reserved for this prefill ({type(self.policy).__name__}.prefill_peak_pages is too low)"
+            )
+            return None
         assert self.request.row is not None
-        return self.runner.cache.append_layer_slots(layer, self.request.row, self.positions)
+        return cache.append_layer_slots(layer, self.request.row, self.positions)
 
     def compress(self, layer: int) -> None:
         if self.error is not None:

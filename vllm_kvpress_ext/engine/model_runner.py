@@ -29,7 +29,7 @@ from vllm_kvpress_ext.cache import PagedKVCache, PagePool
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
 from vllm_kvpress_ext.engine.kept import kept_entries
-from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression
+from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
 from vllm_kvpress_ext.engine.request import Request, RequestStatus
 from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.loader import resolve_dtype
@@ -174,6 +174,22 @@ class ModelRunner:
         request.policy_state = None
         request.capture = None
         request.admitted = None
+
+    def prefill_reservation(self, request: Request, first_chunk_end: int) -> int:
+        """Pages to reserve for the request's prefill if its first chunk ends at `first_chunk_end`.
+
+        The full prompt, or the policy's declared peak when the whole prefill is one layer-wise chunk
+        (`layerwise.prefill_reservation`); the layer-wise prefill holds the request to the same figure.
+        """
+        return prefill_reservation(
+            request.policy,
+            request.prefill_target,
+            first_chunk_end == request.prefill_target,
+            self.config.num_hidden_layers,
+            self.config.num_key_value_heads,
+            self.cache.page_size,
+            request.admission is not None,
+        )
 
     # ------------------------------------------------------------------ stepping
 

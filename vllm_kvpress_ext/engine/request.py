@@ -60,6 +60,7 @@ class Request:
     text: str = ""
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    reserved_pages: int = 0  # what the embedded scheduler set aside for this prefill at admission
     kv: KVStats = field(default_factory=KVStats)
     policy_state: Any = None
     capture: Any = None  # PrefillCapture while a compressing policy's prefill runs

@@ -3,9 +3,11 @@
 Each step is either a prefill step or a decode step:
 
 - Prefill: chunks of admitted-but-unfinished prompts, then newly admitted requests, up to
-  `max_num_batched_tokens` tokens. A waiting request is admitted only when the pages of its
-  whole prefill (its peak before compression) fit in what is free after the pages already
-  promised to unfinished prefills.
+  `max_num_batched_tokens` tokens. A waiting request is admitted only when its prefill peak fits in
+  what is free after the pages already promised to unfinished prefills. The peak is the whole
+  prompt in every layer and head, except for a prefill that compresses layer by layer in one chunk:
+  then it is what the policy declares (`KVPolicy.prefill_peak_pages`), and the engine fails the
+  request alone if it ever needs more, so a wrong declaration cannot take another request's pages.
 - Decode: one token for every running request. If the pool cannot take the step, the most
   recently admitted request is preempted: its pages are freed and it goes back to the front of
   the queue to be recomputed later (prompt and generated tokens alike), never dropped.
@@ -49,13 +51,12 @@ class Scheduler:
         return bool(self.waiting or self.active)
 
     def _pages_promised(self) -> int:
-        """Pages that unfinished prefills will still allocate."""
+        """Pages that unfinished prefills may still allocate: their reservation less what they hold."""
         promised = 0
         for req in self.active:
             if req.status is RequestStatus.PREFILLING:
-                promised += self.cache.pages_for_prompt(req.prefill_target) - self.cache.pages_for_prompt(
-                    req.num_processed
-                )
+                held = int(self.cache.pages_per_head(req.request_id).sum())
+                promised += max(0, req.reserved_pages - held)
         return promised
 
     def schedule(self) -> SchedulerOutput:
@@ -86,14 +87,15 @@ class Scheduler:
         available = free - self._pages_promised()
         while self.waiting and budget > 0 and len(self.active) < self.max_num_seqs:
             req = self.waiting[0]
-            peak = self.cache.pages_for_prompt(req.prefill_target)
+            end = min(req.prefill_target, budget)
+            peak = self.runner.prefill_reservation(req, end)
             if peak > available:
                 break
             self.waiting.popleft()
             self.runner.add(req)
             self.active.append(req)
+            req.reserved_pages = peak
             available -= peak
-            end = min(req.prefill_target, budget)
             chunks.append(ScheduledChunk(req, 0, end))
             budget -= end
         return chunks

@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from vllm_kvpress_ext.attention import ops
+from vllm_kvpress_ext.attention.reference import mask_future_
 from vllm_kvpress_ext.cache import KeepPlan
 from vllm_kvpress_ext.policies.capture import CaptureSpec, LayerCapture
 
@@ -297,6 +299,18 @@ class KVPolicy:
         """
         raise NotImplementedError(f"{type(self).__name__} does not compress layer by layer")
 
+    def prefill_peak_pages(self, length: int, num_layers: int, num_kv_heads: int, page_size: int) -> int:
+        """Most pages a request holds during a layer-wise prefill of its `length`-entry prompt in one chunk.
+
+        Schedulers reserve this at admission instead of the whole prompt in every layer, and the engine
+        holds the request to it: an allocation past it fails that request alone. Only consulted when
+        `compresses_layerwise` is True and the whole prompt is one prefill chunk (otherwise the earlier
+        chunks write every layer whole and the full prompt is reserved). Default: the full prompt,
+        `full_prompt_pages`. A layer-wise policy returns a bound that holds for every prompt of this
+        length, whatever its scores (`pages_bound` turns entry counts into pages).
+        """
+        return full_prompt_pages(length, num_layers, num_kv_heads, page_size)
+
     @property
     def wants_decode_steps(self) -> bool:
         return False
@@ -315,6 +329,26 @@ class KVPolicy:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+# ---------------------------------------------------------------------- prefill peak arithmetic
+
+
+def full_prompt_pages(length: int, num_layers: int, num_kv_heads: int, page_size: int) -> int:
+    """Pages of an uncompressed prompt: `length` entries in every (layer, KV head)."""
+    return num_layers * num_kv_heads * -(-length // page_size)
+
+
+def pages_bound(entries: int, sequences: int, page_size: int, max_per_sequence: int) -> int:
+    """Most pages `entries` entries can take when split in any way over `sequences` (layer, head) page lists.
+
+    Each list holds at most `max_per_sequence` entries and rounds its last page up, so the pages are at
+    most ceil(entries / page_size) + sequences - 1 (every list but one wasting part of a page), and never
+    more than every list full.
+    """
+    if entries <= 0 or sequences <= 0:
+        return 0
+    return min(sequences * -(-max_per_sequence // page_size), -(-entries // page_size) + sequences - 1)
+
+
 # ---------------------------------------------------------------------- shared scoring
 
 
@@ -329,9 +363,35 @@ def window_attention(
     group = num_q_heads // keys.shape[0]
     k = keys.float().repeat_interleave(group, dim=0)  # [Hq, n, d]
     scores = torch.einsum("whd,hnd->hwn", queries.float(), k) * scale
-    causal = key_positions.view(1, 1, -1) <= query_positions.view(1, -1, 1)
-    scores = scores.masked_fill(~causal, float("-inf"))
-    return torch.softmax(scores, dim=-1)
+    return torch.softmax(mask_future_(scores, key_positions.view(-1), query_positions.view(-1)), dim=-1)
+
+
+def window_votes(
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float,
+    window_reduction: str = "sum",
+    group_reduction: str | None = "mean",
+) -> torch.Tensor:
+    """`window_attention` reduced over the window, then over each KV head's query heads: `[Hkv, n]` fp32.
+
+    Runs `attention.ops.window_scores`, so a CUDA layer gets the Triton kernel (which never materialises
+    the `[Hq, w, n]` probabilities) and the CPU the torch reference (the same math as `window_attention`
+    followed by the reductions, bit for bit). `group_reduction=None` keeps one row per query head,
+    `[Hq, n]`, for policies that transform per query head before reducing: the keys are then repeated per
+    query head (group 1), a temporary copy of `G` times the layer's keys on the kernel path.
+    """
+    if group_reduction is not None:
+        check_choice("gqa_reduction", group_reduction, GQA_REDUCTIONS)
+        reduction = group_reduction
+        return ops.window_scores(queries, query_positions, keys, key_positions, scale, window_reduction, reduction)
+    group = queries.shape[1] // keys.shape[0]
+    if key_positions.dim() == 2:
+        key_positions = key_positions.repeat_interleave(group, dim=0)
+    expanded = keys.repeat_interleave(group, dim=0)  # [Hq, n, d]
+    return ops.window_scores(queries, query_positions, expanded, key_positions, scale, window_reduction, "mean")
 
 
 def reduce_group(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
@@ -403,9 +463,12 @@ __all__ = [
     "PolicyConfigError",
     "RequestPrefill",
     "check_choice",
+    "full_prompt_pages",
     "keep_top",
+    "pages_bound",
     "pool_scores",
     "recent_window",
     "reduce_group",
     "window_attention",
+    "window_votes",
 ]

@@ -112,14 +112,41 @@ def vote(queries: torch.Tensor, keys: torch.Tensor, budgets: torch.Tensor) -> to
     queries = queries.to(device=keys.device, dtype=torch.float32)
     budgets = budgets.to(keys.device)
     keep = torch.zeros(num_kv, n, dtype=torch.bool, device=keys.device)
-    positions = torch.arange(n, device=keys.device).view(1, n)
     for kv in range(num_kv):
         rows = queries[:, kv * group : (kv + 1) * group].reshape(samples * group, dim)  # row s * G + g
         scores = rows @ keys[kv].float().T  # [S * G, n]
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-        take = positions < budgets[kv * group : (kv + 1) * group].repeat(samples).view(-1, 1)
-        keep[kv] = torch.zeros_like(take).scatter_(-1, order, take).any(dim=0)
+        take = budgets[kv * group : (kv + 1) * group].repeat(samples).clamp(1, n)  # [S * G]
+        keep[kv] = top_with_low_ties(scores, take).any(dim=0)
     return keep
+
+
+def top_with_low_ties(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Bool `[R, n]`: per row, the `counts[r]` (in [1, n]) highest scores, ties going to the lower index.
+
+    The same set a stable descending sort would give, without ordering the indices: the counts[r]-th
+    largest value is the row's threshold, found by a partial selection from whichever end is shorter
+    (the counts[r]-th largest is the (n - counts[r] + 1)-th smallest); everything above it is kept,
+    and of the entries equal to it the lowest-indexed ones fill the rest. Usually only the threshold
+    itself sits at the threshold, and then "at or above" is the answer with no tie pass at all.
+    """
+    n = scores.shape[-1]
+    counts = counts.view(-1, 1)
+    from_top = int(counts.max())
+    from_bottom = n - int(counts.min()) + 1
+    if from_top <= from_bottom:
+        values = torch.topk(scores, from_top, dim=-1, largest=True, sorted=True).values
+        threshold = values.gather(-1, counts - 1)
+    else:
+        values = torch.topk(scores, from_bottom, dim=-1, largest=False, sorted=True).values
+        threshold = values.gather(-1, n - counts)
+    keep = scores >= threshold
+    held = keep.sum(dim=-1, keepdim=True)
+    if bool((held == counts).all()):
+        return keep
+    above = scores > threshold
+    ties = scores == threshold
+    room = counts - above.sum(dim=-1, keepdim=True)
+    return above | (ties & (ties.cumsum(dim=-1) <= room))
 
 
 @dataclass

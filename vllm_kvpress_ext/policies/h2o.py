@@ -22,8 +22,10 @@ the cost is one sort over each head's entries to re-align them, which stays O(B 
 
 Prefill scores need every prompt query. By default (`observation_window: null`) the policy asks
 the forward pass to capture all prompt queries ([n, Hq, d] per layer, i.e. G times the size of the
-keys, held until the plan is made) and computes the n x n attention in query blocks of bounded
-memory: O(n^2 Hq d) work per layer, the same order as the prefill's own attention. Setting
+keys, held until the plan is made) and computes the column sums exactly without materialising the
+n x n attention (`causal_column_sums`: two fused causal attention passes, the second over the
+transposed, reversed problem biased by the first's log-sum-exp): O(n^2 Hq d) work per layer, the
+same order as the prefill's own attention. Setting
 `observation_window: W` scores with the last W queries only (SnapKV-style, no pooling): O(W n)
 work and W queries captured, a cheaper approximation of the paper's sums.
 
@@ -76,29 +78,95 @@ BLOCK_ELEMENTS = 1 << 24  # attention probabilities materialised at once while s
 def accumulated_attention(layer: LayerPrefill, window: int | None, how: str) -> torch.Tensor:
     """Column sums `[Hkv, n]` of the causal attention of the captured queries (all, or the last `window`).
 
-    Queries are processed in blocks so that at most `BLOCK_ELEMENTS` probabilities exist at once;
-    keys are read per KV head (no per-block copy for the query heads of a group).
+    The whole prompt's queries over its own keys (the default; positions 0..n-1 on both sides) go to
+    `causal_column_sums`, which never materialises more than a tile of the n x n probabilities. A
+    window, or positions of any other shape, go to `dense_column_sums` (bounded query blocks).
     """
     capture = layer.capture
     assert capture is not None and capture.queries is not None and capture.query_positions is not None
     queries, qpos = capture.queries, capture.query_positions
     if window is not None:
         queries, qpos = queries[-window:], qpos[-window:]
-    heads, n = layer.num_kv_heads, layer.length
+    key_positions = layer.positions.to(layer.keys.device)
+    prompt = torch.arange(layer.length, device=key_positions.device)
+    if window is None and torch.equal(key_positions, prompt) and torch.equal(qpos.to(prompt.device), prompt):
+        total = causal_column_sums(queries, layer.keys, layer.scale)
+    else:
+        total = dense_column_sums(queries, qpos, layer.keys, key_positions, layer.scale)
+    reduced = total.mean(dim=1) if how == "mean" else total.amax(dim=1)
+    return reduced.cpu()
+
+
+def dense_column_sums(
+    queries: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor, key_positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Column sums `[Hkv, G, n]` per query head, by query blocks of at most `BLOCK_ELEMENTS` probabilities.
+
+    queries `[m, Hq, d]` at `query_positions[m]`, keys `[Hkv, n, d]` at `key_positions[n]`; causal by
+    position. Keys are read per KV head (no per-block copy for the query heads of a group).
+    """
+    heads, n = keys.shape[0], keys.shape[1]
     group = queries.shape[1] // heads
-    keys = layer.keys.float()  # [Hkv, n, d]
-    key_positions = layer.positions.to(keys.device)
+    keys = keys.float()
     block = max(1, BLOCK_ELEMENTS // max(1, queries.shape[1] * n))
     total = torch.zeros(heads, group, n, dtype=torch.float32, device=keys.device)
     for start in range(0, queries.shape[0], block):
         q = queries[start : start + block].float().to(keys.device)
         q = q.view(q.shape[0], heads, group, -1)  # [b, Hkv, G, d]
-        logits = torch.einsum("bhgd,hnd->hgbn", q, keys) * layer.scale
-        causal = key_positions.view(1, -1) <= qpos[start : start + block].to(keys.device).view(-1, 1)  # [b, n]
+        logits = torch.einsum("bhgd,hnd->hgbn", q, keys) * scale
+        causal = key_positions.view(1, -1) <= query_positions[start : start + block].to(keys.device).view(-1, 1)
         probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
         total += probs.sum(dim=2)
-    reduced = total.mean(dim=1) if how == "mean" else total.amax(dim=1)
-    return reduced.cpu()
+    return total
+
+
+def causal_column_sums(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Column sums `[Hkv, G, n]` of a prompt's causal attention: query i (position i) over keys 0..i.
+
+    With A[i, j] = exp(s_ij - lse_i), the sum over i >= j of A[i, j] is exp(log-sum-exp over i >= j of
+    (s_ij - lse_i)): the log-sum-exp of the transposed problem, where key j queries the prompt's
+    queries i >= j with a bias -lse_i. Reversing both sequences makes "i >= j" causal, and the bias
+    rides in one extra head dimension (key side 1, query side -lse_i / scale). So two fused causal
+    attention passes give the sums: the first yields lse_i, the second the column log-sums; neither
+    materialises the n x n probabilities. On a CPU those passes are torch's flash attention, which
+    returns the log-sum-exp (`aten._scaled_dot_product_flash_attention_for_cpu`); elsewhere, or if
+    that op is missing, `tiled_column_sums` does the same sums by query tiles over their visible keys.
+    Equal to `dense_column_sums` up to float rounding (the same plans; tests/test_policies_baselines.py).
+    """
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if flash is None or keys.device.type != "cpu":
+        return tiled_column_sums(queries, keys, scale)
+    heads, n = keys.shape[0], keys.shape[1]
+    num_q_heads = queries.shape[1]
+    group = num_q_heads // heads
+    q = queries.float().transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, n, d]
+    k = keys.float().repeat_interleave(group, dim=0).unsqueeze(0).contiguous()  # [1, Hq, n, d]
+    _, lse = flash(q, k, torch.zeros_like(q), 0.0, True, scale=scale)  # [1, Hq, n], natural log
+    # Reversed and transposed: the keys query the queries, each query carrying its -lse in one more dimension.
+    as_queries = torch.cat([k.flip(2), torch.ones(1, num_q_heads, n, 1)], dim=-1)
+    as_keys = torch.cat([q.flip(2), (-lse.float() / scale).flip(-1).unsqueeze(-1)], dim=-1)
+    _, column_lse = flash(as_queries, as_keys, torch.zeros_like(as_keys), 0.0, True, scale=scale)
+    return column_lse.flip(-1).exp().view(heads, group, n)
+
+
+def tiled_column_sums(queries: torch.Tensor, keys: torch.Tensor, scale: float, tile: int = 512) -> torch.Tensor:
+    """`causal_column_sums` by query tiles: each tile of queries over the keys it can see (0..its last position).
+
+    Never more than `tile` x n probabilities per query head at once, and about half the work of
+    `dense_column_sums` (no key past a tile's last query is scored).
+    """
+    heads, n, dim = keys.shape
+    group = queries.shape[1] // heads
+    keys = keys.float()
+    q = (queries.float().to(keys.device) * scale).view(n, heads, group, dim).permute(1, 2, 0, 3)  # [Hkv, G, n, d]
+    total = torch.zeros(heads, group, n, dtype=torch.float32, device=keys.device)
+    future = torch.ones(tile, tile, dtype=torch.bool, device=keys.device).triu(1)
+    for start in range(0, n, tile):
+        end = min(n, start + tile)
+        logits = torch.matmul(q[:, :, start:end], keys[:, None, :end].transpose(-1, -2))  # [Hkv, G, b, end]
+        logits[..., start:end].masked_fill_(future[: end - start, : end - start], float("-inf"))
+        total[..., :end] += torch.softmax(logits, dim=-1).sum(dim=2)
+    return total
 
 
 def reduce_decode_attention(attention: torch.Tensor, how: str) -> torch.Tensor:

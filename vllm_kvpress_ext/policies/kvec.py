@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvpress_ext.attention import ops
 from vllm_kvpress_ext.cache import KeepPlan
 from vllm_kvpress_ext.policies.base import (
     LayerPrefill,
@@ -64,6 +65,7 @@ from vllm_kvpress_ext.policies.base import (
     recent_window,
     reduce_group,
     window_attention,
+    window_votes,
 )
 from vllm_kvpress_ext.policies.capture import CaptureSpec
 from vllm_kvpress_ext.policies.snapkv import ObservationWindowScores
@@ -71,14 +73,23 @@ from vllm_kvpress_ext.policies.snapkv import ObservationWindowScores
 STATE_KEY = "kvec_layer_hits"
 
 
-def window_probs(layer: LayerPrefill, num_queries: int) -> torch.Tensor:
-    """Attention `[Hq, q, n]` of the last `num_queries` captured queries (fewer if fewer were captured)."""
+def _last_queries(layer: LayerPrefill, num_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
     capture = layer.capture
     assert capture is not None and capture.queries is not None and capture.query_positions is not None
     q = max(1, min(num_queries, capture.queries.shape[0]))
-    return window_attention(
-        capture.queries[-q:], capture.query_positions[-q:], layer.keys, layer.positions, layer.scale
-    )
+    return capture.queries[-q:], capture.query_positions[-q:]
+
+
+def window_probs(layer: LayerPrefill, num_queries: int) -> torch.Tensor:
+    """Attention `[Hq, q, n]` of the last `num_queries` captured queries (fewer if fewer were captured)."""
+    queries, qpos = _last_queries(layer, num_queries)
+    return window_attention(queries, qpos, layer.keys, layer.positions, layer.scale)
+
+
+def window_means(layer: LayerPrefill, num_queries: int, how: str) -> torch.Tensor:
+    """Window-mean attention per KV head `[Hkv, n]` (GQA reduced by `how`) through `attention.ops`."""
+    queries, qpos = _last_queries(layer, num_queries)
+    return window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "mean", how)
 
 
 def unique_token_coverage(keep: torch.Tensor | KeepPlan, length: int | None = None) -> float:
@@ -137,10 +148,9 @@ class KVECPolicy(ObservationWindowScores):
     def capture_spec(self) -> CaptureSpec:
         return CaptureSpec(window=max(self.window, self.extended_window if self.delta > 0 else 0))
 
-    def _head_scores(self, probs: torch.Tensor, heads: int, prefix: int) -> torch.Tensor:
-        """Window-mean attention of the prefix entries per KV head, pooled: `[H, prefix]`."""
-        scores = reduce_group(probs[:, :, :prefix].mean(dim=1), heads, self.gqa_reduction)
-        return pool_scores(scores, self.kernel_size, self.pooling)
+    def _head_scores(self, means: torch.Tensor, prefix: int) -> torch.Tensor:
+        """Window-mean attention per KV head (`[H, n]`) of the prefix entries, pooled: `[H, prefix]`."""
+        return pool_scores(means[:, :prefix], self.kernel_size, self.pooling)
 
     def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> torch.Tensor:
         n, heads = layer.length, layer.num_kv_heads
@@ -163,16 +173,28 @@ class KVECPolicy(ObservationWindowScores):
     def _select(self, layer: LayerPrefill, hits: torch.Tensor, budget: int, window: int) -> torch.Tensor:
         n, heads = layer.length, layer.num_kv_heads
         prefix = n - window  # here window == self.window < n (budget > window and budget < n)
-        probs = window_probs(layer, self.window)  # [Hq, O, n]
-        scores = self._head_scores(probs, heads, prefix)  # P [H, prefix]
+        probs: torch.Tensor | None = None
+        if ops.backend(layer.keys) == "reference":
+            # One probability tensor serves P and I (the max over query heads needs it anyway), and
+            # reducing it is what `window_votes` would compute, bit for bit.
+            probs = window_probs(layer, self.window)  # [Hq, O, n]
+            means = reduce_group(probs.mean(dim=1), heads, self.gqa_reduction)
+        else:  # the kernel reduces without materialising the probabilities
+            means = window_means(layer, self.window, self.gqa_reduction)
+        scores = self._head_scores(means, prefix)  # P [H, prefix]
         cross_head = scores.clone()  # Pc
         delta = min(self.delta, heads)
         if delta > 0:
             sigma = scores.std(dim=-1, unbiased=False)
             low = torch.sort(sigma, stable=True).indices[:delta]
-            extended = self._head_scores(window_probs(layer, self.extended_window), heads, prefix)
+            extended = self._head_scores(window_means(layer, self.extended_window, self.gqa_reduction), prefix)
             cross_head[low] = extended[low]
-        importance = probs[:, :, :prefix].amax(dim=0).mean(dim=0)  # I [prefix]
+        if probs is None and self.lam > 0:
+            probs = window_probs(layer, self.window)
+        if probs is None:  # lambda = 0: the focus term vanishes
+            importance = torch.zeros(prefix, device=scores.device)
+        else:
+            importance = probs[:, :, :prefix].amax(dim=0).mean(dim=0)  # I [prefix]
         coverage = hits[:prefix].to(importance.device) / (layer.layer + 1)
         adjusted = cross_head + self.lam * (importance * (1.0 - coverage))  # P'
         forced_count = min(int(self.beta * budget), budget - window)

@@ -84,10 +84,11 @@ from vllm_kvpress_ext.policies.base import (
     LayerKeep,
     LayerPrefill,
     RequestPrefill,
+    pages_bound,
     pool_scores,
     recent_window,
     reduce_group,
-    window_attention,
+    window_votes,
 )
 from vllm_kvpress_ext.policies.snapkv import ObservationWindowScores
 
@@ -220,12 +221,18 @@ class LavaPolicy(ObservationWindowScores):
         capture = layer.capture
         assert capture is not None and capture.queries is not None and capture.query_positions is not None
         w = max(1, min(self.window, capture.queries.shape[0]))
-        probs = window_attention(
-            capture.queries[-w:], capture.query_positions[-w:], layer.keys, layer.positions, layer.scale
-        )  # [Hq, w, n]
-        votes = pool_scores(probs[:, :, :prefix].sum(dim=1), self.kernel_size, self.pooling)  # [Hq, prefix]
+        queries, qpos = capture.queries[-w:], capture.query_positions[-w:]
         value_norm = layer.values[:, :prefix].float().abs().sum(dim=-1).amax(dim=-1)  # [Hkv]
-        group = probs.shape[0] // layer.num_kv_heads
+        if self.gqa_reduction == "max" and (self.pooling == "maxpool" or self.kernel_size <= 1):
+            # Max over the group commutes with max-pooling and with the positive per-KV-head scale, exactly,
+            # so the group can be reduced first, inside `window_votes` (the kernel on CUDA, [Hkv, n] only).
+            votes = window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "sum", "max")
+            pooled = pool_scores(votes[:, :prefix], self.kernel_size, self.pooling)  # [Hkv, prefix]
+            return pooled * (value_norm.to(pooled.device) / w).unsqueeze(-1)
+        # Otherwise pool and scale per query head first, as the equations order it.
+        per_query = window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "sum", None)  # [Hq, n]
+        votes = pool_scores(per_query[:, :prefix], self.kernel_size, self.pooling)  # [Hq, prefix]
+        group = votes.shape[0] // layer.num_kv_heads
         scaled = votes * (value_norm.to(votes.device) / w).repeat_interleave(group).unsqueeze(-1)
         return reduce_group(scaled, layer.num_kv_heads, self.gqa_reduction)
 
@@ -279,6 +286,33 @@ class LavaPolicy(ObservationWindowScores):
     def compresses_layerwise(self) -> bool:
         """The cascading form compresses (and re-compresses) layers during the last prefill chunk."""
         return self.cascading
+
+    def prefill_peak_pages(self, length: int, num_layers: int, num_kv_heads: int, page_size: int) -> int:
+        """Cascading form: a bound valid for any entropies (they are only known once each layer is scored).
+
+        While layer l is prefilled (all n entries per head), layers 0..l-1 hold their step-(l-1) budgets,
+        which share at most min(T, l * cap) selectable entries (T = L H (B - w), cap = H (n - w)) plus one
+        per layer from rounding the intermediate steps up (`cascade_step`), and their windows, l H w.
+        How those entries split over the l H (layer, head) page lists is score-dependent, so their pages
+        are bounded by `pages_bound`. Without ranking (the budget keeps everything, or only the window)
+        every head keeps the same count and the bound is exact.
+        """
+        full = super().prefill_peak_pages(length, num_layers, num_kv_heads, page_size)
+        if not self.cascading:
+            return full
+        heads, n = num_kv_heads, length
+        budget, window, ranked = self._shape(n)
+        whole = heads * -(-n // page_size)
+        if not ranked:
+            kept = heads * -(-(n if budget >= n else window) // page_size)
+            return min(full, max(kept * (num_layers - 1) + whole, kept * num_layers))
+        total, cap = num_layers * heads * (budget - window), heads * (n - window)
+        peak = whole
+        for layer in range(1, num_layers):
+            earlier = min(total, layer * cap) + layer + layer * heads * window
+            peak = max(peak, pages_bound(earlier, layer * heads, page_size, n) + whole)
+        final = pages_bound(total + num_layers * heads * window, num_layers * heads, page_size, n)
+        return min(full, max(peak, final))
 
     def plan_layer(
         self, request: RequestPrefill, layer: int, layer_results: list[Any], state: dict[str, Any]

@@ -41,7 +41,7 @@ from vllm_kvpress_ext.policies.base import (
     pool_scores,
     recent_window,
     reduce_group,
-    window_attention,
+    window_votes,
 )
 from vllm_kvpress_ext.policies.capture import CaptureSpec
 
@@ -77,26 +77,33 @@ class ObservationWindowScores(KVPolicy):
         """The protected window: never longer than the prompt or the budget (see base docstring)."""
         return min(self.window, length, budget)
 
-    def query_votes(self, layer: LayerPrefill) -> torch.Tensor:
-        """Window votes per query head `[Hq, n]`: each entry's attention summed over the window's queries."""
+    def _window(self, layer: LayerPrefill) -> tuple[torch.Tensor, torch.Tensor]:
+        """The observation window's captured queries `[w, Hq, d]` and their positions (one query if w = 0)."""
         capture = layer.capture
         assert capture is not None and capture.queries is not None and capture.query_positions is not None
         w = min(self.window, layer.length)
         queries = capture.queries[-w:] if w else capture.queries[-1:]
         qpos = capture.query_positions[-w:] if w else capture.query_positions[-1:]
-        probs = window_attention(queries, qpos, layer.keys, layer.positions, layer.scale)  # [Hq, w, n]
-        return probs.sum(dim=1)
+        return queries, qpos
+
+    def query_votes(self, layer: LayerPrefill) -> torch.Tensor:
+        """Window votes per query head `[Hq, n]`: each entry's attention summed over the window's queries."""
+        queries, qpos = self._window(layer)
+        return window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "sum", None)
 
     def scores(self, layer: LayerPrefill, query_votes: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled window votes `[Hkv, n]` (window entries get +inf: they are always kept).
 
-        `query_votes` (from `query_votes`) saves recomputing them when the caller already has them.
+        `query_votes` (from `query_votes`) saves recomputing them when the caller already has them;
+        without them the votes come reduced per KV head from `window_votes` (on CUDA, the Triton kernel).
         """
         n = layer.length
         w = min(self.window, n)
         if query_votes is None:
-            query_votes = self.query_votes(layer)
-        votes = reduce_group(query_votes, layer.num_kv_heads, self.gqa_reduction)  # [Hkv, n]
+            queries, qpos = self._window(layer)
+            votes = window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "sum", self.gqa_reduction)
+        else:
+            votes = reduce_group(query_votes, layer.num_kv_heads, self.gqa_reduction)  # [Hkv, n]
         prefix = n - w
         scores = votes.clone()
         if prefix > 0:  # a prompt no longer than the window has nothing to rank

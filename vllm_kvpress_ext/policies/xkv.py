@@ -422,6 +422,22 @@ class XKVPolicy(ObservationWindowScores):
         """With a saved profile the sizes depend only on the prompt length: compress each layer after its prefill."""
         return self.profile is not None
 
+    def prefill_peak_pages(self, length: int, num_layers: int, num_kv_heads: int, page_size: int) -> int:
+        """With a profile, exact: while layer l is prefilled, layers < l hold m_m + window entries per head.
+
+        Every head of layer m keeps exactly min(n, m_m + window) entries (`_layer_mask`), known from the
+        prompt length alone; the peak is while the last layer holds its whole prompt.
+        """
+        full = super().prefill_peak_pages(length, num_layers, num_kv_heads, page_size)
+        fixed = self.score_free_allocation(num_layers, length) if self.compresses_layerwise else None
+        if fixed is None:
+            return full
+        sizes, window = fixed
+        per_layer = [num_kv_heads * -(-min(length, m + window) // page_size) for m in sizes]
+        whole = num_kv_heads * -(-length // page_size)
+        peak = max(sum(per_layer[:layer]) + whole for layer in range(num_layers))
+        return min(full, max(peak, sum(per_layer)))
+
     def plan_layer(
         self, request: RequestPrefill, layer: int, layer_results: list[Any], state: dict[str, Any]
     ) -> LayerKeep:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_kvpress_ext.engine.layerwise import prefill_reservation
+from vllm_kvpress_ext.policies import KVPolicy
+
 
 @dataclass
 class PoolReport:
@@ -12,8 +15,8 @@ class PoolReport:
 
     `decode_pages[r]` is exactly what request r's next token will allocate (heads are ragged after
     compression, so it varies per request); a request absent from it is still prefilling and was
-    reserved its uncompressed peak at admission. `pages_per_token_block` is layers x KV heads: one
-    page per (layer, head) for every `page_size` uncompressed tokens.
+    reserved its prefill peak at admission (`prefill_pages`). `pages_per_token_block` is layers x KV
+    heads: one page per (layer, head) for every `page_size` uncompressed tokens.
     """
 
     pages_total: int
@@ -25,7 +28,19 @@ class PoolReport:
     decode_pages: dict[str, int] = field(default_factory=dict)
     kv: dict[str, dict[str, Any]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    num_layers: int = 0  # layers x KV heads = pages_per_token_block; 0 where a report does not say
+    num_kv_heads: int = 0
 
     def peak_pages(self, num_tokens: int) -> int:
         """Pages a request needs to prefill `num_tokens` tokens uncompressed."""
         return self.pages_per_token_block * -(-num_tokens // self.page_size)
+
+    def prefill_pages(self, num_tokens: int, policy: KVPolicy | None, whole_prompt: bool) -> int:
+        """Pages to reserve for a prefill of `num_tokens` tokens under `policy`: the embedded scheduler's rule.
+
+        The uncompressed peak, or the policy's declared peak when the prefill compresses layer by layer in
+        one chunk (`whole_prompt`); the worker's runner fails a request that needs more, alone.
+        """
+        if not self.num_layers or not self.num_kv_heads:
+            return self.peak_pages(num_tokens)
+        return prefill_reservation(policy, num_tokens, whole_prompt, self.num_layers, self.num_kv_heads, self.page_size)

@@ -5,8 +5,10 @@ recompute of the most recent request); only its answer to "do this request's new
 changed. `kv_cache_manager.allocate_slots` is gated by a page budget taken from the worker's last
 `PoolReport`:
 
-- a request starting (or restarting after preemption) its prefill reserves its uncompressed peak,
-  as the embedded scheduler does (compression only happens once the whole prefill is in);
+- a request starting (or restarting after preemption) its prefill reserves its prefill peak, by the
+  embedded scheduler's rule: the uncompressed prompt, or, when its policy compresses layer by layer
+  and vLLM schedules the whole prompt as one chunk, the peak the policy declares
+  (`KVPolicy.prefill_peak_pages`; the worker's runner fails a request that needs more, alone);
 - a later prefill chunk costs nothing more (its pages were reserved);
 - a decoding request costs exactly the pages its next token allocates (ragged after compression).
 
@@ -25,10 +27,13 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import RequestStatus
 
+from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
+from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, request_policy
 
 logger = logging.getLogger("vllm.kvpress.scheduler")
+_UNSET = object()  # the server's default policy, parsed on first use
 
 
 class _PoolGate:
@@ -42,7 +47,7 @@ class _PoolGate:
         return getattr(self._manager, name)
 
     def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        if not self._scheduler.reserve_pages(request):
+        if not self._scheduler.reserve_pages(request, num_new_tokens):
             return None
         blocks = self._manager.allocate_slots(request, num_new_tokens, *args, **kwargs)
         if blocks is None:
@@ -58,8 +63,9 @@ class KVPressScheduler(Scheduler):
         self.available = 0
         # Pages subtracted from `available` for each request during the current schedule().
         self.charged: dict[str, int] = {}
-        # Requests mid-prefill -> the uncompressed peak reserved for them at admission.
+        # Requests mid-prefill -> the peak reserved for them at admission.
         self.prefill_peaks: dict[str, int] = {}
+        self._default_policy: Any = _UNSET
         # Pages of requests finished or aborted since the last report (the worker frees them first thing).
         self.freed_since_report = 0
         self.pending_errors: list[tuple[Any, str]] = []
@@ -107,7 +113,20 @@ class KVPressScheduler(Scheduler):
             request.status = status
             self._free_request(request)
 
-    def reserve_pages(self, request: Any) -> bool:
+    def _policy_of(self, request: Any) -> KVPolicy | None:
+        """The request's policy, parsed as the worker parses it (the API process already validated it)."""
+        if self._default_policy is _UNSET:
+            additional = getattr(getattr(self, "vllm_config", None), "additional_config", None)
+            try:
+                self._default_policy = default_policy(dict(additional or {}))
+            except Exception:
+                self._default_policy = None
+        try:
+            return request_policy(getattr(request.sampling_params, "extra_args", None), self._default_policy)
+        except Exception:
+            return None  # the worker fails such a request; reserving the full prompt is always safe
+
+    def reserve_pages(self, request: Any, num_new_tokens: int | None = None) -> bool:
         report = self.report
         request_id = request.request_id
         if report is None:
@@ -118,7 +137,9 @@ class KVPressScheduler(Scheduler):
             self.charged[request_id] = 0
             return True
         if request.num_computed_tokens == 0:
-            need = report.peak_pages(request.num_tokens)
+            # The worker compresses layer by layer only when this first chunk is the whole prefill.
+            whole = num_new_tokens is not None and num_new_tokens >= request.num_tokens
+            need = report.prefill_pages(request.num_tokens, self._policy_of(request), whole)
             starting = True
         else:
             need = report.decode_pages.get(request_id, 0)  # 0: a later prefill chunk, reserved at admission

@@ -260,6 +260,8 @@ class KVPressWorker(WorkerBase):
             pages_per_token_block=cache.num_layers * cache.num_kv_heads,
             page_bytes=cache.pool.bytes_per_page,
             failed=failed,
+            num_layers=cache.num_layers,
+            num_kv_heads=cache.num_kv_heads,
         )
         for request_id, request in self.requests.items():
             if request.row is None:

@@ -14,7 +14,8 @@ def register(bench_sub: Subparsers) -> None:
         help="KV memory at the prefill peak vs after compression: end-of-prefill vs layer-wise compression",
         description="One prompt per row (full, xkv, xkv with a profile compressed layer by layer, lava one-shot, "
         "lava cascading), all at one ratio budget: the request's exact high-water mark of KV pages during prefill, "
-        "what it holds after compression, and what admission reserves. Without --model, the random-weight bench "
+        "what it holds after compression, what admission reserves, and how many requests a pool of four "
+        "uncompressed prompts admits at once. Without --model, the random-weight bench "
         "model is used; without --profile, an XKV profile is measured first on two other prompts.",
     )
     pp.add_argument("--model", default=None, help="HF-format model directory (default: random bench model)")
