@@ -30,6 +30,7 @@ TESTS: dict[str, list[str]] = {
     # surviving cache mutant cost minutes.
     "cache": [
         "tests/test_cache_properties.py",
+        "tests/test_cache_manager.py",
         "tests/test_attention_reference.py",
         "tests/test_layerwise_prefill.py::test_cache_appends_compacts_one_layer_and_tracks_the_exact_peak",
         "tests/test_kernels.py::test_copy_slots_drives_compaction_and_eviction",
