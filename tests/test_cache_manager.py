@@ -483,13 +483,25 @@ def test_bad_evictions_raise_and_change_nothing() -> None:
             cache.evict(*args)
         assert str(info.value) == message
         assert unchanged(before, cache)
-    # Entries at the last valid index, in the last layer and head, of the last row.
-    last = prefill(cache, "b", 2)
-    cache.add_request("c")
-    assert last == 1
+    # The error names the first out-of-range entry, after valid ones (0 included).
+    before = state(cache)
+    with pytest.raises(InvalidPlanError) as info:
+        cache.evict([row, row, row], [0, 0, 0], [0, 1, 0], [0, 1, 4])
+    assert str(info.value) == "evict entry 4 out of range for row 0 layer 0 head 0 (length 4)"
+    assert unchanged(before, cache)
+    # The last row, in use, while the row below it is free; then a row past the last one.
+    prefill(cache, "b", 2)
+    last = prefill(cache, "c", 2)
+    cache.free_request("b")
+    assert last == 2
     assert cache.evict([last, row], [1, 1], [1, 1], [1, 2]) == 1
-    assert global_positions(cache, "b")[1][1] == [0]
+    assert global_positions(cache, "c")[1][1] == [0]
     assert global_positions(cache, "a")[1][1] == [0, 1]
+    before = state(cache)
+    with pytest.raises(InvalidPlanError) as info:
+        cache.evict([3], [0], [0], [0])
+    assert str(info.value) == "evict names a request row that is not in use"
+    assert unchanged(before, cache)
 
 
 # ------------------------------------------------------------------------------------------- rings
@@ -743,3 +755,50 @@ def test_keep_plan_to_mask_exact_and_its_shape_checks() -> None:
         "duplicate keep indices for layer 0 head 0 at position 1"
     )
     assert KeepPlan.from_lists([[[]]]).to_mask(torch.tensor([[0]])).shape == (1, 1, 0)
+
+
+def test_batched_append_over_layers_rows_and_heads() -> None:
+    cache = cache_of(2, 2, pages=32)
+    a = prefill(cache, "a", 3)  # (l0, h0) [7, 6], (l0, h1) [5, 4], (l1, h0) [3, 2], (l1, h1) [1, 0]
+    b = cache.add_request("b")
+    assert cache.block_tables[:, a].tolist() == [[[7, 6], [5, 4]], [[3, 2], [1, 0]]]
+    # Eight pages [15, ..., 8] in (layer, row as given, head) order: b before a.
+    slots = cache.append_slots([b, a], torch.tensor([[0, 1], [3, 4]]))
+    assert slots.tolist() == [
+        [[[30, 31], [28, 29]], [[13, 26], [9, 24]]],
+        [[[22, 23], [20, 21]], [[5, 18], [1, 16]]],
+    ]
+    assert cache.block_tables.shape[-1] == 4
+    assert cache.block_tables[:, b, :, :2].tolist() == [[[15, -1], [14, -1]], [[11, -1], [10, -1]]]
+    assert cache.block_tables[:, a, :, :3].tolist() == [[[7, 6, 13], [5, 4, 12]], [[3, 2, 9], [1, 0, 8]]]
+    assert cache.seq_lens.tolist() == [[[5, 5], [2, 2]], [[5, 5], [2, 2]]]
+    assert (cache.peak_pages("a"), cache.peak_pages("b")) == (12, 4)
+    # Compacting layer 1 of a, both heads: (l1, h0) keeps 4 (one page, frees 2 and 9), (l1, h1) keeps 0..3.
+    keys = torch.arange(2, dtype=torch.float32).view(1, 1, 1, 2, 1).expand(*slots.shape, 4) + 3
+    cache.write(slots[:, 1:], keys[:, 1:], -keys[:, 1:])
+    assert cache.apply_keep_plan("a", KeepPlan.from_lists([[[4], [0, 1, 2, 3]]]), layers=[1]) == 2 + 1
+    assert global_positions(cache, "a") == [[[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]], [[4], [0, 1, 2, 3]]]
+    assert cache.block_tables[:, a, :, :3].tolist() == [[[7, 6, 13], [5, 4, 12]], [[3, -1, -1], [1, 0, -1]]]
+    assert cache.pool.allocate(3).tolist() == [2, 9, 8]
+    cache.pool.free(torch.tensor([2, 9, 8]))
+    assert cache.peak_pages("a") == 12
+    assert_consistent(cache)
+
+
+def test_table_width_doubles_only_when_a_head_needs_more() -> None:
+    cache = cache_of(1, 1, pages=16, page_size=4)
+    prefill(cache, "a", 5)  # two pages: width 1 -> 2
+    assert cache.block_tables.shape[-1] == 2
+    prefill(cache, "b", 8)  # two pages again: the width stays
+    assert cache.block_tables.shape[-1] == 2
+    cache.append_slots([0], torch.tensor([[5, 6, 7, 8]]))  # a needs 3 pages: max(3, 2 * 2)
+    assert cache.block_tables.shape[-1] == 4
+    assert cache.block_tables[0, :, 0].tolist() == [[1, 0, 4, -1], [3, 2, -1, -1]]
+
+
+def test_a_ring_can_raise_the_peak() -> None:
+    cache = cache_of(1, 1, pages=8)
+    prefill(cache, "r", 1)
+    assert cache.peak_pages("r") == 1
+    assert cache.start_ring("r", 4, torch.ones(1, 1, 1, dtype=torch.bool)) == 1 - 0 - 2
+    assert cache.peak_pages("r") == 2 and cache.usage("r").pages == 2
