@@ -455,6 +455,11 @@ def test_evict_across_layers_and_heads_keeps_groups_apart() -> None:
     assert cache.seq_lens[:, row].tolist() == [[3, 3], [3, 3]]
     assert cache.evict([row] * 3, [1, 1, 1], [1, 1, 1], [0, 1, 2]) == 2
     assert global_positions(cache, "a") == [[[0, 3, 2], [0, 1, 2]], [[3, 1, 2], []]]
+    # Pages 1, 0 were freed; now the last entry of both heads of layer 0 frees 6 (head 0) then 4 (head 1).
+    assert cache.evict([row] * 2, [0, 0], [1, 0], [2, 2]) == 2
+    assert global_positions(cache, "a") == [[[0, 3], [0, 1]], [[3, 1, 2], []]]
+    assert cache.pool.allocate(4).tolist() == [1, 0, 6, 4]
+    cache.pool.free(torch.tensor([1, 0, 6, 4]))
     assert_consistent(cache)
 
 
@@ -477,6 +482,7 @@ def test_bad_evictions_raise_and_change_nothing() -> None:
         (([row, row], [0, 0], [1, 1], [-1, 9]), "evict entry -1 out of range for row 0 layer 0 head 1 (length 4)"),
         (([row, row], [1, 1], [1, 1], [2, 2]), "evict names the same entry twice"),
         (([row, row, row], [0, 1, 0], [0, 0, 0], [0, 0, 0]), "evict names the same entry twice"),
+        (([row, row, row], [0, 1, 1], [0, 0, 0], [0, 1, 1]), "evict names the same entry twice"),
     ):
         before = state(cache)
         with pytest.raises(InvalidPlanError) as info:
