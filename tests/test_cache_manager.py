@@ -652,9 +652,9 @@ def test_admit_sets_the_flags_of_the_token_just_appended() -> None:
     cache.start_ring("b", 2, torch.zeros(2, 2, 4, dtype=torch.bool))
     cache.append_slots([b, a], torch.tensor([[4], [2]]))
     # a's token 2 sits in slot 2 of 4; b's token 4 in slot 0 of 2.
-    cache.admit(1, [b, a], torch.tensor([[True, False], [False, True]]))
+    cache.admit(1, [b, a], torch.tensor([[True, True], [False, True]]))
     assert cache.ring_flags[1, a].tolist() == [[False, False, False, False], [False, False, True, False]]
-    assert cache.ring_flags[1, b].tolist() == [[True, False, False, False], [False, False, False, False]]
+    assert cache.ring_flags[1, b].tolist() == [[True, False, False, False], [True, False, False, False]]
     assert not bool(cache.ring_flags[0].any())
     for rows, flags, message in (
         ([0], torch.ones(1, 2, dtype=torch.bool), "admission flags only apply to requests with a local ring"),
@@ -808,3 +808,70 @@ def test_a_ring_can_raise_the_peak() -> None:
     assert cache.peak_pages("r") == 1
     assert cache.start_ring("r", 4, torch.ones(1, 1, 1, dtype=torch.bool)) == 1 - 0 - 2
     assert cache.peak_pages("r") == 2 and cache.usage("r").pages == 2
+
+
+def test_a_one_token_ring_admits_and_promotes() -> None:
+    cache = cache_of(1, 1, pages=8, page_size=1)
+    row = prefill(cache, "r", 2)
+    cache.start_ring("r", 1, torch.zeros(1, 1, 2, dtype=torch.bool))
+    assert global_positions(cache, "r") == [[[]]]
+    cache.append_slots([row], torch.tensor([[2]]))
+    cache.admit(0, [row], torch.tensor([[True]]))
+    cache.append_slots([row], torch.tensor([[3]]))  # token 2 leaves the ring, admitted
+    assert cache.entry_positions("r")[0].tolist() == [[[2]]]
+    _, _, ring_pos = cache.gather("r", 0, 0, region="ring")
+    assert ring_pos.tolist() == [3]
+
+
+def test_an_empty_plan_masks_nothing() -> None:
+    plan = KeepPlan.from_mask(torch.zeros(0, 2, 3, dtype=torch.bool))
+    assert plan.to_mask(torch.zeros(0, 2, dtype=torch.int64)).shape == (0, 2, 0)
+
+
+def test_device_mirrors_follow_every_bookkeeping_change() -> None:
+    """With the pool on an accelerator the tables have device copies that receive the same updates.
+
+    On the CPU `.to(device)` returns the tensor itself, so this cache gets separate CPU copies to
+    play the device's part, and they must equal the bookkeeping after every operation.
+    """
+    cache = cache_of(2, 2, pages=64, rows=3)
+    cache._mirror = True
+
+    def split() -> None:
+        cache.device_block_tables = cache.block_tables.clone()
+        cache.device_seq_lens = cache.seq_lens.clone()
+        cache.device_ring_tables = cache.ring_tables.clone()
+
+    def check() -> None:
+        assert cache.device_block_tables is not cache.block_tables
+        assert cache.device_block_tables.shape == cache.block_tables.shape
+        assert torch.equal(cache.device_block_tables, cache.block_tables)
+        assert torch.equal(cache.device_seq_lens, cache.seq_lens)
+        assert torch.equal(cache.device_ring_tables, cache.ring_tables)
+
+    split()
+    a = prefill(cache, "a", 5)
+    check()
+    b = prefill(cache, "b", 3)
+    cache.append_slots([a, b], torch.tensor([[5], [3]]))
+    check()
+    cache.apply_keep_plan("a", KeepPlan.from_lists([[[0, 5], [1]], [[2, 3, 4], []]]), layers=[1, 0])
+    check()
+    cache.apply_keep_plan("b", KeepPlan.from_lists([[[0], [1, 2]], [[], [3]]]))
+    check()
+    assert cache.evict([a, a, b], [0, 1, 0], [0, 1, 1], [2, 0, 1]) == 2
+    check()
+    c = prefill(cache, "c", 6)
+    cache.start_ring("c", 4, torch.ones(2, 2, 6, dtype=torch.bool))
+    split()  # the ring tables were just created; give them their own device copy again
+    cache.append_slots([c, a], torch.tensor([[6], [6]]))
+    cache.admit(0, [c], torch.ones(1, 2, dtype=torch.bool))
+    check()
+    _, _, positions, lengths = cache.gather_layer("a", 0)
+    assert lengths.tolist() == [3, 1] and positions.tolist() == [[2, 3, 6], [6, -1, -1]]
+    cache.free_request("c")
+    check()
+    cache.free_request("b")
+    cache.free_request("a")
+    check()
+    assert not bool(cache.device_seq_lens.any()) and bool((cache.device_block_tables == -1).all())
