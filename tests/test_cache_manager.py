@@ -875,3 +875,14 @@ def test_device_mirrors_follow_every_bookkeeping_change() -> None:
     cache.free_request("a")
     check()
     assert not bool(cache.device_seq_lens.any()) and bool((cache.device_block_tables == -1).all())
+
+
+def test_a_batched_ring_append_clears_the_new_slots_in_every_layer_and_row() -> None:
+    cache = cache_of(2, 1, pages=32)
+    a, b = prefill(cache, "a", 2), prefill(cache, "b", 2)
+    for rid in ("a", "b"):
+        cache.start_ring(rid, 2, torch.ones(2, 1, 2, dtype=torch.bool))
+    assert cache.ring_flags[:, [a, b]].tolist() == [[[[True, True]]] * 2] * 2
+    cache.append_slots([a, b], torch.tensor([[2], [2]]))  # slot 0's token 0 is promoted everywhere
+    assert cache.ring_flags[:, [a, b]].tolist() == [[[[False, True]]] * 2] * 2
+    assert global_positions(cache, "a") == [[[0]], [[0]]] and global_positions(cache, "b") == [[[0]], [[0]]]
