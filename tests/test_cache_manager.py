@@ -878,11 +878,25 @@ def test_device_mirrors_follow_every_bookkeeping_change() -> None:
 
 
 def test_a_batched_ring_append_clears_the_new_slots_in_every_layer_and_row() -> None:
-    cache = cache_of(2, 1, pages=32)
-    a, b = prefill(cache, "a", 2), prefill(cache, "b", 2)
-    for rid in ("a", "b"):
-        cache.start_ring(rid, 2, torch.ones(2, 1, 2, dtype=torch.bool))
-    assert cache.ring_flags[:, [a, b]].tolist() == [[[[True, True]]] * 2] * 2
-    cache.append_slots([a, b], torch.tensor([[2], [2]]))  # slot 0's token 0 is promoted everywhere
-    assert cache.ring_flags[:, [a, b]].tolist() == [[[[False, True]]] * 2] * 2
-    assert global_positions(cache, "a") == [[[0]], [[0]]] and global_positions(cache, "b") == [[[0]], [[0]]]
+    cache = cache_of(2, 2, pages=64)
+    a, b = prefill(cache, "a", 4), prefill(cache, "b", 3)
+    for rid, n in (("a", 4), ("b", 3)):
+        cache.start_ring(rid, 4, torch.ones(2, 2, n, dtype=torch.bool))
+    assert cache.ring_flags[:, a].tolist() == [[[True] * 4] * 2] * 2
+    assert cache.ring_flags[:, b].tolist() == [[[True, True, True, False]] * 2] * 2
+    # a's token 4 goes to slot 0 (token 0 promoted), b's token 3 to the empty slot 3.
+    cache.append_slots([a, b], torch.tensor([[4], [3]]))
+    assert cache.ring_flags[:, a].tolist() == [[[False, True, True, True]] * 2] * 2
+    assert cache.ring_flags[:, b].tolist() == [[[True, True, True, False]] * 2] * 2
+    assert global_positions(cache, "a") == [[[0], [0]], [[0], [0]]]
+    assert global_positions(cache, "b") == [[[], []], [[], []]]
+
+
+def test_start_ring_rounds_the_kept_pages_per_head() -> None:
+    cache = cache_of(1, 2, pages=16)
+    prefill(cache, "r", 6)  # 3 pages per head
+    admitted = torch.zeros(1, 2, 6, dtype=torch.bool)
+    admitted[0, 0, 0] = admitted[0, 1, 1] = True
+    # One kept token per head is one page per head: 6 held - 2 kept - 4 ring pages.
+    assert cache.start_ring("r", 4, admitted) == 0
+    assert cache.usage("r").pages == 6 and cache.pool.num_free == 10
