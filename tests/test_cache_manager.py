@@ -900,3 +900,18 @@ def test_start_ring_rounds_the_kept_pages_per_head() -> None:
     # One kept token per head is one page per head: 6 held - 2 kept - 4 ring pages.
     assert cache.start_ring("r", 4, admitted) == 0
     assert cache.usage("r").pages == 6 and cache.pool.num_free == 10
+
+
+def test_a_ring_step_without_promotion_reads_no_page_past_a_full_table() -> None:
+    cache = cache_of(1, 1, pages=16, width=2)
+    row = prefill(cache, "r", 4)  # width 2 is exactly enough
+    cache.start_ring("r", 2, torch.ones(1, 1, 4, dtype=torch.bool))  # 0, 1 global; 2, 3 in the ring
+    cache.append_slots([row], torch.tensor([[4]]))  # promotes 2
+    cache.append_slots([row], torch.tensor([[5]]))  # promotes 3: the global region fills both pages
+    assert cache.block_tables.shape[-1] == 2 and cache.seq_lens[0, row, 0] == 4
+    slots = cache.append_slots([row], torch.tensor([[6]]))  # token 4 was never admitted: nothing moves
+    assert slots.tolist() == [[[[int(cache.ring_tables[0, row, 0, 0]) * 2]]]]
+    assert cache.entry_positions("r")[0].tolist() == [[[0, 1, 2, 3]]]
+    _, _, ring_pos = cache.gather("r", 0, 0, region="ring")
+    assert ring_pos.tolist() == [6, 5]
+    assert_consistent(cache)
