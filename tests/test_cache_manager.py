@@ -668,6 +668,8 @@ def test_admit_sets_the_flags_of_the_token_just_appended() -> None:
     # A ring row and a plain row decode together; the plain one grows its global region.
     cache.append_slots([0, a], torch.tensor([[2], [3]]))
     assert cache.seq_lens[:, 0].tolist() == [[3, 3], [3, 3]]
+    # Each row's peak counts its own pages: the plain row's 2 per (layer, head), a's ring of 2 per (layer, head).
+    assert cache.peak_pages("plain") == 8 and cache.peak_pages("a") == 8
     assert cache.ring_count.tolist() == [0, 4, 5]
 
 
