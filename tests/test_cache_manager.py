@@ -917,3 +917,11 @@ def test_a_ring_step_without_promotion_reads_no_page_past_a_full_table() -> None
     _, _, ring_pos = cache.gather("r", 0, 0, region="ring")
     assert ring_pos.tolist() == [6, 5]
     assert_consistent(cache)
+
+
+def test_defaults() -> None:
+    cache = PagedKVCache(1, 1, 8, num_pages=4)
+    assert (cache.page_size, cache.max_requests, cache.block_tables.shape[-1]) == (16, 64, 8)
+    assert cache.pool.dtype == torch.float16 and cache.device == torch.device("cpu")
+    pool = PagePool(2)
+    assert (pool.page_size, pool.head_dim, pool.dtype) == (16, 128, torch.float16)
