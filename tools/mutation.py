@@ -105,8 +105,11 @@ def write_config(workdir: Path, package: str) -> None:
         "    no:cacheprovider",
         "pytest_add_cli_args_test_selection =",
         *(f"    {test}" for test in TESTS[package]),
-        "timeout_multiplier = 2.0",
-        "timeout_constant = 10.0",
+        # A mutant is "timed out" past multiplier x its tests' clean duration + constant. On a shared
+        # machine, load alone stretched healthy runs past 2x + 10 s (counted as caught); a mutant
+        # that loops forever is still stopped, only later.
+        "timeout_multiplier = 5.0",
+        "timeout_constant = 30.0",
         "use_git_change_detection = false",
         # An error's message text is checked by `match=` searches, which a mutated message ("XX...XX")
         # still passes: those mutants say nothing about behaviour. The condition that raises is mutated.
