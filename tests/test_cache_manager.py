@@ -880,18 +880,31 @@ def test_device_mirrors_follow_every_bookkeeping_change() -> None:
 
 
 def test_a_batched_ring_append_clears_the_new_slots_in_every_layer_and_row() -> None:
-    cache = cache_of(2, 2, pages=64)
-    a, b = prefill(cache, "a", 4), prefill(cache, "b", 3)
-    for rid, n in (("a", 4), ("b", 3)):
-        cache.start_ring(rid, 4, torch.ones(2, 2, n, dtype=torch.bool))
+    cache = cache_of(2, 2, pages=64, rows=3)
+    a, b = prefill(cache, "a", 4), prefill(cache, "b", 5)
+    cache.start_ring("a", 4, torch.ones(2, 2, 4, dtype=torch.bool))  # tokens 0..3 in slots 0..3
+    cache.start_ring("b", 4, torch.zeros(2, 2, 5, dtype=torch.bool))  # tokens 4, 1, 2, 3; token 0 dropped
     assert cache.ring_flags[:, a].tolist() == [[[True] * 4] * 2] * 2
-    assert cache.ring_flags[:, b].tolist() == [[[True, True, True, False]] * 2] * 2
-    # a's token 4 goes to slot 0 (token 0 promoted), b's token 3 to the empty slot 3.
-    cache.append_slots([a, b], torch.tensor([[4], [3]]))
+    assert not bool(cache.ring_flags[:, b].any())
+    # Both rings are full. a's token 4 goes to slot 0 (token 0, admitted: promoted), b's token 5 to
+    # slot 1 (token 1, not admitted: dropped).
+    assert cache.pages_needed_to_append([a, b], 1) == 4
+    cache.append_slots([a, b], torch.tensor([[4], [5]]))
     assert cache.ring_flags[:, a].tolist() == [[[False, True, True, True]] * 2] * 2
-    assert cache.ring_flags[:, b].tolist() == [[[True, True, True, False]] * 2] * 2
+    assert not bool(cache.ring_flags[:, b].any())
     assert global_positions(cache, "a") == [[[0], [0]], [[0], [0]]]
     assert global_positions(cache, "b") == [[[], []], [[], []]]
+    for layer in range(2):
+        for head in range(2):
+            assert cache.gather("a", layer, head, region="ring")[2].tolist() == [4, 1, 2, 3]
+            assert cache.gather("b", layer, head, region="ring")[2].tolist() == [4, 5, 2, 3]
+    # A full ring beside one that is not: a's token 1 is promoted, c's empty slot 2 promotes nothing.
+    c = prefill(cache, "c", 2)
+    cache.start_ring("c", 4, torch.ones(2, 2, 2, dtype=torch.bool))
+    cache.append_slots([a, c], torch.tensor([[5], [2]]))
+    assert global_positions(cache, "a") == [[[0, 1], [0, 1]], [[0, 1], [0, 1]]]
+    assert global_positions(cache, "c") == [[[], []], [[], []]]
+    assert_consistent(cache)
 
 
 def test_start_ring_rounds_the_kept_pages_per_head() -> None:
