@@ -227,7 +227,7 @@ def test_cache_refuses_empty_shapes_and_accepts_the_smallest() -> None:
 # ----------------------------------------------------------------------------------------- appending
 
 
-def test_append_slots_lays_entries_out_page_by_page() -> None:
+def test_append_slots_fills_pages_in_allocation_order() -> None:
     cache = cache_of(1, 2, pages=16, page_size=4)
     row = cache.add_request("a")
     assert row == 0
@@ -446,7 +446,7 @@ def test_evict_fills_holes_from_the_tail_in_order_and_frees_trailing_pages() -> 
     assert cache.evict(torch.tensor([], dtype=torch.int64), [], [], []) == 0
 
 
-def test_evict_across_layers_and_heads_keeps_groups_apart() -> None:
+def test_evict_keeps_groups_apart_across_layers_and_heads() -> None:
     cache = cache_of(2, 2, pages=32)
     row = prefill(cache, "a", 4)
     # One entry per (layer, head), dropped from different places.
@@ -463,7 +463,7 @@ def test_evict_across_layers_and_heads_keeps_groups_apart() -> None:
     assert_consistent(cache)
 
 
-def test_bad_evictions_raise_and_change_nothing() -> None:
+def test_evictions_out_of_range_raise_and_change_nothing() -> None:
     cache = cache_of(2, 2, pages=32, rows=3)
     row = prefill(cache, "a", 4)
     cache.evict([row], [1], [1], [3])  # (1, 1) now holds 3 entries
@@ -592,7 +592,7 @@ def test_start_ring_on_a_prompt_shorter_than_the_window() -> None:
     assert_consistent(cache)
 
 
-def test_start_ring_fits_exactly_or_fails_cleanly() -> None:
+def test_start_ring_fits_a_full_pool_exactly_or_fails_cleanly() -> None:
     cache = cache_of(1, 1, pages=3)
     prefill(cache, "r", 6)  # pages [2, 1, 0]; the pool is full
     before = state(cache)
@@ -643,7 +643,7 @@ def test_start_ring_refuses_bad_requests() -> None:
     assert_consistent(cache)
 
 
-def test_admit_sets_the_flags_of_the_token_just_appended() -> None:
+def test_admit_flags_the_token_just_appended() -> None:
     cache = cache_of(2, 2, pages=32, rows=3)
     prefill(cache, "plain", 2)
     a = prefill(cache, "a", 2)
@@ -879,7 +879,7 @@ def test_device_mirrors_follow_every_bookkeeping_change() -> None:
     assert not bool(cache.device_seq_lens.any()) and bool((cache.device_block_tables == -1).all())
 
 
-def test_a_batched_ring_append_clears_the_new_slots_in_every_layer_and_row() -> None:
+def test_batched_ring_appends_promote_and_clear_per_row() -> None:
     cache = cache_of(2, 2, pages=64, rows=3)
     a, b = prefill(cache, "a", 4), prefill(cache, "b", 5)
     cache.start_ring("a", 4, torch.ones(2, 2, 4, dtype=torch.bool))  # tokens 0..3 in slots 0..3
