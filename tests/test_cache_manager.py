@@ -107,6 +107,8 @@ def test_pool_starts_empty_and_hands_out_pages_last_in_first_out() -> None:
     assert pool.allocate(3).tolist() == [4, 3, 2]
     assert pool.num_free == 1 and pool.num_used == 5
     assert pool.in_use_mask().tolist() == [True, True, True, True, True, False]
+    assert pool.in_use_mask().dtype == torch.bool
+    assert torch.arange(6)[~pool.in_use_mask()].tolist() == [5]
     pool.free(torch.tensor([3, 0], dtype=torch.int32))
     assert pool.num_free == 3 and pool.num_used == 3
     assert pool.in_use_mask().tolist() == [False, True, True, False, True, False]
