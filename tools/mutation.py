@@ -7,12 +7,17 @@ one table row per package: mutants, killed, survived, timed out, not covered, an
 (killed + timed out) / mutants. The surviving mutants' names go to build/mutation/<package>/survivors.txt;
 `cd build/mutation/<package> && mutmut show <name>` prints one as a diff.
 
-Usage: python tools/mutation.py [--jobs N] [--time-limit S] [--retest-survivors] cache policies engine
+Usage: python tools/mutation.py [--jobs N] [--time-limit S] [--retest-survivors] [--only GLOB]... cache policies engine
+
+`--only` restricts the run to the mutants whose names match one of the globs (fnmatch, as mutmut
+names them: `vllm_kvpress_ext.cache.manager.xǁPagedKVCacheǁevict__mutmut_53`); with
+`--retest-survivors`, to the survivors among them.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import shutil
@@ -30,6 +35,7 @@ TESTS: dict[str, list[str]] = {
     # surviving cache mutant cost minutes.
     "cache": [
         "tests/test_cache_properties.py",
+        "tests/test_cache_manager.py",
         "tests/test_attention_reference.py",
         "tests/test_layerwise_prefill.py::test_cache_appends_compacts_one_layer_and_tracks_the_exact_peak",
         "tests/test_kernels.py::test_copy_slots_drives_compaction_and_eviction",
@@ -99,8 +105,11 @@ def write_config(workdir: Path, package: str) -> None:
         "    no:cacheprovider",
         "pytest_add_cli_args_test_selection =",
         *(f"    {test}" for test in TESTS[package]),
-        "timeout_multiplier = 2.0",
-        "timeout_constant = 10.0",
+        # A mutant is "timed out" past multiplier x its tests' clean duration + constant. On a shared
+        # machine, load alone stretched healthy runs past 2x + 10 s (counted as caught); a mutant
+        # that loops forever is still stopped, only later.
+        "timeout_multiplier = 5.0",
+        "timeout_constant = 30.0",
         "use_git_change_detection = false",
         # An error's message text is checked by `match=` searches, which a mutated message ("XX...XX")
         # still passes: those mutants say nothing about behaviour. The condition that raises is mutated.
@@ -129,7 +138,12 @@ def unkilled(workdir: Path, env: dict[str, str]) -> list[str]:
 
 
 def run_package(
-    package: str, jobs: int, build: Path, time_limit: float | None, retest_survivors: bool = False
+    package: str,
+    jobs: int,
+    build: Path,
+    time_limit: float | None,
+    retest_survivors: bool = False,
+    only: list[str] | None = None,
 ) -> dict[str, int]:
     workdir = build / package
     copy_tree(workdir)
@@ -138,15 +152,20 @@ def run_package(
     mutmut = [sys.executable, "-m", "mutmut"]
     # mutmut keeps earlier verdicts; named mutants are tested again (against the tests as they are now).
     names = unkilled(workdir, env) if retest_survivors and (workdir / "mutants").is_dir() else []
-    # Its own process group, so a time limit stops mutmut and every test process it forked.
-    command = [*mutmut, "run", "--max-children", str(jobs), *names]
-    run = subprocess.Popen(command, cwd=workdir, env=env, start_new_session=True)
-    try:
-        run.wait(timeout=time_limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(run.pid, signal.SIGTERM)
-        run.wait()
-        print(f"{package}: stopped after {time_limit:.0f} s; the table counts the mutants tested so far")
+    if only:
+        names = [n for n in names if any(fnmatch.fnmatch(n, glob) for glob in only)] if retest_survivors else only
+    if retest_survivors and not names:
+        print(f"{package}: no surviving mutant to test again")
+    else:
+        # Its own process group, so a time limit stops mutmut and every test process it forked.
+        command = [*mutmut, "run", "--max-children", str(jobs), *names]
+        run = subprocess.Popen(command, cwd=workdir, env=env, start_new_session=True)
+        try:
+            run.wait(timeout=time_limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGTERM)
+            run.wait()
+            print(f"{package}: stopped after {time_limit:.0f} s; the table counts the mutants tested so far")
     subprocess.run([*mutmut, "export-cicd-stats"], cwd=workdir, env=env, check=True)
     stats = json.loads((workdir / "mutants" / "mutmut-cicd-stats.json").read_text())
     results = subprocess.run(
@@ -178,10 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--retest-survivors", action="store_true", help="test the mutants an earlier run left alive again"
     )
+    parser.add_argument(
+        "--only", action="append", metavar="GLOB", help="only the mutants whose names match (fnmatch); repeatable"
+    )
     args = parser.parse_args(argv)
     rows = []
     for package in args.packages:
-        stats = run_package(package, args.jobs, args.build, args.time_limit, args.retest_survivors)
+        stats = run_package(package, args.jobs, args.build, args.time_limit, args.retest_survivors, args.only)
         rows.append((package, stats))
     header = ("package", "mutants", "tested", "killed", "timeout", "survived", "no tests", "score")
     print("| " + " | ".join(header) + " |")
