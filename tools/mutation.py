@@ -59,6 +59,11 @@ TESTS: dict[str, list[str]] = {
         "tests/test_sampler.py",
         "tests/test_policy_framework.py",
         "tests/test_layerwise_prefill.py",
+        # Gated attention and ring start, penalties and stop suppression, prefix capture, the offline API.
+        "tests/test_wgkv.py",
+        "tests/test_hardening.py",
+        "tests/test_prefix_fork.py",
+        "tests/test_offline_api.py",
     ],
 }
 
