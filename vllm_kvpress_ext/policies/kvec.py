@@ -140,7 +140,7 @@ class KVECPolicy(ObservationWindowScores):
     def _head_scores(self, probs: torch.Tensor, heads: int, prefix: int) -> torch.Tensor:
         """Window-mean attention of the prefix entries per KV head, pooled: `[H, prefix]`."""
         scores = reduce_group(probs[:, :, :prefix].mean(dim=1), heads, self.gqa_reduction)
-        return pool_scores(scores, self.kernel_size, self.pooling)
+        return pool_scores(scores, self.kernel_size, self.pooling, self.count_include_pad)
 
     def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> torch.Tensor:
         n, heads = layer.length, layer.num_kv_heads

@@ -223,7 +223,9 @@ class LavaPolicy(ObservationWindowScores):
         probs = window_attention(
             capture.queries[-w:], capture.query_positions[-w:], layer.keys, layer.positions, layer.scale
         )  # [Hq, w, n]
-        votes = pool_scores(probs[:, :, :prefix].sum(dim=1), self.kernel_size, self.pooling)  # [Hq, prefix]
+        votes = pool_scores(
+            probs[:, :, :prefix].sum(dim=1), self.kernel_size, self.pooling, self.count_include_pad
+        )  # [Hq, prefix]
         value_norm = layer.values[:, :prefix].float().abs().sum(dim=-1).amax(dim=-1)  # [Hkv]
         group = probs.shape[0] // layer.num_kv_heads
         scaled = votes * (value_norm.to(votes.device) / w).repeat_interleave(group).unsqueeze(-1)

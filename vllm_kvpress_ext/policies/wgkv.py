@@ -53,6 +53,7 @@ from vllm_kvpress_ext.policies.base import (
     PolicyConfigError,
     RequestPrefill,
     check_choice,
+    check_flag,
     pool_scores,
     reduce_group,
 )
@@ -105,6 +106,7 @@ class WGKVPolicy(KVPolicy):
     kernel_size: int = 5
     pooling: str = "avgpool"
     gqa_reduction: str = "mean"
+    count_include_pad: bool = True
 
     def validate(self) -> None:
         if not 0.0 <= self.tau <= 1.0:
@@ -121,6 +123,7 @@ class WGKVPolicy(KVPolicy):
             raise PolicyConfigError(f"kernel_size must be >= 1, got {self.kernel_size}")
         check_choice("pooling", self.pooling, ("avgpool", "maxpool"))
         check_choice("gqa_reduction", self.gqa_reduction, GQA_REDUCTIONS)
+        check_flag("count_include_pad", self.count_include_pad)
 
     def gate_path(self, model_dir: str | Path) -> Path:
         return Path(self.gates) if self.gates is not None else default_gate_path(model_dir)
@@ -176,7 +179,8 @@ class WGKVPolicy(KVPolicy):
         # The ring's keys also take part in the softmax; they are not candidates, so they are left out
         # of the normaliser too: only relative order among global entries matters for eviction.
         probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-        scores = pool_scores(reduce_group(probs.mean(dim=1), heads, self.gqa_reduction), self.kernel_size, self.pooling)
+        votes = reduce_group(probs.mean(dim=1), heads, self.gqa_reduction)
+        scores = pool_scores(votes, self.kernel_size, self.pooling, self.count_include_pad)
         valid = positions >= 0
         return {"scores": scores.masked_fill(~valid, 0.0).cpu(), "positions": positions.cpu().to(torch.int64)}
 

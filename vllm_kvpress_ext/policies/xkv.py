@@ -343,7 +343,7 @@ class XKVPolicy(ObservationWindowScores):
         # w_l pools the mean over all query heads, whatever reduction and pooling select inside a head:
         # with `max` or `maxpool` the mean of the heads' selection scores would be another vector.
         mean_votes = query_votes[:, :prefix].float().mean(dim=0, keepdim=True)
-        coverage = pool_scores(mean_votes, self.kernel_size, self.pooling)[0]
+        coverage = pool_scores(mean_votes, self.kernel_size, self.pooling, self.count_include_pad)[0]
         return XKVLayerScores(scores, coverage.cpu().double())
 
     def allocation(self, coverage: list[torch.Tensor], length: int) -> tuple[list[int], int]:
