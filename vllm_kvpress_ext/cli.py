@@ -1196,8 +1196,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_vllm_serve_parser(bench_sub)
     _add_bench_kernels_parser(bench_sub)
     _add_bench_prefill_peak_parser(bench_sub)
+    _add_bench_kvpress_parity_parser(bench_sub)
     _add_profile_parser(sub)
     return parser
+
+
+def _add_bench_kvpress_parity_parser(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from vllm_kvpress_ext.bench import kvpress_parity
+
+    parity = bench_sub.add_parser(
+        "kvpress-parity",
+        help="kept-set overlap and accuracy against NVIDIA kvpress 0.5.5 (run from its own venv), same prompts",
+        description="Runs NVIDIA kvpress 0.5.5 (in its own venv: `make kvpress-venv`) and this project on the same "
+        "prompts and fp32 weights of a real model (default smollm2-135m), with SnapKV, StreamingLLM, PyramidKV and "
+        "AdaKV at matched settings, and prints per policy and kept ratio the overlap of the kept (layer, KV head, "
+        "position) sets and both systems' accuracy (question-agnostic protocol). See docs/parity.md.",
+    )
+    kvpress_parity.add_arguments(parity)
+    parity.set_defaults(handler=kvpress_parity.run)
 
 
 def _usage_error(parser: argparse.ArgumentParser) -> int:
