@@ -16,9 +16,10 @@ reads ring + global. With every gate = 1, or W_local >= the sequence, this is fu
 Composition with eviction (the paper's Appendix K), on when `cap` is set: admission decides what is
 written; a SnapKV-like score decides what is dropped when a layer's global region exceeds a hard
 average cap of `cap` entries per KV head (ring excluded). At prefill the admitted entries are scored
-by the observation window's attention (`observation_window` last queries, pooled as SnapKV does) and
-cut to the cap at once; during decode every time a layer is over its cap, the lowest-scoring
-`evict_fraction` (10%) of that layer's global entries, ranked across its heads, are evicted. Each
+by the observation window's attention (`observation_window` last queries, pooled as SnapKV does,
+`count_include_pad` included) and cut to the cap at once; during decode every time a layer is over
+its cap, the lowest-scoring `evict_fraction` (10%) of that layer's global entries, ranked across its
+heads, are evicted. Each
 event counts as one eviction trigger (`counters["eviction_triggers"]` in the request's KV stats).
 
 Defaults: tau = 0.1 (the paper's threshold); W_local = 64 tokens (a multiple of the engine's page
