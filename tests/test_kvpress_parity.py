@@ -87,17 +87,21 @@ if request.get("fail"):
     print("loading the model", file=sys.stderr)
     print("RuntimeError: the fake worker failed", file=sys.stderr)
     sys.exit(3)
+layers, heads = 2, 1
+if request["model_dir"] != "unused":  # the bench's HF export: read the shape as kvpress would
+    config = json.load(open(request["model_dir"] + "/config.json"))
+    layers, heads = config["num_hidden_layers"], config["num_key_value_heads"]
 results = []
 for prompt in request["prompts"]:
     n = len(prompt["context_ids"])
     for run in request["runs"]:
-        kept = torch.zeros(2, 1, n, dtype=torch.bool)
+        kept = torch.zeros(layers, heads, n, dtype=torch.bool)
         kept[..., -max(1, int(n * (1 - run["compression_ratio"]))):] = True
         item = {{"prompt": prompt["id"], "run": run["id"], "answer": "fake " + run["press"], "seconds": 0.0}}
         if run["press"] == "full":
             item |= {{"shape": None, "kept": None}}
         else:
-            item |= {{"shape": [2, 1, n], "kept": _pack(kept)}}
+            item |= {{"shape": list(kept.shape), "kept": _pack(kept)}}
         results.append(item)
 json.dump({{"versions": {{"kvpress": "fake", "script": script}}, "results": results}}, open(result_path, "w"))
 """
@@ -170,3 +174,36 @@ def test_bad_options_are_one_line(
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("kvpress bench kvpress-parity: ")
     assert re.search(message, err)
+
+
+def test_bench_end_to_end_with_a_fake_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole bench on a tiny GGUF model: HF export, forks, kept sets read back, the table."""
+    from gguf_utils import tiny_model, write_gguf
+
+    model = tiny_model("llama")
+    model.config.max_position_embeddings = 4096
+    gguf = write_gguf(tmp_path / "tiny.gguf", model)
+    monkeypatch.setenv("KVPRESS_MODEL_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    argv = ["bench", "kvpress-parity", "--model", str(gguf), "--kvpress-python", str(fake_python(tmp_path))]
+    argv += ["--tasks", "nl_passkey", "--samples", "1", "--context-lens", "300", "--ratios", "0.5"]
+    argv += ["--policies", "streaming_llm,snapkv", "--variants", "--out", str(out)]
+    assert main(argv) == 0
+    assert (gguf.parent / next(p.name for p in gguf.parent.iterdir() if p.name.startswith("tiny-hf-fp32"))).is_dir()
+    result = json.loads((out / "results.json").read_text())
+    rows = {(r["policy"], r["variant"]): r for r in result["rows"]}
+    assert set(rows) == {
+        ("full", "matched"),
+        ("streaming_llm", "matched"),
+        ("snapkv", "matched"),
+        ("snapkv", "count_include_pad=False"),
+    }
+    # The fake worker keeps the most recent int(n r) positions; StreamingLLM keeps the same count, 4 of
+    # them sinks: every position but the 4 oldest recent ones is shared, the same count is kept.
+    streaming = rows[("streaming_llm", "matched")]
+    kept = streaming["kept_kvpress"]
+    assert streaming["kept_ours"] == kept and streaming["overlap"] == pytest.approx((kept - 4) / kept)
+    assert streaming["same_sets"] == 0.0 and streaming["prompts"] == 1
+    assert rows[("full", "matched")]["accuracy_kvpress"] == 0.0  # "fake full" holds no pass key
+    answers = result["answers"]
+    assert {a.get("kvpress") for a in answers if "kvpress" in a} == {"fake full", "fake streaming_llm", "fake snapkv"}

@@ -19,8 +19,8 @@ average cap of `cap` entries per KV head (ring excluded). At prefill the admitte
 by the observation window's attention (`observation_window` last queries, pooled as SnapKV does,
 `count_include_pad` included) and cut to the cap at once; during decode every time a layer is over
 its cap, the lowest-scoring `evict_fraction` (10%) of that layer's global entries, ranked across its
-heads, are evicted. Each
-event counts as one eviction trigger (`counters["eviction_triggers"]` in the request's KV stats).
+heads, are evicted. Each event counts as one eviction trigger (`counters["eviction_triggers"]` in
+the request's KV stats).
 
 Defaults: tau = 0.1 (the paper's threshold); W_local = 64 tokens (a multiple of the engine's page
 size, since the ring is whole pages; the paper's models use longer windows for longer contexts, this
