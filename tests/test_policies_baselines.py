@@ -225,6 +225,7 @@ WINDOW_INSIDE_CASES = [
     (3, 1000, None, 0.1, 8, 20.0, [100, 100, 100]),  # top 5 < window 8: uniform SnapKV budget
     (5, 10_000, 48, None, 8, 20.0, [48] * 5),  # top 2.4 < window 8: uniform
     (2, 30, 40, None, 8, 2.0, [30, 30]),  # a prompt no longer than the budget is kept whole
+    (5, 100, 10, None, 0, 1e6, [20, 15, 10, 5, 1]),  # no window: the top layer's 0.00001 keeps 1, not 0
 ]
 
 

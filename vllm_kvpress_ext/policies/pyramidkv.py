@@ -38,7 +38,7 @@ built and every layer keeps B (plain SnapKV):
     top      = B* / beta;   bottom = 2 B* - top
     if bottom >= n - w:  bottom = n - w;  top = 2 B* - bottom
     if not (n >= bottom >= top >= w):  b_l = B for every layer    (B = round(r n) or `tokens`)
-    else:   b_l = round_half_even(bottom - (bottom - top) * l / (L - 1))
+    else:   b_l = max(1, round_half_even(bottom - (bottom - top) * l / (L - 1)))
 
 Each layer is rounded on its own (as that implementation does), so the mean over layers can differ
 from B* by a fraction of an entry; the budgets are computed in floating point in the same order of
@@ -134,8 +134,9 @@ def pyramid_budgets_window_inside(
     if not length >= bottom >= top >= window:
         return [uniform] * num_layers
     step = (bottom - top) / (num_layers - 1) if num_layers > 1 else 0.0
-    # Python's round: half to even, as the implementation this schedule reproduces.
-    return [round(bottom - layer * step) for layer in range(num_layers)]
+    # Python's round: half to even, as the implementation this schedule reproduces. At least one entry:
+    # with window 0 the top layers could round to nothing, and every budget here keeps one entry per head.
+    return [max(1, round(bottom - layer * step)) for layer in range(num_layers)]
 
 
 PYRAMID_SCHEDULES = ("window_outside", "window_inside")
