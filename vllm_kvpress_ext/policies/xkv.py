@@ -49,7 +49,8 @@ so each f_l lies in [0, 1] and sum_l f_l / L is the mean share of the ranked pre
 
 Defaults: ows = 8 (`window`) and average pooling of size 7 (`kernel_size`, `pooling`), the
 paper's settings, with the zero padding at both ends counted in the average (`count_include_pad`,
-PyTorch's and the SnapKV reference's default; see `pool_scores` in `policies/base.py`); `gqa_reduction` mean (the project's SnapKV-family default).
+PyTorch's and the SnapKV reference's default; see `pool_scores` in `policies/base.py`);
+`gqa_reduction` mean (the project's SnapKV-family default).
 
 Divergences:
 - The paper profiles the allocation offline (a mini, sampled inference on a light model variant)
