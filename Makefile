@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast serve bench lint format clean mutation
+.PHONY: install test test-fast serve bench lint format clean mutation kvpress-venv
 
 install: $(STAMP)
 
@@ -57,6 +57,21 @@ serve: install
 
 bench: install
 	$(KVPRESS) bench cache
+
+# NVIDIA kvpress 0.5.5 for `kvpress bench kvpress-parity` (docs/parity.md), in a venv of its own: it needs
+# transformers < 5.3, this project a newer one. The bench runs its worker with $(KVPRESS_VENV)/bin/python.
+KVPRESS_VENV ?= build/kvpress-venv
+kvpress-venv: $(KVPRESS_VENV)/.installed-stamp
+
+$(KVPRESS_VENV)/.installed-stamp:
+	@test -x $(KVPRESS_VENV)/bin/python || $(PYTHON) -m venv $(KVPRESS_VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		$(KVPRESS_VENV)/bin/pip install torch; \
+	else \
+		$(KVPRESS_VENV)/bin/pip install torch==$(TORCH_VERSION); \
+	fi
+	$(KVPRESS_VENV)/bin/pip install kvpress==0.5.5 'transformers<5.3'
+	@touch $@
 
 # Mutation testing (slow; not part of CI): mutmut mutates one package at a time and runs that package's fast
 # tests against each mutant; docs/testing.md has the scores. Resumable: a second run continues where one stopped.

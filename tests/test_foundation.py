@@ -59,7 +59,7 @@ def test_info_and_bad_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     listing = capsys.readouterr()
     text = listing.out + listing.err
     assert "usage: kvpress bench" in text
-    for bench in ("cache", "throughput", "policies", "accuracy", "serve", "kernels", "prefill-peak"):
+    for bench in ("cache", "throughput", "policies", "accuracy", "serve", "kernels", "prefill-peak", "kvpress-parity"):
         assert f"\n    {bench} " in text or f"\n    {bench}\n" in text, bench
 
 

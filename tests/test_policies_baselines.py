@@ -113,21 +113,32 @@ def ref_column_sums(layer: LayerPrefill, query_rows: range, how: str) -> list[li
     return reduced
 
 
-def ref_pool(values: list[float], kernel: int, how: str) -> list[float]:
+def ref_pool(values: list[float], kernel: int, how: str, count_include_pad: bool = True) -> list[float]:
+    """1-D pooling over `values` padded with kernel // 2 entries on each side.
+
+    Average: the padding is zeros and counts in the divisor (`count_include_pad`, the reference's
+    `avg_pool1d` default) or is left out of it. Max: the padding never wins.
+    """
     half = kernel // 2
+    n = len(values)
     out = []
-    for j in range(len(values)):
-        neighbours = values[max(0, j - half) : min(len(values), j + half + 1)]
-        out.append(sum(neighbours) / len(neighbours) if how == "avgpool" else max(neighbours))
+    for j in range(n):
+        inside = [values[i] for i in range(j - half, j + half + 1) if 0 <= i < n]
+        if how == "maxpool":
+            out.append(max(inside))
+        else:
+            out.append(sum(inside) / (kernel if count_include_pad else len(inside)))
     return out
 
 
-def ref_snapkv_scores(layer: LayerPrefill, window: int, kernel: int, pooling: str, how: str) -> list[list[float]]:
+def ref_snapkv_scores(
+    layer: LayerPrefill, window: int, kernel: int, pooling: str, how: str, count_include_pad: bool = True
+) -> list[list[float]]:
     """SnapKV votes of the prefix (first n - window entries), pooled; the window is kept regardless."""
     captured = layer.capture.queries.shape[0]  # type: ignore[union-attr]
     votes = ref_column_sums(layer, range(captured - window, captured), how)
     prefix = layer.length - window
-    return [ref_pool(v[:prefix], kernel, pooling) for v in votes]
+    return [ref_pool(v[:prefix], kernel, pooling, count_include_pad) for v in votes]
 
 
 def ref_top(scores: list[float], count: int, exclude: set[int] | None = None) -> list[int]:
@@ -202,18 +213,87 @@ def test_pyramidkv_equals_the_reference_integer_schedule_when_it_divides() -> No
     assert budgets[0] == 60 and sum(budgets) == 4 * 48
 
 
+# The window_inside schedule by hand: B* = mean budget, top = B* / beta, bottom = 2 B* - top (capped at
+# n - w, top re-derived), uniform B when the top layer would be smaller than the window, else each layer
+# round-half-even(bottom - l (bottom - top) / (L - 1)).
+WINDOW_INSIDE_CASES = [
+    # (L, n, tokens or None, ratio or None, window, beta, budgets)
+    (5, 10_000, 48, None, 8, 2.0, [72, 60, 48, 36, 24]),  # top 24, bottom 72, step 12
+    (4, 60, 48, None, 8, 2.0, [52, 49, 47, 44]),  # bottom capped at n - w = 52, top = 96 - 52 = 44
+    (3, 1000, 30, None, 4, 4.0, [52, 30, 8]),  # 52.5 and 7.5 round half to even
+    (3, 1000, None, 0.25, 8, 20.0, [488, 250, 12]),  # B* = 250 (unrounded): 487.5 -> 488, 12.5 -> 12
+    (3, 1000, None, 0.1, 8, 20.0, [100, 100, 100]),  # top 5 < window 8: uniform SnapKV budget
+    (5, 10_000, 48, None, 8, 20.0, [48] * 5),  # top 2.4 < window 8: uniform
+    (2, 30, 40, None, 8, 2.0, [30, 30]),  # a prompt no longer than the budget is kept whole
+    (5, 100, 10, None, 0, 1e6, [20, 15, 10, 5, 1]),  # no window: the top layer's 0.00001 keeps 1, not 0
+]
+
+
+@pytest.mark.parametrize("num_layers, n, tokens, ratio, window, beta, budgets", WINDOW_INSIDE_CASES)
+def test_pyramidkv_window_inside_budgets_by_hand(
+    num_layers: int, n: int, tokens: int | None, ratio: float | None, window: int, beta: float, budgets: list[int]
+) -> None:
+    policy = PyramidKVPolicy(tokens=tokens, ratio=ratio, window=window, beta=beta, schedule="window_inside")
+    policy.validate()
+    assert policy.layer_budgets(num_layers, n) == budgets
+
+
+def test_pyramidkv_window_outside_budgets_by_hand() -> None:
+    # R = B - w = 40, top 40 / 2 = 20, bottom 60, step 10: the window is added on top of every layer.
+    policy = PyramidKVPolicy(tokens=48, ratio=None, window=8, beta=2.0)
+    assert policy.layer_budgets(5, 10_000) == [68, 58, 48, 38, 28]
+    # The same budget under window_inside keeps 72 .. 24 in all (test above): the top layer is smaller.
+    assert PyramidKVPolicy(tokens=48, ratio=None, window=8, beta=2.0).schedule == "window_outside"
+
+
+@pytest.mark.parametrize("schedule", ["window_outside", "window_inside"])
+def test_pyramidkv_plans_keep_window_plus_top_votes_per_layer_budget(schedule: str) -> None:
+    n, tokens, window, num_layers = 40, 20, 4, 3
+    policy = PyramidKVPolicy(
+        tokens=tokens, ratio=None, window=window, kernel_size=3, pooling="avgpool", beta=2.0, schedule=schedule
+    )
+    policy.validate()
+    layers = [synthetic_layer(50 + i, n, window, layer=i, num_layers=num_layers) for i in range(num_layers)]
+    plan, _ = run_prefill(policy, layers)
+    # window_inside: top 10, bottom 30, step 10; window_outside: R = 16, top 8, bottom 24, step 8, + 4.
+    budgets = [30, 20, 10] if schedule == "window_inside" else [28, 20, 12]
+    expected = []
+    for layer in layers:
+        scores = ref_snapkv_scores(layer, window, 3, "avgpool", "mean")
+        budget = budgets[layer.layer]
+        expected.append([sorted(ref_top(s, budget - window) + list(range(n - window, n))) for s in scores])
+    assert kept_lists(plan) == expected
+    assert plan.lengths[:, 0].tolist() == budgets
+
+
+def test_pyramidkv_rejects_an_unknown_schedule() -> None:
+    with pytest.raises(PolicyConfigError, match="schedule must be one of"):
+        load_policy({"name": "pyramidkv", "schedule": "reference"})
+    with pytest.raises(PolicyConfigError, match="schedule must be str"):
+        load_policy({"name": "pyramidkv", "schedule": 1})
+
+
 # ----------------------------------------------------------------------------- AdaKV
 
 
+@pytest.mark.parametrize("count_include_pad", [True, False])
 @pytest.mark.parametrize("n, tokens, alpha", [(48, 16, 0.2), (48, 30, 0.5), (20, 12, 0.0), (48, 16, 1.0)])
-def test_adakv_matches_reference(n: int, tokens: int, alpha: float) -> None:
-    policy = AdaKVPolicy(tokens=tokens, ratio=None, window=4, kernel_size=5, pooling="avgpool", alpha=alpha)
+def test_adakv_matches_reference(n: int, tokens: int, alpha: float, count_include_pad: bool) -> None:
+    policy = AdaKVPolicy(
+        tokens=tokens,
+        ratio=None,
+        window=4,
+        kernel_size=5,
+        pooling="avgpool",
+        alpha=alpha,
+        count_include_pad=count_include_pad,
+    )
     policy.validate()
     layers = [synthetic_layer(30 + i, n, 4, layer=i, num_layers=2) for i in range(2)]
     plan, _ = run_prefill(policy, layers)
     expected = []
     for layer in layers:
-        scores = ref_snapkv_scores(layer, 4, 5, "avgpool", "mean")
+        scores = ref_snapkv_scores(layer, 4, 5, "avgpool", "mean", count_include_pad)
         selectable = tokens - 4
         floor = int(alpha * selectable)
         kept = [set(ref_top(s, floor)) for s in scores]

@@ -328,9 +328,10 @@ def xkv_reference_scores(
         per_q.append(sums)
 
     def pool(v: list[float]) -> list[float]:
+        # kernel // 2 padding entries each side: zeros that count in the average (count_include_pad).
         half = kernel // 2
         spans = [v[max(0, j - half) : j + half + 1] for j in range(len(v))]
-        return [max(span) if pooling == "maxpool" else sum(span) / len(span) for span in spans]
+        return [max(span) if pooling == "maxpool" else sum(span) / kernel for span in spans]
 
     def reduce(values: list[float]) -> float:
         return max(values) if reduction == "max" else sum(values) / len(values)

@@ -100,11 +100,12 @@ def ref_attention(layer: LayerPrefill, last: int) -> list[list[list[float]]]:
 
 
 def ref_pool(values: list[float], kernel: int, how: str) -> list[float]:
+    """Pooling with kernel // 2 padding entries on each side; average pooling counts them as zeros."""
     half = kernel // 2
     out = []
     for j in range(len(values)):
         around = values[max(0, j - half) : j + half + 1]
-        out.append(sum(around) / len(around) if how == "avgpool" else max(around))
+        out.append(sum(around) / kernel if how == "avgpool" else max(around))
     return out
 
 

@@ -19,8 +19,12 @@ from vllm_kvpress_ext.policies.registry import CONFIG_DIR
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def snapkv_by_hand(queries, qpos, keys, scale, budget, window, kernel, gqa):  # type: ignore[no-untyped-def]
-    """SnapKV written from the paper's equations with loops: the test oracle."""
+def snapkv_by_hand(queries, qpos, keys, scale, budget, window, kernel, gqa, count_include_pad=True):  # type: ignore[no-untyped-def]
+    """SnapKV written from the paper's equations with loops: the test oracle.
+
+    Pooling pads the prefix with kernel // 2 zeros on each side; with `count_include_pad` the padding
+    counts in the average (divide by the kernel), without it only the real neighbours do.
+    """
     num_q, num_kv, n = queries.shape[1], keys.shape[0], keys.shape[1]
     group = num_q // num_kv
     w = min(window, n, budget)
@@ -42,9 +46,11 @@ def snapkv_by_hand(queries, qpos, keys, scale, budget, window, kernel, gqa):  # 
         votes = stacked.mean(0) if gqa == "mean" else stacked.max(0).values
         pooled = votes.clone()
         half = kernel // 2
+        padded = [0.0] * half + [float(x) for x in votes[:prefix]] + [0.0] * half
         for j in range(prefix):
-            lo, hi = max(0, j - half), min(prefix, j + half + 1)
-            pooled[j] = votes[lo:hi].mean()
+            around = padded[j : j + kernel]  # entry j sits at padded[j + half]
+            real = sum(1 for i in range(j - half, j + half + 1) if 0 <= i < prefix)
+            pooled[j] = sum(around) / (kernel if count_include_pad else real)
         window_idx = list(range(n - w, n))
         candidates = sorted(range(n - w), key=lambda j: (-float(pooled[j]), j))
         for j in window_idx + candidates[: max(0, budget - w)]:
@@ -52,9 +58,10 @@ def snapkv_by_hand(queries, qpos, keys, scale, budget, window, kernel, gqa):  # 
     return keep
 
 
+@pytest.mark.parametrize("count_include_pad", [True, False])
 @pytest.mark.parametrize("gqa", ["mean", "max"])
 @pytest.mark.parametrize("n, budget", [(50, 20), (12, 20), (40, 5)])
-def test_snapkv_matches_the_paper_equations(gqa: str, n: int, budget: int) -> None:
+def test_snapkv_matches_the_paper_equations(gqa: str, n: int, budget: int, count_include_pad: bool) -> None:
     torch.manual_seed(n + budget)
     num_q, num_kv, d, window = 4, 2, 8, 8
     keys = torch.randn(num_kv, n, d)
@@ -72,13 +79,17 @@ def test_snapkv_matches_the_paper_equations(gqa: str, n: int, budget: int) -> No
         d**-0.5,
     )  # type: ignore[arg-type]
     policy = SnapKVPolicy(
-        ratio=None, tokens=max(budget, window) if budget >= window else None, window=window, gqa_reduction=gqa
+        ratio=None,
+        tokens=max(budget, window) if budget >= window else None,
+        window=window,
+        gqa_reduction=gqa,
+        count_include_pad=count_include_pad,
     )
     if budget < window:
-        policy = SnapKVPolicy(ratio=budget / n, window=window, gqa_reduction=gqa)
+        policy = SnapKVPolicy(ratio=budget / n, window=window, gqa_reduction=gqa, count_include_pad=count_include_pad)
     effective = Budget(ratio=policy.ratio, tokens=policy.tokens).per_head(n)
     mask = policy.on_layer_prefilled(layer, {})
-    expected = snapkv_by_hand(queries, qpos, keys, d**-0.5, effective, window, 5, gqa)
+    expected = snapkv_by_hand(queries, qpos, keys, d**-0.5, effective, window, 5, gqa, count_include_pad)
     assert torch.equal(mask, expected)
     assert (mask.sum(-1) == min(n, effective)).all()
 
@@ -91,13 +102,21 @@ def test_registry_and_validation() -> None:
         ({"name": "snapkv", "ratio": 0.0}, r"ratio must lie in \(0, 1\]"),
         ({"name": "snapkv", "ratio": 1.5}, r"ratio must lie in \(0, 1\]"),
         ({"name": "snapkv", "tokens": 16, "window": 32}, "smaller than the protected window"),
-        ({"name": "snapkv", "bogus": 1}, "valid: gqa_reduction"),
+        ({"name": "snapkv", "bogus": 1}, "valid: count_include_pad, gqa_reduction"),
         ({"name": "snapkv", "gqa_reduction": "median"}, "gqa_reduction must be one of"),
         ({"name": "snapkv", "window": "wide"}, "window must be int"),
+        ({"name": "snapkv", "count_include_pad": 1}, "count_include_pad must be bool"),
+        ({"name": "snapkv", "count_include_pad": "yes"}, "count_include_pad must be bool"),
+        ({"name": "snapkv", "count_include_pad": None}, "count_include_pad cannot be null"),
         ({"ratio": 0.5}, "needs a string `name`"),
     ]:
         with pytest.raises(PolicyConfigError, match=message):
             load_policy(bad)
+    # Built directly (not through the registry), a non-bool flag is caught by `validate`.
+    for policy in (SnapKVPolicy(count_include_pad=1), create_policy("wgkv")):  # type: ignore[arg-type]
+        policy.count_include_pad = "no"  # type: ignore[attr-defined]
+        with pytest.raises(PolicyConfigError, match="count_include_pad must be true or false"):
+            policy.validate()
     assert load_policy({"name": "snapkv", "tokens": 64}).tokens == 64  # type: ignore[union-attr]
     assert load_policy({"name": "snapkv", "tokens": 64}).ratio is None  # type: ignore[union-attr]
 
@@ -217,5 +236,6 @@ def test_params_lists_the_hyperparameters() -> None:
         "kernel_size": 5,
         "pooling": "avgpool",
         "gqa_reduction": "mean",
+        "count_include_pad": True,
     }
     assert KVPolicy().params() == {}  # the base class has no fields

@@ -31,6 +31,12 @@ Budget semantics (`Budget`):
 - A protected window of w recent tokens is always kept. A `tokens` budget smaller than the window
   is an error. When a `ratio` budget is smaller than the window, the window shrinks to the budget
   (the budget wins: it is what the operator pays for).
+- Rounding: a `ratio` budget keeps round(r * n) entries per head on average (Python's round, half
+  to even), at least 1 and at most n. NVIDIA kvpress 0.5.5 (`compute_n_kept`) keeps
+  int(n * (1 - compression_ratio)) (truncation, at least 1), so at the same kept fraction its
+  budget is one entry smaller whenever the fractional part of r * n is above .5 (or exactly .5 with
+  an odd integer part), and floating point can cost it one more (1 - 0.9 is 0.0999...). To match it
+  exactly, pass `tokens = int(n * (1 - compression_ratio))`, as `kvpress bench kvpress-parity` does.
 - A prompt no longer than the budget is kept whole. With a `tokens` budget (never below the window)
   a prompt shorter than the window is therefore kept whole; with a `ratio` budget the ratio is
   honoured even then (at least one entry per head is kept). Neither case is an error.
@@ -404,14 +410,27 @@ def reduce_group(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Ten
     raise PolicyConfigError(f"gqa_reduction must be one of {GQA_REDUCTIONS}, got {how!r}")
 
 
-def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
-    """1-D pooling along tokens (`[H, n]`), same length out: neighbours of a strong token score too."""
+def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str, count_include_pad: bool = True) -> torch.Tensor:
+    """1-D pooling along tokens (`[H, n]`), same length out: neighbours of a strong token score too.
+
+    The sequence is padded by p = kernel_size // 2 on both sides. Average pooling of entry j:
+
+        count_include_pad=True  (default): s[j] = sum_{|i - j| <= p, 0 <= i < n} v[i] / kernel_size
+        count_include_pad=False:           s[j] = the same sum / |{i : |i - j| <= p, 0 <= i < n}|
+
+    The default is what the SnapKV authors' code and kvpress run (`avg_pool1d` with padding and
+    PyTorch's default `count_include_pad=True`): the padding counts as zeros, so the first and last p
+    entries are scaled down by the share of their neighbourhood that lies outside the sequence. The
+    other choice averages over the real neighbours only, so edge entries are not penalised; it changes
+    which edge entries are kept, and with it a sizeable share of head sets at matched budgets.
+    Max pooling pads with -inf, so `count_include_pad` does not affect it.
+    """
     if kernel_size <= 1:
         return scores
     x = scores.unsqueeze(1)
     pad = kernel_size // 2
     if pooling == "avgpool":
-        out = torch.nn.functional.avg_pool1d(x, kernel_size, stride=1, padding=pad, count_include_pad=False)
+        out = torch.nn.functional.avg_pool1d(x, kernel_size, stride=1, padding=pad, count_include_pad=count_include_pad)
     elif pooling == "maxpool":
         out = torch.nn.functional.max_pool1d(x, kernel_size, stride=1, padding=pad)
     else:
@@ -448,6 +467,12 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise PolicyConfigError(f"{name} must be one of {choices}, got {value!r}")
 
 
+def check_flag(name: str, value: object) -> None:
+    """A yes/no hyperparameter must be a real bool (1, "yes" or None would silently mean something)."""
+    if not isinstance(value, bool):
+        raise PolicyConfigError(f"{name} must be true or false, got {value!r}")
+
+
 __all__ = [
     "FIELD_LIMITS",
     "GQA_REDUCTIONS",
@@ -463,6 +488,7 @@ __all__ = [
     "PolicyConfigError",
     "RequestPrefill",
     "check_choice",
+    "check_flag",
     "full_prompt_pages",
     "keep_top",
     "pages_bound",

@@ -150,7 +150,7 @@ class KVECPolicy(ObservationWindowScores):
 
     def _head_scores(self, means: torch.Tensor, prefix: int) -> torch.Tensor:
         """Window-mean attention per KV head (`[H, n]`) of the prefix entries, pooled: `[H, prefix]`."""
-        return pool_scores(means[:, :prefix], self.kernel_size, self.pooling)
+        return pool_scores(means[:, :prefix], self.kernel_size, self.pooling, self.count_include_pad)
 
     def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> torch.Tensor:
         n, heads = layer.length, layer.num_kv_heads

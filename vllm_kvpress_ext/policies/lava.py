@@ -227,11 +227,11 @@ class LavaPolicy(ObservationWindowScores):
             # Max over the group commutes with max-pooling and with the positive per-KV-head scale, exactly,
             # so the group can be reduced first, inside `window_votes` (the kernel on CUDA, [Hkv, n] only).
             votes = window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "sum", "max")
-            pooled = pool_scores(votes[:, :prefix], self.kernel_size, self.pooling)  # [Hkv, prefix]
+            pooled = pool_scores(votes[:, :prefix], self.kernel_size, self.pooling, self.count_include_pad)
             return pooled * (value_norm.to(pooled.device) / w).unsqueeze(-1)
         # Otherwise pool and scale per query head first, as the equations order it.
         per_query = window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "sum", None)  # [Hq, n]
-        votes = pool_scores(per_query[:, :prefix], self.kernel_size, self.pooling)  # [Hq, prefix]
+        votes = pool_scores(per_query[:, :prefix], self.kernel_size, self.pooling, self.count_include_pad)
         group = votes.shape[0] // layer.num_kv_heads
         scaled = votes * (value_norm.to(votes.device) / w).repeat_interleave(group).unsqueeze(-1)
         return reduce_group(scaled, layer.num_kv_heads, self.gqa_reduction)

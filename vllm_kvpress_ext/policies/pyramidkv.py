@@ -4,8 +4,14 @@ Paper: Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal I
 Funneling" (2024). Reference implementation: `pyramidkv/pyramidkv_utils.py` (`PyramidKVCluster`)
 in the authors' KVCache-Factory / PyramidKV repository.
 
-Equations, for a prompt of n tokens, L layers, mean budget B per (layer, KV head) and protected
-window w (both as resolved by `Budget` and `effective_window`, see `policies/base.py`):
+Two layer schedules (`schedule`), for a prompt of n tokens, L layers, mean budget B per (layer, KV
+head) and protected window w (both as resolved by `Budget` and `effective_window`, see
+`policies/base.py`). Both keep, per layer and KV head, the window plus the best-voted other entries
+up to the layer's budget b_l; they differ in where the window sits.
+
+`schedule: window_outside` (default; the authors' KVCache-Factory layout): the pyramid is built on the
+selectable budget R = B - w and the window is added to every layer, so the top layer keeps
+w + R / beta:
 
     R        = B - w                                  selectable entries per head, on average
     r_top    = R / beta                               top layer (smallest)
@@ -23,7 +29,24 @@ then one extra entry to the layers with the largest fractional parts, ties to th
 This keeps the schedule non-increasing with depth, every layer within one entry of the real
 schedule, and the mean over layers of kept entries per head equal to B exactly.
 
-Over-long layers: a layer's budget never exceeds the prompt; the reference's rule applies (when
+`schedule: window_inside` (the schedule of NVIDIA kvpress 0.5.5's `PyramidKVPress.get_layer_budget`):
+the pyramid is built on the whole budget and the window counts inside each layer's b_l, so the top
+layer keeps B / beta in all; a pyramid whose top layer would be smaller than the window is not
+built and every layer keeps B (plain SnapKV):
+
+    B*       = r n for a `ratio` budget r (not rounded), `tokens` for a `tokens` budget
+    top      = B* / beta;   bottom = 2 B* - top
+    if bottom >= n - w:  bottom = n - w;  top = 2 B* - bottom
+    if not (n >= bottom >= top >= w):  b_l = B for every layer    (B = round(r n) or `tokens`)
+    else:   b_l = max(1, round_half_even(bottom - (bottom - top) * l / (L - 1)))
+
+Each layer is rounded on its own (as that implementation does), so the mean over layers can differ
+from B* by a fraction of an entry; the budgets are computed in floating point in the same order of
+operations, so the integers are the same as that implementation's for the same n, ratio and window.
+Note the cap: the bottom layer holds at most n - w entries in all, window included, where the
+window_outside schedule lets it hold the whole prompt.
+
+Over-long layers (window_outside): a layer's budget never exceeds the prompt; the reference's rule applies (when
 the bottom layer would exceed n - w, the line is flattened so the bottom keeps the whole prompt
 and the mean is preserved: budget is redistributed, never silently lost). A prompt no longer than
 B is kept whole in every layer (base semantics).
@@ -32,7 +55,7 @@ Defaults, from the authors' LongBench driver (`run_longbench.py` in KVCache-Fact
 behind the paper's tables): window 8, kernel 7, max pooling; beta = 20 (the `PyramidKVCluster`
 default). Budget default: ratio 0.25, the project-wide default of the SnapKV family.
 
-Divergences:
+Divergences (window_outside, against KVCache-Factory):
 - Integer rounding: the reference floors `(R)/beta` and the step `(r_bottom - r_top) // (L - 1)`,
   so its mean differs from B by up to a few entries per layer; here the mean is exact.
 - GQA: votes of a KV head's query heads are reduced by `gqa_reduction` (mean by default), as in
@@ -56,6 +79,7 @@ from vllm_kvpress_ext.policies.base import (
     LayerPrefill,
     PolicyConfigError,
     RequestPrefill,
+    check_choice,
     keep_top,
     recent_window,
 )
@@ -90,6 +114,34 @@ def pyramid_budgets(num_layers: int, selectable: int, cap: int, beta: float) -> 
     return floors
 
 
+def pyramid_budgets_window_inside(
+    num_layers: int, mean: float, length: int, window: int, beta: float, uniform: int
+) -> list[int]:
+    """Entries kept per head of each layer, window included (`schedule: window_inside`, module docstring).
+
+    `mean` is B* (real-valued), `uniform` the budget every layer keeps when no pyramid fits.
+    """
+    if num_layers < 1:
+        raise ValueError("num_layers must be >= 1")
+    # (window + B*) - window is B* up to floating point: the same expression as that implementation's,
+    # so a layer that lands on .5 rounds the same way.
+    selectable = (window + mean) - window
+    top = selectable / beta
+    bottom = selectable * 2 - top
+    if bottom >= length - window:
+        bottom = length - window
+        top = selectable * 2 - bottom
+    if not length >= bottom >= top >= window:
+        return [uniform] * num_layers
+    step = (bottom - top) / (num_layers - 1) if num_layers > 1 else 0.0
+    # Python's round: half to even, as the implementation this schedule reproduces. At least one entry:
+    # with window 0 the top layers could round to nothing, and every budget here keeps one entry per head.
+    return [max(1, round(bottom - layer * step)) for layer in range(num_layers)]
+
+
+PYRAMID_SCHEDULES = ("window_outside", "window_inside")
+
+
 @dataclass
 class PyramidKVPolicy(ObservationWindowScores):
     """PyramidKV; equations, defaults and divergences in the module docstring."""
@@ -101,9 +153,11 @@ class PyramidKVPolicy(ObservationWindowScores):
     kernel_size: int = 7
     pooling: str = "maxpool"
     beta: float = 20.0
+    schedule: str = "window_outside"
 
     def validate(self) -> None:
         super().validate()
+        check_choice("schedule", self.schedule, PYRAMID_SCHEDULES)
         if not self.beta >= 1.0:
             raise PolicyConfigError(
                 f"beta must be >= 1 (top layer keeps 1/beta of the mean; 1 = uniform), got {self.beta}"
@@ -113,6 +167,11 @@ class PyramidKVPolicy(ObservationWindowScores):
         """Entries kept per KV head of each layer (window included) for a prompt of `length` entries."""
         budget = self.budget.per_head(length)
         window = self.effective_window(length, budget)
+        if self.schedule == "window_inside":
+            if budget >= length:  # a prompt no longer than the budget is kept whole (base semantics)
+                return [length] * num_layers
+            mean = self.ratio * length if self.ratio is not None else float(budget)
+            return pyramid_budgets_window_inside(num_layers, mean, length, window, self.beta, budget)
         selectable = pyramid_budgets(num_layers, budget - window, length - window, self.beta)
         return [r + window for r in selectable]
 

@@ -10,7 +10,10 @@ Equations, per layer and KV head h, prompt of n tokens, observation window of th
     keep     = window  U  top_{B - w}(s)              B = entries kept per head
 
 Defaults follow the authors' reference implementation (`snapkv_utils.py`): window 32, kernel 5,
-average pooling. (kvpress uses window 64; KVCache-Factory's configs use max pooling with kernel 7;
+average pooling with the padding counted (`count_include_pad=True`: PyTorch's `avg_pool1d` default,
+which the reference and kvpress use; the first and last kernel_size // 2 prefix entries are averaged
+with zeros, see `pool_scores` in `policies/base.py`). `count_include_pad=False` averages over the real
+neighbours only. (kvpress uses window 64; KVCache-Factory's configs use max pooling with kernel 7;
 both are one field away.)
 
 Divergences:
@@ -37,6 +40,7 @@ from vllm_kvpress_ext.policies.base import (
     PolicyConfigError,
     RequestPrefill,
     check_choice,
+    check_flag,
     keep_top,
     pool_scores,
     recent_window,
@@ -56,6 +60,7 @@ class ObservationWindowScores(KVPolicy):
     kernel_size: int = 5
     pooling: str = "avgpool"
     gqa_reduction: str = "mean"
+    count_include_pad: bool = True
 
     @property
     def budget(self) -> Budget:
@@ -68,6 +73,7 @@ class ObservationWindowScores(KVPolicy):
             raise PolicyConfigError(f"kernel_size must be a positive odd number, got {self.kernel_size}")
         check_choice("pooling", self.pooling, ("avgpool", "maxpool"))
         check_choice("gqa_reduction", self.gqa_reduction, GQA_REDUCTIONS)
+        check_flag("count_include_pad", self.count_include_pad)
         self.budget.validate(self.window)
 
     def capture_spec(self) -> CaptureSpec:
@@ -107,7 +113,7 @@ class ObservationWindowScores(KVPolicy):
         prefix = n - w
         scores = votes.clone()
         if prefix > 0:  # a prompt no longer than the window has nothing to rank
-            scores[:, :prefix] = pool_scores(votes[:, :prefix], self.kernel_size, self.pooling)
+            scores[:, :prefix] = pool_scores(votes[:, :prefix], self.kernel_size, self.pooling, self.count_include_pad)
         return scores
 
 

@@ -16,10 +16,11 @@ reads ring + global. With every gate = 1, or W_local >= the sequence, this is fu
 Composition with eviction (the paper's Appendix K), on when `cap` is set: admission decides what is
 written; a SnapKV-like score decides what is dropped when a layer's global region exceeds a hard
 average cap of `cap` entries per KV head (ring excluded). At prefill the admitted entries are scored
-by the observation window's attention (`observation_window` last queries, pooled as SnapKV does) and
-cut to the cap at once; during decode every time a layer is over its cap, the lowest-scoring
-`evict_fraction` (10%) of that layer's global entries, ranked across its heads, are evicted. Each
-event counts as one eviction trigger (`counters["eviction_triggers"]` in the request's KV stats).
+by the observation window's attention (`observation_window` last queries, pooled as SnapKV does,
+`count_include_pad` included) and cut to the cap at once; during decode every time a layer is over
+its cap, the lowest-scoring `evict_fraction` (10%) of that layer's global entries, ranked across its
+heads, are evicted. Each event counts as one eviction trigger (`counters["eviction_triggers"]` in
+the request's KV stats).
 
 Defaults: tau = 0.1 (the paper's threshold); W_local = 64 tokens (a multiple of the engine's page
 size, since the ring is whole pages; the paper's models use longer windows for longer contexts, this
@@ -53,6 +54,7 @@ from vllm_kvpress_ext.policies.base import (
     PolicyConfigError,
     RequestPrefill,
     check_choice,
+    check_flag,
     pool_scores,
     reduce_group,
 )
@@ -95,6 +97,7 @@ class WGKVPolicy(KVPolicy):
     kernel_size: int = 5
     pooling: str = "avgpool"
     gqa_reduction: str = "mean"
+    count_include_pad: bool = True
 
     def validate(self) -> None:
         if not 0.0 <= self.tau <= 1.0:
@@ -111,6 +114,7 @@ class WGKVPolicy(KVPolicy):
             raise PolicyConfigError(f"kernel_size must be >= 1, got {self.kernel_size}")
         check_choice("pooling", self.pooling, ("avgpool", "maxpool"))
         check_choice("gqa_reduction", self.gqa_reduction, GQA_REDUCTIONS)
+        check_flag("count_include_pad", self.count_include_pad)
 
     def gate_path(self, model_dir: str | Path) -> Path:
         return Path(self.gates) if self.gates is not None else default_gate_path(model_dir)
@@ -168,7 +172,8 @@ class WGKVPolicy(KVPolicy):
         # The ring's keys also take part in the softmax; they are not candidates, so they are left out
         # of the normaliser too: only relative order among global entries matters for eviction.
         probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-        scores = pool_scores(reduce_group(probs.mean(dim=1), heads, self.gqa_reduction), self.kernel_size, self.pooling)
+        votes = reduce_group(probs.mean(dim=1), heads, self.gqa_reduction)
+        scores = pool_scores(votes, self.kernel_size, self.pooling, self.count_include_pad)
         valid = positions >= 0
         return {"scores": scores.masked_fill(~valid, 0.0).cpu(), "positions": positions.cpu().to(torch.int64)}
 

@@ -50,7 +50,9 @@ sum_l f_l / L is the mean share of the ranked prefix they kept. Only the measure
 this module stays free of the engine, which imports the policies.
 
 Defaults: ows = 8 (`window`) and average pooling of size 7 (`kernel_size`, `pooling`), the
-paper's settings; `gqa_reduction` mean (the project's SnapKV-family default).
+paper's settings, with the zero padding at both ends counted in the average (`count_include_pad`,
+PyTorch's and the SnapKV reference's default; see `pool_scores` in `policies/base.py`);
+`gqa_reduction` mean (the project's SnapKV-family default).
 
 Divergences:
 - The paper profiles the allocation offline (a mini, sampled inference on a light model variant)
@@ -345,7 +347,7 @@ class XKVPolicy(ObservationWindowScores):
         # w_l pools the mean over all query heads, whatever reduction and pooling select inside a head:
         # with `max` or `maxpool` the mean of the heads' selection scores would be another vector.
         mean_votes = query_votes[:, :prefix].float().mean(dim=0, keepdim=True)
-        coverage = pool_scores(mean_votes, self.kernel_size, self.pooling)[0]
+        coverage = pool_scores(mean_votes, self.kernel_size, self.pooling, self.count_include_pad)[0]
         return XKVLayerScores(scores, coverage.cpu().double())
 
     def allocation(self, coverage: list[torch.Tensor], length: int) -> tuple[list[int], int]:

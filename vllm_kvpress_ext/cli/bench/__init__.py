@@ -10,6 +10,7 @@ from vllm_kvpress_ext.cli.bench import (
     cache,
     capacity,
     kernels,
+    kvpress_parity,
     policies,
     prefill_peak,
     serve,
@@ -18,7 +19,7 @@ from vllm_kvpress_ext.cli.bench import (
 )
 from vllm_kvpress_ext.cli.common import Subparsers, show_usage_when_bare
 
-BENCHES = (cache, throughput, capacity, policies, accuracy, serve, vllm_serve, kernels, prefill_peak)
+BENCHES = (cache, throughput, capacity, policies, accuracy, serve, vllm_serve, kernels, prefill_peak, kvpress_parity)
 
 
 def register(sub: Subparsers) -> None:
