@@ -271,7 +271,7 @@ def run_parity(config: ParityConfig) -> list[ParityRow]:
     from vllm_kvpress_ext.engine.request import RequestOutput
     from vllm_kvpress_ext.policies import load_policy
 
-    _validate(config)
+    validate_config(config)
     start = time.perf_counter()
     model_dir = hf_directory(config.model)
     from vllm_kvpress_ext.models import load_config
@@ -440,7 +440,7 @@ def _fork(
                     results[out.request_id] = out
 
 
-def _validate(config: ParityConfig) -> None:
+def validate_config(config: ParityConfig) -> None:
     from vllm_kvpress_ext.bench.natural import NATURAL_TASKS
 
     unknown = [p for p in config.policies if p not in PARITY_POLICIES]
@@ -522,4 +522,5 @@ __all__ = [
     "run_parity",
     "run_worker",
     "unpack_mask",
+    "validate_config",
 ]

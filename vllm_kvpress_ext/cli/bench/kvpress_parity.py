@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         ParityError,
         run_parity,
         run_worker,
+        validate_config,
     )
     from vllm_kvpress_ext.cli.models import resolve_model_arg
 
@@ -81,9 +82,10 @@ def run(args: argparse.Namespace) -> int:
         out_dir=args.out,
     )
     try:
+        validate_config(config)
         if not Path(python).is_file():  # before the model is loaded or written: say it at once
             run_worker(python, {}, Path(tempfile.gettempdir()))
-        run_parity(config)  # validates the configuration first
+        run_parity(config)
     except (ParityError, ValueError, OSError) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 1
