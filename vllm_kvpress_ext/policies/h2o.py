@@ -77,10 +77,14 @@ def accumulated_attention(layer: LayerPrefill, window: int | None, how: str) -> 
     """Column sums `[Hkv, n]` of the causal attention of the captured queries (all, or the last `window`).
 
     Queries are processed in blocks so that at most `BLOCK_ELEMENTS` probabilities exist at once;
-    keys are read per KV head (no per-block copy for the query heads of a group).
+    keys are read per KV head (no per-block copy for the query heads of a group). Requests forked from
+    one prefix compute this once (`LayerCapture.shared`).
     """
     capture = layer.capture
     assert capture is not None and capture.queries is not None and capture.query_positions is not None
+    memo_key = ("h2o.accumulated_attention", window, how, layer.length, layer.scale)
+    if capture.shared is not None and memo_key in capture.shared:
+        return capture.shared[memo_key].clone()
     queries, qpos = capture.queries, capture.query_positions
     if window is not None:
         queries, qpos = queries[-window:], qpos[-window:]
@@ -98,6 +102,8 @@ def accumulated_attention(layer: LayerPrefill, window: int | None, how: str) -> 
         probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
         total += probs.sum(dim=2)
     reduced = total.mean(dim=1) if how == "mean" else total.amax(dim=1)
+    if capture.shared is not None:
+        capture.shared[memo_key] = reduced.cpu()
     return reduced.cpu()
 
 

@@ -59,11 +59,11 @@ from vllm_kvpress_ext.policies.base import (
     LayerPrefill,
     PolicyConfigError,
     RequestPrefill,
+    captured_window_attention,
     keep_top,
     pool_scores,
     recent_window,
     reduce_group,
-    window_attention,
 )
 from vllm_kvpress_ext.policies.capture import CaptureSpec
 from vllm_kvpress_ext.policies.snapkv import ObservationWindowScores
@@ -76,9 +76,7 @@ def window_probs(layer: LayerPrefill, num_queries: int) -> torch.Tensor:
     capture = layer.capture
     assert capture is not None and capture.queries is not None and capture.query_positions is not None
     q = max(1, min(num_queries, capture.queries.shape[0]))
-    return window_attention(
-        capture.queries[-q:], capture.query_positions[-q:], layer.keys, layer.positions, layer.scale
-    )
+    return captured_window_attention(layer, q)
 
 
 def unique_token_coverage(keep: torch.Tensor | KeepPlan, length: int | None = None) -> float:

@@ -84,10 +84,10 @@ from vllm_kvpress_ext.policies.base import (
     LayerKeep,
     LayerPrefill,
     RequestPrefill,
+    captured_window_attention,
     pool_scores,
     recent_window,
     reduce_group,
-    window_attention,
 )
 from vllm_kvpress_ext.policies.snapkv import ObservationWindowScores
 
@@ -220,9 +220,7 @@ class LavaPolicy(ObservationWindowScores):
         capture = layer.capture
         assert capture is not None and capture.queries is not None and capture.query_positions is not None
         w = max(1, min(self.window, capture.queries.shape[0]))
-        probs = window_attention(
-            capture.queries[-w:], capture.query_positions[-w:], layer.keys, layer.positions, layer.scale
-        )  # [Hq, w, n]
+        probs = captured_window_attention(layer, w)  # [Hq, w, n]
         votes = pool_scores(probs[:, :, :prefix].sum(dim=1), self.kernel_size, self.pooling)  # [Hq, prefix]
         value_norm = layer.values[:, :prefix].float().abs().sum(dim=-1).amax(dim=-1)  # [Hkv]
         group = probs.shape[0] // layer.num_kv_heads

@@ -36,12 +36,12 @@ from vllm_kvpress_ext.policies.base import (
     LayerPrefill,
     PolicyConfigError,
     RequestPrefill,
+    captured_window_attention,
     check_choice,
     keep_top,
     pool_scores,
     recent_window,
     reduce_group,
-    window_attention,
 )
 from vllm_kvpress_ext.policies.capture import CaptureSpec
 
@@ -82,9 +82,7 @@ class ObservationWindowScores(KVPolicy):
         capture = layer.capture
         assert capture is not None and capture.queries is not None and capture.query_positions is not None
         w = min(self.window, layer.length)
-        queries = capture.queries[-w:] if w else capture.queries[-1:]
-        qpos = capture.query_positions[-w:] if w else capture.query_positions[-1:]
-        probs = window_attention(queries, qpos, layer.keys, layer.positions, layer.scale)  # [Hq, w, n]
+        probs = captured_window_attention(layer, w or 1)  # [Hq, w, n]
         return probs.sum(dim=1)
 
     def scores(self, layer: LayerPrefill, query_votes: torch.Tensor | None = None) -> torch.Tensor:
