@@ -414,9 +414,10 @@ def merge_results(result_dirs: list[Path], out_dir: Path, plot: bool = True) -> 
             else:
                 policies.setdefault(key, None)
         runs += [Run(**json.loads(line)) for line in lines.read_text().splitlines() if line.strip()]
-    for key in ("model", "protocol", "filler"):
-        if len({c[key] for c in configs}) > 1:
-            raise ValueError(f"cannot merge runs with different {key}s: {sorted({c[key] for c in configs})}")
+    for field_name in ("model", "protocol", "filler"):
+        values = sorted({c[field_name] for c in configs})
+        if len(values) > 1:
+            raise ValueError(f"cannot merge runs with different {field_name}s: {values}")
     first = configs[0]
     config = NaturalAccuracyConfig(
         model=first["model"],
