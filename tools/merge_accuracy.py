@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, run from anywhere
+
 from vllm_kvpress_ext.bench.natural_accuracy import merge_results
 
 
