@@ -152,3 +152,44 @@ def test_prefill_attention_matches_causal_sdpa(group: int) -> None:
     )
     torch.testing.assert_close(packed[:n], expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed[n:], expected[:10], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_buckets_by_length_like_one_dense_batch() -> None:
+    """A batch mixing a long request with short ones (and an empty head) runs in length buckets: outputs
+    match one batch padded to the longest, and so do the probabilities over the global entries (shorter
+    padding may change the last bits of a softmax sum, nothing more)."""
+    from vllm_kvpress_ext.attention.reference import _dense_decode, length_buckets
+
+    torch.manual_seed(3)
+    head_dim, group, page_size, kv_heads = 16, 3, 4, 2
+    cache = PagedKVCache(1, kv_heads, head_dim, num_pages=512, page_size=page_size, max_requests=8)
+    rows = []
+    for r, n in enumerate([300, 5, 40, 33, 150, 2, 64]):
+        row = cache.add_request(f"r{r}")
+        slots = cache.append_slots([row], torch.arange(n).view(1, -1))
+        cache.write(slots, torch.randn(*slots.shape, head_dim), torch.randn(*slots.shape, head_dim))
+        rows.append(row)
+    cache.apply_keep_plan("r3", KeepPlan.from_mask(torch.arange(33).view(1, 1, -1) < torch.tensor([[[0], [33]]])))
+    batch = torch.tensor(rows[::-1])
+    lengths = cache.seq_lens[0][batch].amax(-1)
+    assert len(length_buckets(lengths, page_size)) > 2
+    assert sorted(torch.cat(length_buckets(lengths, page_size)).tolist()) == list(range(len(rows)))
+    query = torch.randn(len(rows), kv_heads * group, head_dim)
+    args = (query, cache.pool.kv, cache.pool.positions, cache.block_tables[0], cache.seq_lens[0], batch, 0.25)
+    probs: list[torch.Tensor] = []
+    dense_probs: list[torch.Tensor] = []
+    out = paged_decode_attention(*args, probs_out=probs)
+    dense = _dense_decode(*args, None, None, dense_probs)
+    torch.testing.assert_close(out, dense, atol=1e-6, rtol=1e-6)
+    assert probs[0].shape == dense_probs[0].shape
+    torch.testing.assert_close(probs[0], dense_probs[0], atol=1e-7, rtol=1e-6)
+    assert torch.equal(out[rows[::-1].index(rows[3])][:group], torch.zeros(group, head_dim))  # the empty head
+
+
+def test_length_buckets_single_and_empty_batches() -> None:
+    from vllm_kvpress_ext.attention.reference import length_buckets
+
+    assert [b.tolist() for b in length_buckets(torch.tensor([], dtype=torch.int64), 16)] == [[]]
+    assert [b.tolist() for b in length_buckets(torch.tensor([0]), 16)] == [[0]]
+    assert [b.tolist() for b in length_buckets(torch.tensor([17, 20, 31]), 16)] == [[0, 1, 2]]
+    assert [b.tolist() for b in length_buckets(torch.tensor([16, 64, 0, 1000]), 16)] == [[0, 2], [1], [3]]

@@ -109,3 +109,114 @@ def test_natural_bench_end_to_end(tiny_gguf: Path, tmp_path: Path, monkeypatch: 
     assert len(runs) == 2 * 3  # samples x runnable (policy, budget)
     assert all(r["task"] == "nl_passkey" and 0.0 <= r["score"] <= 1.0 for r in runs)
     assert main([*argv[:-1], str(tmp_path / "bad"), "--protocol", "strict"]) == 2
+
+
+def _fake_run(directory: Path, length: int, task: str, scores: list[float], protocol: str = "served") -> Path:
+    """What one `bench accuracy` run leaves on disk, for two policies (full, snapkv 0.5) and wgkv not run."""
+    directory.mkdir(parents=True)
+    runs = []
+    for seed, value in enumerate(scores):
+        runs.append(
+            {
+                "context_len": length,
+                "task": task,
+                "policy": "full",
+                "budget": None,
+                "seed": seed,
+                "score": 1.0,
+                "kv_bytes": 4096,
+                "retention": 1.0,
+                "text": "x",
+            }
+        )
+        runs.append(
+            {
+                "context_len": length,
+                "task": task,
+                "policy": "snapkv",
+                "budget": 0.5,
+                "seed": seed,
+                "score": value,
+                "kv_bytes": 2048,
+                "retention": 0.5,
+                "text": "y",
+            }
+        )
+    note = "not run: wgkv: no write gates for this model"
+    rows = [
+        {
+            "context_len": length,
+            "task": task,
+            "policy": p,
+            "budget": b,
+            "samples": len(scores),
+            "accuracy": 0.0,
+            "kv_bytes_mean": 0.0,
+            "retention": 0.0,
+            "note": "",
+        }
+        for p, b in (("full", None), ("snapkv", 0.5))
+    ]
+    rows.append(
+        {
+            "context_len": length,
+            "task": task,
+            "policy": "wgkv",
+            "budget": None,
+            "samples": 0,
+            "accuracy": None,
+            "kv_bytes_mean": None,
+            "retention": None,
+            "note": note,
+        }
+    )
+    config = {
+        "model": "m.gguf",
+        "tasks": [task],
+        "context_lens": [length],
+        "samples": len(scores),
+        "protocol": protocol,
+        "filler": "noise",
+    }
+    payload = {"config": config, "seconds": 10.0, "prefill_seconds": 2.0, "rows": rows}
+    (directory / "results.json").write_text(json.dumps(payload))
+    (directory / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    return directory
+
+
+def test_merged_runs_make_one_report(tmp_path: Path) -> None:
+    from vllm_kvpress_ext.bench.natural_accuracy import merge_results
+
+    dirs = [
+        _fake_run(tmp_path / "a", 2048, "nl_passkey", [1.0, 0.0, 1.0, 1.0]),
+        _fake_run(tmp_path / "b", 2048, "nl_niah_single", [0.0, 0.0]),
+        _fake_run(tmp_path / "c", 4096, "nl_passkey", [0.0, 1.0, 0.0, 0.0]),
+    ]
+    rows = merge_results(dirs, tmp_path / "out")
+    cells = {(r.context_len, r.task, r.policy, r.budget): r for r in rows}
+    assert cells[(2048, "nl_passkey", "snapkv", 0.5)].accuracy == 0.75
+    assert cells[(2048, "nl_passkey", "snapkv", 0.5)].samples == 4
+    assert cells[(2048, "nl_niah_single", "snapkv", 0.5)].samples == 2
+    assert cells[(4096, "nl_passkey", "snapkv", 0.5)].accuracy == 0.25
+    assert (4096, "nl_niah_single", "snapkv", 0.5) not in cells  # never run at 4K: no row, "-" in its column
+    assert cells[(2048, "nl_passkey", "wgkv", None)].note.startswith("not run")
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    summary = {(s["context_len"], s["policy"], s["budget"]): s for s in result["summary"]}
+    assert summary[(2048, "snapkv", 0.5)]["accuracy"] == pytest.approx((0.75 + 0.0) / 2)
+    assert summary[(2048, "snapkv", 0.5)]["runs"] == 6
+    assert summary[(4096, "snapkv", 0.5)]["runs"] == 4
+    assert (tmp_path / "out" / "accuracy_vs_memory.png").stat().st_size > 0
+    assert "| 2048 | snapkv | 0.5 | 6 | 37.5 |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_merge_refuses_what_it_cannot_combine(tmp_path: Path) -> None:
+    from vllm_kvpress_ext.bench.natural_accuracy import merge_results
+
+    served = _fake_run(tmp_path / "served", 2048, "nl_passkey", [1.0])
+    agnostic = _fake_run(tmp_path / "agnostic", 2048, "nl_passkey", [0.0], protocol="agnostic")
+    with pytest.raises(ValueError, match="different protocols"):
+        merge_results([served, agnostic], tmp_path / "out")
+    with pytest.raises(ValueError, match="no finished"):
+        merge_results([tmp_path / "absent"], tmp_path / "out")
+    with pytest.raises(ValueError, match="no result directories"):
+        merge_results([], tmp_path / "out")

@@ -82,3 +82,27 @@ def test_fork_rejects_what_it_cannot_reproduce(engine: LLMEngine, tmp_path: Path
         engine.add_request(prompt, params, "busy")
         capture_prefix(engine, prompt, merged_capture_spec([None]), "again")
     engine.abort("busy")
+
+
+def test_forks_share_scores_and_still_equal_whole_runs(engine: LLMEngine) -> None:
+    """Forks of one prefix compute the all-query (H2O) and window (SnapKV family) attention once; a second
+    budget of the same policy reuses it and still equals its whole run."""
+    prompt = torch.randint(3, engine.config.vocab_size, (TOTAL,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    policies = {f"{name}-{b}": make_policy(name, b) for name in ("h2o", "snapkv", "lava", "kvec") for b in (0.5, 0.2)}
+    snapshot = capture_prefix(engine, prompt[:PREFIX], merged_capture_spec(list(policies.values())), "prefix-memo")
+    shared = snapshot.layers[0].shared
+    assert shared == {}
+    for label, policy in policies.items():
+        whole = _run(
+            engine,
+            lambda p=policy, n=label: engine.add_request(prompt, params, f"whole-{n}", policy=p, compress_after=PREFIX),
+        )
+        forked = _run(
+            engine, lambda p=policy, n=label: add_forked_request(engine, snapshot, prompt, params, f"fork-{n}", p)
+        )
+        assert forked[0] == whole[0], label
+        assert torch.equal(forked[1], whole[1]), label
+    assert shared is not None
+    names = {key[0] for key in shared}
+    assert names == {"h2o.accumulated_attention", "window_attention"}, names

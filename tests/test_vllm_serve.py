@@ -9,53 +9,30 @@ which the server still answers, and `/metrics` carries the `kvpress_*` series be
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from vllm_utils import MODEL_DIR, retrieval_prompts, retrieval_samples
+from vllm_utils import MODEL_DIR, retrieval_prompts, retrieval_samples, vllm_server
 
 from vllm_kvpress_ext.bench.tasks import score
 from vllm_kvpress_ext.bench.tasks.prompt import chat_messages
 
 pytestmark = pytest.mark.slow
 
-STARTUP_TIMEOUT_S = 420
 MODEL = "bundled"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
     log_path = tmp_path_factory.mktemp("vllm") / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_TARGET_DEVICE", "KVPRESS_VLLM", "VLLM_PLUGINS")}
-    env["KVPRESS_METRICS_FILE"] = str(log_path.with_name("kvpress-metrics.json"))
-    command = [
-        str(Path(sys.executable).with_name("vllm")),
-        "serve",
+    args = [
         str(MODEL_DIR),
         "--kv-policy",
         "snapkv",
         "--served-model-name",
         MODEL,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
         "--dtype",
         "float32",
         "--max-model-len",
@@ -65,30 +42,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "--additional-config",
         json.dumps({"kv_num_pages": 2000}),
     ]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"vllm serve exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
+    metrics = {"KVPRESS_METRICS_FILE": str(log_path.with_name("kvpress-metrics.json"))}
+    with vllm_server(args, log_path, metrics) as url:
         yield url
-    finally:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import httpx
+import pytest
 import torch
 from transformers import AutoTokenizer
 
@@ -46,3 +57,45 @@ def embedded_greedy(
                 done[out.request_id] = out
     assert engine.cache.pool.num_used == 0
     return [done[i] for i in ids]
+
+
+STARTUP_TIMEOUT_S = 420
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def vllm_server(args: list[str], log_path: Path, env_extra: dict[str, str] | None = None) -> Iterator[str]:
+    """`vllm serve ARGS` on a free loopback port until healthy; yields its URL, stops it (SIGINT) after."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_TARGET_DEVICE", "KVPRESS_VLLM", "VLLM_PLUGINS")}
+    env.update(env_extra or {})
+    command = [str(Path(sys.executable).with_name("vllm")), "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"vllm serve exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)

@@ -81,12 +81,85 @@ def paged_decode_attention(
     If `probs_out` is a list, the attention probabilities `[B, Hkv, G, N]` over the global
     entries (in storage order, N = longest head) are appended to it, for policies that score
     entries by the attention they receive.
+
+    Requests are densified in buckets of similar length (`length_buckets`), so a batch that mixes a
+    full cache with compressed ones does not pad every request to the longest: the dense work is
+    about the entries held rather than batch size x longest request.
     """
-    batch, num_q_heads, head_dim = query.shape
+    batch, num_q_heads = query.shape[:2]
     rows = rows.to(block_tables.device, torch.int64)
     num_kv_heads = block_tables.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads do not divide into {num_kv_heads} KV heads")
+    has_ring = ring_tables is not None and ring_lens is not None and ring_tables.shape[-1] > 0
+    lengths = seq_lens[rows].amax(-1).to(torch.int64) if batch else torch.zeros(0, dtype=torch.int64)
+    if has_ring:
+        assert ring_lens is not None
+        lengths = lengths + ring_lens.to(lengths.device, torch.int64)[rows.to(ring_lens.device)].to(lengths.device)
+    buckets = length_buckets(lengths, kv_pool.shape[2])
+    if len(buckets) <= 1:
+        return _dense_decode(
+            query, kv_pool, position_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens, probs_out
+        )
+    out = torch.empty_like(query)
+    probs = None
+    if probs_out is not None:
+        global_len = int(seq_lens[rows].max())
+        group = num_q_heads // num_kv_heads
+        probs = torch.zeros(batch, num_kv_heads, group, global_len, device=query.device)
+    for index in buckets:
+        part: list[torch.Tensor] | None = [] if probs is not None else None
+        device_index = index.to(query.device)
+        out[device_index] = _dense_decode(
+            query[device_index],
+            kv_pool,
+            position_pool,
+            block_tables,
+            seq_lens,
+            rows[index.to(rows.device)],
+            scale,
+            ring_tables,
+            ring_lens,
+            part,
+        )
+        if probs is not None and part:
+            probs[device_index, ..., : part[0].shape[-1]] = part[0].to(probs.dtype)
+    if probs_out is not None and probs is not None:
+        probs_out.append(probs)
+    return out
+
+
+def length_buckets(lengths: torch.Tensor, page_size: int) -> list[torch.Tensor]:
+    """Batch indices grouped by length class: requests of [2^k, 2^(k+1)) pages share one dense block.
+
+    Padding each request only to its bucket's longest wastes less than half of a bucket's work,
+    while the number of buckets (each a few tensor ops) stays logarithmic in the longest request.
+    """
+    if lengths.numel() <= 1:
+        return [torch.arange(lengths.numel())]
+    pages = torch.div(lengths.cpu() + page_size - 1, page_size, rounding_mode="floor").clamp_min(1)
+    classes = torch.floor(torch.log2(pages.double())).to(torch.int64)
+    distinct = torch.unique(classes)
+    if distinct.numel() == 1:
+        return [torch.arange(lengths.numel())]
+    return [torch.nonzero(classes == c).view(-1) for c in distinct.tolist()]
+
+
+def _dense_decode(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    position_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    ring_tables: torch.Tensor | None,
+    ring_lens: torch.Tensor | None,
+    probs_out: list[torch.Tensor] | None,
+) -> torch.Tensor:
+    """Decode attention of requests densified together (padded to the longest of them)."""
+    batch, num_q_heads, head_dim = query.shape
+    num_kv_heads = block_tables.shape[1]
     keys, values, _, valid = gather_paged(kv_pool, position_pool, block_tables[rows], seq_lens[rows])
     if ring_tables is not None and ring_lens is not None and ring_tables.shape[-1] > 0:
         ring_len = ring_lens.to(ring_tables.device)[rows].view(-1, 1).expand(batch, num_kv_heads)

@@ -299,6 +299,7 @@ def _summary(rows: list[NaturalRow]) -> list[dict[str, Any]]:
                 "accuracy": _mean([r.accuracy for r in group]),
                 "kv_bytes_mean": _mean([r.kv_bytes_mean for r in group]),
                 "retention": _mean([r.retention for r in group]),
+                "runs": sum(r.samples for r in group),
                 "tasks": {r.task: r.accuracy for r in group},
                 "note": next((r.note for r in group if r.note), ""),
             }
@@ -313,18 +314,20 @@ def _report(
     out.mkdir(parents=True, exist_ok=True)
     summary = _summary(rows)
     tasks = list(config.tasks)
-    headers = ["ctx", "policy", "budget", "accuracy %", "KV MiB held", "retention", *tasks]
+    headers = ["ctx", "policy", "budget", "runs", "accuracy %", "KV MiB held", "retention", *tasks]
     table = []
     for s in summary:
         mib = "-" if math.isnan(s["kv_bytes_mean"]) else f"{s['kv_bytes_mean'] / 2**20:.2f}"
         retention = "-" if math.isnan(s["retention"]) else f"{s['retention']:.3f}"
         budget = "-" if s["budget"] is None else f"{s['budget']:g}"
         cells = [_pct(s["tasks"].get(t, math.nan)) for t in tasks]
-        table.append([s["context_len"], s["policy"], budget, _pct(s["accuracy"]), mib, retention, *cells])
+        runs_ = s["runs"] or "-"
+        table.append([s["context_len"], s["policy"], budget, runs_, _pct(s["accuracy"]), mib, retention, *cells])
     protocol = {"agnostic": "context compressed, question prefilled after", "served": "after the whole prompt"}
     print(
         f"\nmodel {config.model}; protocol {config.protocol} ({protocol[config.protocol]}); filler {config.filler}; "
-        f"{config.samples} samples per task and length; accuracy = RULER string match, per task in the last columns"
+        f"up to {config.samples} samples per task and length (runs: the generations a row averages); "
+        "accuracy = RULER string match, mean over tasks, per task in the last columns"
     )
     print(format_table(headers, table))
     notes = sorted({s["note"] for s in summary if s["note"]})
@@ -384,7 +387,56 @@ def _plot(summary: list[dict[str, Any]], path: Path, config: NaturalAccuracyConf
     plt.close(fig)
 
 
-__all__ = ["NaturalAccuracyConfig", "NaturalRow", "run_natural_accuracy"]
+def merge_results(result_dirs: list[Path], out_dir: Path, plot: bool = True) -> list[NaturalRow]:
+    """One report (tables, per-task columns, plot) from several runs' output directories.
+
+    A long table is cheapest to run as one `bench accuracy` per (task, length), so every finished run
+    is on disk whatever happens to the later ones; this puts their runs.jsonl back together. The runs
+    must share model and protocol. A (length, task) no run covered shows as "-" in its column, and the
+    mean over tasks of a length covers the tasks run at that length.
+    """
+    if not result_dirs:
+        raise ValueError("no result directories to merge")
+    configs, runs = [], []
+    seconds = prefill_seconds = 0.0
+    policies: dict[tuple[str, float | None], KVPolicy | str | None] = {}
+    for directory in result_dirs:
+        results, lines = Path(directory) / "results.json", Path(directory) / "runs.jsonl"
+        if not results.is_file() or not lines.is_file():
+            raise ValueError(f"{directory} holds no finished `bench accuracy` run (results.json, runs.jsonl)")
+        payload = json.loads(results.read_text())
+        configs.append(payload["config"])
+        seconds += payload["seconds"]
+        prefill_seconds += payload["prefill_seconds"]
+        for row in payload["rows"]:
+            key = (row["policy"], row["budget"])
+            if row["note"].startswith("not run"):
+                policies[key] = row["note"]
+            else:
+                policies.setdefault(key, None)
+        runs += [Run(**json.loads(line)) for line in lines.read_text().splitlines() if line.strip()]
+    for field_name in ("model", "protocol", "filler"):
+        values = sorted({c[field_name] for c in configs})
+        if len(values) > 1:
+            raise ValueError(f"cannot merge runs with different {field_name}s: {values}")
+    first = configs[0]
+    config = NaturalAccuracyConfig(
+        model=first["model"],
+        policies=tuple(dict.fromkeys(name for name, _ in policies)),
+        tasks=tuple(dict.fromkeys(t for c in configs for t in c["tasks"])),
+        context_lens=tuple(sorted({n for c in configs for n in c["context_lens"]})),
+        samples=max(c["samples"] for c in configs),
+        protocol=first["protocol"],
+        filler=first["filler"],
+        out_dir=str(out_dir),
+        plot=plot,
+    )
+    rows = [r for r in _aggregate(runs, policies, config) if r.note != "no runs"]
+    _report(rows, config, seconds, prefill_seconds, runs)
+    return rows
+
+
+__all__ = ["NaturalAccuracyConfig", "NaturalRow", "merge_results", "run_natural_accuracy"]
 
 
 def uses_suite_tokenizer(model: str) -> bool:

@@ -102,6 +102,8 @@ def capture_prefix(
         snapshot["keys"], snapshot["values"] = torch.stack(keys), torch.stack(values)
         captures = (request.policy_state or {}).get("captures")
         snapshot["layers"] = captures if captures else [LayerCapture() for _ in keys]
+        for layer_capture in snapshot["layers"]:
+            layer_capture.shared = {}
         snapshot["next_token"] = request.output_token_ids[0]
 
     policy = _CaptureOnly(spec) if not spec.empty else None
@@ -126,6 +128,7 @@ def _own_capture(snapshot: PrefixSnapshot, spec: CaptureSpec, num_layers: int) -
         return None
     capture = PrefillCapture(spec, num_layers)
     for mine, shared in zip(capture.layers, snapshot.layers, strict=True):
+        mine.shared = shared.shared
         if spec.window:
             assert shared.queries is not None and shared.query_positions is not None
             mine.queries = shared.queries[-spec.window :].clone()

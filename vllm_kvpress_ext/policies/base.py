@@ -400,6 +400,53 @@ def window_votes(
     return ops.window_scores(queries, query_positions, expanded, key_positions, scale, window_reduction, "mean")
 
 
+def captured_window_attention(layer: LayerPrefill, num_queries: int) -> torch.Tensor:
+    """`window_attention` of the last `num_queries` captured queries over the layer's keys, `[Hq, w, n]`.
+
+    Requests forked from one prefilled prefix share it (`LayerCapture.shared`): every SnapKV-family
+    policy and budget scores the same window over the same uncompressed keys. Read-only.
+    """
+    capture = layer.capture
+    assert capture is not None and capture.queries is not None and capture.query_positions is not None
+    key = ("window_attention", num_queries, layer.length, layer.scale)
+    if capture.shared is not None and key in capture.shared:
+        return capture.shared[key]
+    probs = window_attention(
+        capture.queries[-num_queries:], capture.query_positions[-num_queries:], layer.keys, layer.positions, layer.scale
+    )
+    if capture.shared is not None:
+        capture.shared[key] = probs
+    return probs
+
+
+def captured_window_votes(
+    layer: LayerPrefill, num_queries: int, window_reduction: str = "sum", group_reduction: str | None = "mean"
+) -> torch.Tensor:
+    """`window_votes` of the last `num_queries` captured queries over the layer's keys (`[Hkv, n]`, or
+    `[Hq, n]` with `group_reduction=None`).
+
+    Shared like `captured_window_attention` by requests forked from one prefix: every budget of a
+    SnapKV-family policy reduces the same window over the same uncompressed keys. Read-only.
+    """
+    capture = layer.capture
+    assert capture is not None and capture.queries is not None and capture.query_positions is not None
+    key = ("window_votes", num_queries, window_reduction, group_reduction, layer.length, layer.scale)
+    if capture.shared is not None and key in capture.shared:
+        return capture.shared[key]
+    votes = window_votes(
+        capture.queries[-num_queries:],
+        capture.query_positions[-num_queries:],
+        layer.keys,
+        layer.positions,
+        layer.scale,
+        window_reduction,
+        group_reduction,
+    )
+    if capture.shared is not None:
+        capture.shared[key] = votes
+    return votes
+
+
 def reduce_group(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
     """`[Hq, ...]` -> `[Hkv, ...]` by mean or max over each KV head's query heads."""
     grouped = scores.view(num_kv_heads, scores.shape[0] // num_kv_heads, *scores.shape[1:])

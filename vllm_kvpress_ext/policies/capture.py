@@ -7,6 +7,7 @@ and the attention context then only passes tensors by reference (no copies, no s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,6 +45,10 @@ class LayerCapture:
     hidden_count: int = 0
     keys_pre_rope: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, Hkv, d]
     keys_post_rope: list[torch.Tensor] = field(default_factory=list)
+    # Scores computed from this layer's prefill alone, keyed by what computed them. Requests forked from one
+    # prefilled prefix (engine/prefix.py) share the dict: their captures and uncompressed keys are the same,
+    # so a score one of them computed (e.g. H2O's all-query attention, O(n^2)) serves the others. None: unshared.
+    shared: dict[Any, torch.Tensor] | None = None
 
     @property
     def hidden_mean(self) -> torch.Tensor:

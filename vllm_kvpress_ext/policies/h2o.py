@@ -81,9 +81,16 @@ def accumulated_attention(layer: LayerPrefill, window: int | None, how: str) -> 
     The whole prompt's queries over its own keys (the default; positions 0..n-1 on both sides) go to
     `causal_column_sums`, which never materialises more than a tile of the n x n probabilities. A
     window, or positions of any other shape, go to `dense_column_sums` (bounded query blocks).
+    Requests forked from one prefix compute this once (`LayerCapture.shared`).
     """
     capture = layer.capture
     assert capture is not None and capture.queries is not None and capture.query_positions is not None
+    memo_key = ("h2o.accumulated_attention", window, how, layer.length, layer.scale)
+    if capture.shared is not None and memo_key in capture.shared:
+        return capture.shared[memo_key].clone()
+    memo_key = ("h2o.accumulated_attention", window, how, layer.length, layer.scale)
+    if capture.shared is not None and memo_key in capture.shared:
+        return capture.shared[memo_key].clone()
     queries, qpos = capture.queries, capture.query_positions
     if window is not None:
         queries, qpos = queries[-window:], qpos[-window:]
@@ -93,8 +100,10 @@ def accumulated_attention(layer: LayerPrefill, window: int | None, how: str) -> 
         total = causal_column_sums(queries, layer.keys, layer.scale)
     else:
         total = dense_column_sums(queries, qpos, layer.keys, key_positions, layer.scale)
-    reduced = total.mean(dim=1) if how == "mean" else total.amax(dim=1)
-    return reduced.cpu()
+    reduced = (total.mean(dim=1) if how == "mean" else total.amax(dim=1)).cpu()
+    if capture.shared is not None:
+        capture.shared[memo_key] = reduced.clone()
+    return reduced
 
 
 def dense_column_sums(

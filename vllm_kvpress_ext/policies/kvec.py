@@ -60,12 +60,12 @@ from vllm_kvpress_ext.policies.base import (
     LayerPrefill,
     PolicyConfigError,
     RequestPrefill,
+    captured_window_attention,
+    captured_window_votes,
     keep_top,
     pool_scores,
     recent_window,
     reduce_group,
-    window_attention,
-    window_votes,
 )
 from vllm_kvpress_ext.policies.capture import CaptureSpec
 from vllm_kvpress_ext.policies.snapkv import ObservationWindowScores
@@ -73,23 +73,21 @@ from vllm_kvpress_ext.policies.snapkv import ObservationWindowScores
 STATE_KEY = "kvec_layer_hits"
 
 
-def _last_queries(layer: LayerPrefill, num_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _last_queries(layer: LayerPrefill, num_queries: int) -> int:
+    """How many captured queries the last `num_queries` are (fewer if fewer were captured, at least one)."""
     capture = layer.capture
-    assert capture is not None and capture.queries is not None and capture.query_positions is not None
-    q = max(1, min(num_queries, capture.queries.shape[0]))
-    return capture.queries[-q:], capture.query_positions[-q:]
+    assert capture is not None and capture.queries is not None
+    return max(1, min(num_queries, capture.queries.shape[0]))
 
 
 def window_probs(layer: LayerPrefill, num_queries: int) -> torch.Tensor:
-    """Attention `[Hq, q, n]` of the last `num_queries` captured queries (fewer if fewer were captured)."""
-    queries, qpos = _last_queries(layer, num_queries)
-    return window_attention(queries, qpos, layer.keys, layer.positions, layer.scale)
+    """Attention `[Hq, q, n]` of the last `num_queries` captured queries (shared by forks of one prefix)."""
+    return captured_window_attention(layer, _last_queries(layer, num_queries))
 
 
 def window_means(layer: LayerPrefill, num_queries: int, how: str) -> torch.Tensor:
     """Window-mean attention per KV head `[Hkv, n]` (GQA reduced by `how`) through `attention.ops`."""
-    queries, qpos = _last_queries(layer, num_queries)
-    return window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "mean", how)
+    return captured_window_votes(layer, _last_queries(layer, num_queries), "mean", how)
 
 
 def unique_token_coverage(keep: torch.Tensor | KeepPlan, length: int | None = None) -> float:

@@ -84,11 +84,11 @@ from vllm_kvpress_ext.policies.base import (
     LayerKeep,
     LayerPrefill,
     RequestPrefill,
+    captured_window_votes,
     pages_bound,
     pool_scores,
     recent_window,
     reduce_group,
-    window_votes,
 )
 from vllm_kvpress_ext.policies.snapkv import ObservationWindowScores
 
@@ -221,16 +221,15 @@ class LavaPolicy(ObservationWindowScores):
         capture = layer.capture
         assert capture is not None and capture.queries is not None and capture.query_positions is not None
         w = max(1, min(self.window, capture.queries.shape[0]))
-        queries, qpos = capture.queries[-w:], capture.query_positions[-w:]
         value_norm = layer.values[:, :prefix].float().abs().sum(dim=-1).amax(dim=-1)  # [Hkv]
         if self.gqa_reduction == "max" and (self.pooling == "maxpool" or self.kernel_size <= 1):
             # Max over the group commutes with max-pooling and with the positive per-KV-head scale, exactly,
             # so the group can be reduced first, inside `window_votes` (the kernel on CUDA, [Hkv, n] only).
-            votes = window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "sum", "max")
+            votes = captured_window_votes(layer, w, "sum", "max")
             pooled = pool_scores(votes[:, :prefix], self.kernel_size, self.pooling, self.count_include_pad)
             return pooled * (value_norm.to(pooled.device) / w).unsqueeze(-1)
         # Otherwise pool and scale per query head first, as the equations order it.
-        per_query = window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "sum", None)  # [Hq, n]
+        per_query = captured_window_votes(layer, w, "sum", None)  # [Hq, n]
         votes = pool_scores(per_query[:, :prefix], self.kernel_size, self.pooling, self.count_include_pad)
         group = votes.shape[0] // layer.num_kv_heads
         scaled = votes * (value_norm.to(votes.device) / w).repeat_interleave(group).unsqueeze(-1)

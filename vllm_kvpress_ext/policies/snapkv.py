@@ -39,13 +39,13 @@ from vllm_kvpress_ext.policies.base import (
     LayerPrefill,
     PolicyConfigError,
     RequestPrefill,
+    captured_window_votes,
     check_choice,
     check_flag,
     keep_top,
     pool_scores,
     recent_window,
     reduce_group,
-    window_votes,
 )
 from vllm_kvpress_ext.policies.capture import CaptureSpec
 
@@ -83,19 +83,13 @@ class ObservationWindowScores(KVPolicy):
         """The protected window: never longer than the prompt or the budget (see base docstring)."""
         return min(self.window, length, budget)
 
-    def _window(self, layer: LayerPrefill) -> tuple[torch.Tensor, torch.Tensor]:
-        """The observation window's captured queries `[w, Hq, d]` and their positions (one query if w = 0)."""
-        capture = layer.capture
-        assert capture is not None and capture.queries is not None and capture.query_positions is not None
-        w = min(self.window, layer.length)
-        queries = capture.queries[-w:] if w else capture.queries[-1:]
-        qpos = capture.query_positions[-w:] if w else capture.query_positions[-1:]
-        return queries, qpos
+    def _window_queries(self, layer: LayerPrefill) -> int:
+        """How many captured queries form the observation window (one if the window is 0)."""
+        return min(self.window, layer.length) or 1
 
     def query_votes(self, layer: LayerPrefill) -> torch.Tensor:
         """Window votes per query head `[Hq, n]`: each entry's attention summed over the window's queries."""
-        queries, qpos = self._window(layer)
-        return window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "sum", None)
+        return captured_window_votes(layer, self._window_queries(layer), "sum", None)
 
     def scores(self, layer: LayerPrefill, query_votes: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled window votes `[Hkv, n]` (window entries get +inf: they are always kept).
@@ -106,8 +100,7 @@ class ObservationWindowScores(KVPolicy):
         n = layer.length
         w = min(self.window, n)
         if query_votes is None:
-            queries, qpos = self._window(layer)
-            votes = window_votes(queries, qpos, layer.keys, layer.positions, layer.scale, "sum", self.gqa_reduction)
+            votes = captured_window_votes(layer, self._window_queries(layer), "sum", self.gqa_reduction)
         else:
             votes = reduce_group(query_votes, layer.num_kv_heads, self.gqa_reduction)  # [Hkv, n]
         prefix = n - w

@@ -4,8 +4,9 @@ Installing the package registers two entry points under the one name `kvpress` (
 `VLLM_PLUGINS` allowlist names them together):
 
 - `vllm.platform_plugins` -> `platform_plugin`: says which platform serves (see `activation`).
-- `vllm.general_plugins` -> `general_plugin`: adds `--kv-policy` to vLLM's CLI, the request
-  middleware and the `kvpress_*` metrics to its API server (every vLLM process runs it).
+- `vllm.general_plugins` -> `general_plugin`: adds `--kv-policy` to vLLM's CLI, GGUF models
+  (`gguf_model`), the request middleware and the `kvpress_*` metrics to its API server (every vLLM
+  process runs it).
 
 Inside, the worker (`worker.KVPressWorker`) runs the project's `ModelRunner` (forward pass, per-
 (layer, KV head) page pool, policy hooks) on the schedules vLLM's scheduler makes, and a scheduler
@@ -26,8 +27,10 @@ def general_plugin() -> None:
     """Runs in every vLLM process before work starts; must be idempotent."""
     from vllm_kvpress_ext.vllm_plugin.activation import plugin_active
     from vllm_kvpress_ext.vllm_plugin.cli_args import install_kv_policy_flag
+    from vllm_kvpress_ext.vllm_plugin.gguf_model import install_gguf_models
 
     install_kv_policy_flag()
+    install_gguf_models()
     if plugin_active():
         from vllm_kvpress_ext.vllm_plugin.middleware import install_into_api_server
 

@@ -28,6 +28,7 @@ from vllm_kvpress_ext.engine.sampler import sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.server.policy import policy_label
+from vllm_kvpress_ext.vllm_plugin.gguf_model import gguf_source
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, request_policy
 
@@ -48,6 +49,19 @@ def runner_sampling_params(params: Any) -> SamplingParams:
         seed=params.seed,
         ignore_eos=True,
     )
+
+
+def _weight_bytes(model_path: Path, dtype: torch.dtype | str) -> int:
+    """Device bytes the weights will take: safetensors as stored; a GGUF file's tensors dequantised to `dtype`."""
+    if model_path.is_dir():
+        return sum(f.stat().st_size for f in model_path.glob("*.safetensors"))
+    from vllm_kvpress_ext.models import load_config
+    from vllm_kvpress_ext.models.gguf_file import open_gguf
+    from vllm_kvpress_ext.models.loader import resolve_dtype
+
+    gguf = open_gguf(model_path)
+    elements = sum(math.prod(gguf.tensor_shape(name)) for name in gguf.tensor_names())
+    return elements * torch.empty((), dtype=resolve_dtype(dtype, load_config(model_path))).element_size()
 
 
 class KVPressWorker(WorkerBase):
@@ -80,13 +94,16 @@ class KVPressWorker(WorkerBase):
         model = self.model_config
         model_dir = Path(model.model)
         if not model_dir.is_dir():
-            raise ValueError(f"vllm-kvpress-ext serves a local model directory; {model.model!r} is not one")
+            raise ValueError(
+                f"vllm-kvpress-ext serves a local model directory or a .gguf file; {model.model!r} is neither"
+            )
+        model_path = gguf_source(model_dir) or model_dir  # a GGUF file's prepared directory names the file
         additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
         self.default_policy = default_policy(additional)
         assert self.device is not None
-        num_pages, kv_memory = self._pool_size(additional, model_dir)
+        num_pages, kv_memory = self._pool_size(additional, model_path)
         self.runner = ModelRunner(
-            model_dir,
+            model_path,
             dtype=model.dtype,
             device=self.device,
             num_pages=num_pages,
@@ -102,7 +119,7 @@ class KVPressWorker(WorkerBase):
             policy_label(self.default_policy),
         )
 
-    def _pool_size(self, additional: dict[str, Any], model_dir: Path) -> tuple[int | None, int | None]:
+    def _pool_size(self, additional: dict[str, Any], model_path: Path) -> tuple[int | None, int | None]:
         """(num_pages, kv_memory): `kv_num_pages` in additional_config, else `--kv-cache-memory-bytes`,
         else on CUDA the free device memory within `--gpu-memory-utilization`, else the embedded default."""
         if "kv_num_pages" in additional:
@@ -112,7 +129,7 @@ class KVPressWorker(WorkerBase):
         if self.device is not None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = total * (1.0 - self.cache_config.gpu_memory_utilization)
-            weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))  # loaded after this
+            weights = _weight_bytes(model_path, self.model_config.dtype)  # loaded after this
             return None, max(int(free - reserve - weights), 1 << 20)
         return None, DEFAULT_KV_MEMORY
 

@@ -1,0 +1,224 @@
+"""`vllm serve model.gguf --kv-policy snapkv`: a GGUF file through vLLM's server and the plugin's worker.
+
+vLLM 0.32 reads no GGUF file itself; the plugin hands its front end a prepared directory (config,
+generation config, tokenizer from the file's metadata) and its worker loads the file with this
+project's GGUF loader. The served answers (completions and chat, through the `openai` SDK) are the
+embedded engine's on the same file, token for token, with the same KV bytes. The preparation and its
+refusals are checked directly (fast); one server serves the slow tests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import openai
+import pytest
+import torch
+from gguf_utils import tiny_model, write_gguf
+from transformers import AutoConfig, AutoTokenizer
+from vllm_utils import vllm_server
+
+from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
+from vllm_kvpress_ext.models import load_config
+from vllm_kvpress_ext.models.tokenizer import load_tokenizer
+from vllm_kvpress_ext.policies import load_policy
+from vllm_kvpress_ext.vllm_plugin.gguf_model import (
+    MARKER,
+    GGUFServeError,
+    adapt_engine_args,
+    gguf_source,
+    is_gguf_spec,
+    prepare_gguf_model,
+    refuse_without_plugin,
+)
+
+PAGE_SIZE = 16
+NUM_PAGES = 400
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", tiny_model("llama", seed=5), "llama")
+
+
+@pytest.fixture
+def model_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("KVPRESS_MODEL_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+# ---------------------------------------------------------------------- preparation (fast)
+
+
+def test_prepared_directory_is_what_vllm_reads(gguf_file: Path, model_cache: Path) -> None:
+    directory = prepare_gguf_model(str(gguf_file))
+    assert directory.parent == model_cache / "vllm"
+    assert gguf_source(directory) == gguf_file.resolve()
+    config = AutoConfig.from_pretrained(str(directory))
+    ours = load_config(gguf_file)
+    assert config.architectures == ["LlamaForCausalLM"] and config.model_type == "llama"
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (
+        ours.num_hidden_layers,
+        ours.num_attention_heads,
+        ours.num_key_value_heads,
+    )
+    assert config.max_position_embeddings == ours.max_position_embeddings
+    generation = json.loads((directory / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == list(ours.eos_token_ids)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    reference = load_tokenizer(gguf_file)
+    assert tokenizer("hello world").input_ids == reference("hello world").input_ids
+    assert tokenizer.chat_template == reference.chat_template
+    stamp = (directory / MARKER).stat().st_mtime_ns
+    assert prepare_gguf_model(str(gguf_file)) == directory  # prepared once per file
+    assert (directory / MARKER).stat().st_mtime_ns == stamp
+
+
+def test_engine_args_point_at_the_prepared_directory(gguf_file: Path, model_cache: Path) -> None:
+    args = SimpleNamespace(model=str(gguf_file), tokenizer=None, served_model_name=None)
+    adapt_engine_args(args)
+    assert gguf_source(args.model) == gguf_file.resolve()
+    assert args.tokenizer == args.model
+    assert args.served_model_name == str(gguf_file)  # clients name the model as the user typed it
+    mine = SimpleNamespace(model=str(gguf_file), tokenizer="/my/tokenizer", served_model_name=["tiny"])
+    adapt_engine_args(mine)
+    assert (mine.tokenizer, mine.served_model_name) == ("/my/tokenizer", ["tiny"])
+    directory = SimpleNamespace(model="/some/model/dir", tokenizer=None, served_model_name=None)
+    adapt_engine_args(directory)
+    assert directory.model == "/some/model/dir"  # not a GGUF file: untouched
+
+
+def test_gguf_specs() -> None:
+    assert is_gguf_spec("/x/model.gguf") and is_gguf_spec("model.GGUF")
+    assert is_gguf_spec("smollm2-135m")  # a catalog name resolves to its GGUF file
+    assert not is_gguf_spec("/x/model-dir") and not is_gguf_spec("org/some-model")
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path, model_cache: Path) -> None:
+    with pytest.raises(GGUFServeError, match="GGUF file not found"):
+        prepare_gguf_model(str(tmp_path / "absent.gguf"))
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path: Path, model_cache: Path) -> None:
+    path = write_gguf(
+        tmp_path / "other.gguf", tiny_model("llama"), "llama", metadata_overrides={"general.architecture": "falcon"}
+    )
+    with pytest.raises(GGUFServeError, match="architecture 'falcon' is not supported"):
+        prepare_gguf_model(str(path))
+    assert not (model_cache / "vllm").exists() or not any((model_cache / "vllm").iterdir())
+
+
+def test_a_file_without_tokenizer_needs_one_given(tmp_path: Path, model_cache: Path) -> None:
+    path = write_gguf(tmp_path / "bare.gguf", tiny_model("llama"), "llama", with_tokenizer=False)
+    with pytest.raises(GGUFServeError, match="--tokenizer"):
+        prepare_gguf_model(str(path))
+    directory = prepare_gguf_model(str(path), tokenizer="/some/tokenizer")
+    assert gguf_source(directory) == path.resolve() and not (directory / "tokenizer.json").exists()
+    with pytest.raises(GGUFServeError, match="--tokenizer"):  # prepared, but still no tokenizer to serve with
+        prepare_gguf_model(str(path))
+
+
+def test_a_prepared_directory_whose_file_is_gone(tmp_path: Path, gguf_file: Path, model_cache: Path) -> None:
+    copy = tmp_path / "moved.gguf"
+    copy.write_bytes(gguf_file.read_bytes())
+    directory = prepare_gguf_model(str(copy))
+    copy.unlink()
+    with pytest.raises(GGUFServeError, match="no longer exists"):
+        gguf_source(directory)
+
+
+def test_without_the_plugin_a_gguf_file_is_refused_with_the_way_out(gguf_file: Path) -> None:
+    with pytest.raises(GGUFServeError, match="--kv-policy"):
+        refuse_without_plugin(SimpleNamespace(model=str(gguf_file)))
+    refuse_without_plugin(SimpleNamespace(model="/some/model/dir"))  # anything else is vLLM's business
+
+
+def test_pool_sizing_counts_a_gguf_files_weights_dequantised(gguf_file: Path) -> None:
+    from vllm_kvpress_ext.models import load_model
+    from vllm_kvpress_ext.vllm_plugin.worker import _weight_bytes
+
+    model = load_model(gguf_file, dtype=torch.float32)
+    assert _weight_bytes(gguf_file, "float32") == 4 * sum(p.numel() for p in model.parameters())
+    assert _weight_bytes(gguf_file, torch.float16) == 2 * sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------- served (slow)
+
+
+@pytest.fixture(scope="module")
+def served_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("served-cache")
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory, gguf_file: Path, served_cache: Path) -> Iterator[openai.OpenAI]:
+    log_path = tmp_path_factory.mktemp("vllm-gguf") / "serve.log"
+    args = [
+        str(gguf_file),
+        "--kv-policy",
+        "snapkv",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "4",
+        "--additional-config",
+        json.dumps({"kv_num_pages": NUM_PAGES}),
+    ]
+    with vllm_server(args, log_path, {"KVPRESS_MODEL_CACHE": str(served_cache)}) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _embedded(gguf_file: Path, prompt: list[int]) -> tuple[list[int], int]:
+    """Greedy tokens and KV bytes of the embedded engine on the same file, policy and pool."""
+    engine = LLMEngine(gguf_file, dtype=torch.float32, num_pages=NUM_PAGES, page_size=PAGE_SIZE)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    rid = engine.add_request(prompt, params, policy=load_policy("snapkv"))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id == rid:
+                return list(out.output_token_ids), out.kv.kv_bytes
+    raise AssertionError("the request never finished")
+
+
+@pytest.mark.slow
+def test_completion_equals_the_embedded_engine(client: openai.OpenAI, gguf_file: Path) -> None:
+    vocab = load_config(gguf_file).vocab_size
+    prompt = torch.randint(3, vocab, (150,), generator=torch.Generator().manual_seed(11)).tolist()
+    out = client.completions.create(
+        model=str(gguf_file),
+        prompt=prompt,
+        max_tokens=NEW_TOKENS,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    tokens, kv_bytes = _embedded(gguf_file, prompt)
+    assert out.choices[0].model_extra["token_ids"] == tokens
+    usage = out.usage.model_extra if out.usage else {}
+    assert usage["kv_policy"] == "snapkv"
+    assert usage["kv_bytes"] == kv_bytes
+    assert usage["kv_retention"] < 1.0  # the prompt was compressed
+    assert [m.id for m in client.models.list()] == [str(gguf_file)]
+
+
+@pytest.mark.slow
+def test_chat_uses_the_files_template_and_equals_the_embedded_engine(client: openai.OpenAI, gguf_file: Path) -> None:
+    messages = [{"role": "user", "content": "hello world " * 20}]
+    out = client.chat.completions.create(
+        model=str(gguf_file),
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=NEW_TOKENS,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    prompt = load_tokenizer(gguf_file).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
+    assert out.model_extra["prompt_token_ids"] == prompt
+    tokens, kv_bytes = _embedded(gguf_file, prompt)
+    assert out.choices[0].model_extra["token_ids"] == tokens
+    assert out.usage is not None and out.usage.model_extra["kv_bytes"] == kv_bytes

@@ -1,0 +1,157 @@
+"""`vllm serve model.gguf` (or a catalog name such as `smollm2-135m`) through the plugin.
+
+vLLM 0.32 reads no GGUF file: its config resolution (`vllm/transformers_utils/config.py`) looks for a
+`config.json` or `params.json` in a directory or hub repository, and its speculators probe parses the
+model path itself as a JSON config, so `vllm serve model.gguf` stops with transformers' "not a valid
+JSON file" error before any platform or worker runs. The plugin's worker loads the model itself (with
+this project's GGUF loader), so the only thing vLLM's front end needs is what it reads from a model
+directory: `config.json` (architecture, sizes, context length), `generation_config.json` (the stop
+tokens) and the tokenizer files.
+
+`prepare_gguf_model` writes exactly that once per file, under the model cache
+(`vllm/<stem>-<size>-<mtime>`, beside the converted tokenizers), plus a marker naming the GGUF file.
+vLLM is handed that directory as the model; the worker finds the marker (`gguf_source`) and loads the
+file. `--tokenizer` still wins when given; the served model name defaults to what the user typed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+MARKER = "kvpress-gguf.json"
+
+
+class GGUFServeError(ValueError):
+    """A GGUF model that cannot be served through vLLM, with the reason."""
+
+
+def is_gguf_spec(model: str) -> bool:
+    """A `.gguf` path or a catalog name that is not a local path (both resolve to a GGUF file)."""
+    from vllm_kvpress_ext.hub.catalog import lookup
+
+    return model.lower().endswith(".gguf") or (lookup(model) is not None and not Path(model).exists())
+
+
+def gguf_source(model_dir: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file a prepared directory stands for, or None for an ordinary model directory."""
+    marker = Path(model_dir) / MARKER
+    if not marker.is_file():
+        return None
+    path = Path(json.loads(marker.read_text())["gguf"])
+    if not path.is_file():
+        raise GGUFServeError(f"{model_dir} stands for {path}, which no longer exists")
+    return path
+
+
+def prepare_gguf_model(model: str, tokenizer: str | None = None) -> Path:
+    """The directory vLLM is given for GGUF file (or catalog name) `model`; written on first use.
+
+    Raises `GGUFServeError` when the file is missing, is not a model this project loads, or carries no
+    tokenizer while `tokenizer` (vLLM's `--tokenizer`) is not given either.
+    """
+    from vllm_kvpress_ext.hub.catalog import cache_dir
+    from vllm_kvpress_ext.hub.pull import resolve_model
+    from vllm_kvpress_ext.models.errors import ModelLoadError
+    from vllm_kvpress_ext.models.gguf_config import gguf_architecture, hf_config_from_gguf
+    from vllm_kvpress_ext.models.gguf_file import open_gguf
+
+    path = resolve_model(model).expanduser()
+    if not path.is_file():
+        raise GGUFServeError(f"GGUF file not found: {path}")
+    path = path.resolve()
+    stat = path.stat()
+    directory = cache_dir() / "vllm" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (directory / MARKER).is_file():
+        if tokenizer is None and not (directory / "tokenizer_config.json").is_file():
+            raise _no_tokenizer(path)
+        return directory
+    try:
+        gguf = open_gguf(path)
+        metadata = gguf.metadata
+        config = hf_config_from_gguf(metadata, set(gguf.tensor_names()), str(path))
+        arch, _ = gguf_architecture(metadata, str(path))
+    except (ModelLoadError, OSError, ValueError) as exc:
+        raise GGUFServeError(f"cannot serve {path}: {exc}") from exc
+    config["model_type"] = arch  # AutoConfig picks the config class by it
+    if "tokenizer.ggml.tokens" not in metadata and tokenizer is None:
+        raise _no_tokenizer(path)
+
+    staging = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation: dict[str, Any] = {"eos_token_id": config["eos_token_id"]}
+        if config.get("bos_token_id") is not None:
+            generation["bos_token_id"] = config["bos_token_id"]
+        (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if "tokenizer.ggml.tokens" in metadata:
+            from vllm_kvpress_ext.models.tokenizer import load_tokenizer
+
+            load_tokenizer(path).save_pretrained(str(staging))
+        (staging / MARKER).write_text(json.dumps({"gguf": str(path)}) + "\n")
+        try:
+            staging.rename(directory)
+        except OSError:  # another process prepared it meanwhile: theirs is as good
+            if not (directory / MARKER).is_file():
+                raise
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(staging)
+    return directory
+
+
+def _no_tokenizer(path: Path) -> GGUFServeError:
+    return GGUFServeError(
+        f"{path} carries no tokenizer (no tokenizer.ggml.* metadata); give vLLM one with --tokenizer DIR"
+    )
+
+
+def adapt_engine_args(engine_args: Any) -> None:
+    """Point `engine_args` at the prepared directory of its GGUF model (no-op for any other model)."""
+    model = str(engine_args.model)
+    if not is_gguf_spec(model):
+        return
+    tokenizer = engine_args.tokenizer if engine_args.tokenizer not in (None, model) else None
+    directory = prepare_gguf_model(model, tokenizer)
+    engine_args.model = str(directory)
+    engine_args.tokenizer = tokenizer or str(directory)
+    if not engine_args.served_model_name:
+        engine_args.served_model_name = model  # what clients name it: the path or catalog name typed
+
+
+def refuse_without_plugin(engine_args: Any) -> None:
+    """vLLM alone cannot read a GGUF file: say how to serve it instead of failing on its JSON parse."""
+    model = str(engine_args.model)
+    if model.lower().endswith(".gguf"):
+        raise GGUFServeError(
+            f"vLLM 0.32 reads no GGUF files ({model}); vllm-kvpress-ext serves them when it is active: "
+            "add --kv-policy (--kv-policy full serves the file uncompressed)"
+        )
+
+
+def install_gguf_models() -> None:
+    """Wrap `EngineArgs.create_engine_config` once per process: both `vllm serve` and offline `vllm.LLM`
+    build their config there, before vLLM first reads the model path (its speculators probe)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, "_kvpress_gguf_installed", False):
+        return
+    original = EngineArgs.create_engine_config
+
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm_kvpress_ext.vllm_plugin.activation import mode, plugin_active
+
+        if plugin_active():
+            adapt_engine_args(self)
+        elif mode() != "off":
+            refuse_without_plugin(self)
+        return original(self, *args, **kwargs)
+
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    EngineArgs._kvpress_gguf_installed = True  # type: ignore[attr-defined]
