@@ -44,6 +44,7 @@ Budget semantics (`Budget`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -400,51 +401,48 @@ def window_votes(
     return ops.window_scores(queries, query_positions, expanded, key_positions, scale, window_reduction, "mean")
 
 
-def captured_window_attention(layer: LayerPrefill, num_queries: int) -> torch.Tensor:
-    """`window_attention` of the last `num_queries` captured queries over the layer's keys, `[Hq, w, n]`.
-
-    Requests forked from one prefilled prefix share it (`LayerCapture.shared`): every SnapKV-family
-    policy and budget scores the same window over the same uncompressed keys. Read-only.
+def shared_prefix_score(layer: LayerPrefill, key: tuple[Any, ...], compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`compute()`, once per prefilled prefix: requests forked from one prefix (`LayerCapture.shared`)
+    score the same captured queries over the same uncompressed keys, so the first fork's result serves
+    the others. The tensor returned is shared: callers must not modify it in place.
     """
     capture = layer.capture
+    assert capture is not None
+    if capture.shared is None:
+        return compute()
+    if key not in capture.shared:
+        capture.shared[key] = compute()
+    return capture.shared[key]
+
+
+def captured_window_attention(layer: LayerPrefill, num_queries: int) -> torch.Tensor:
+    """`window_attention` of the last `num_queries` captured queries over the layer's keys, `[Hq, w, n]`,
+    shared by the forks of one prefix."""
+    capture = layer.capture
     assert capture is not None and capture.queries is not None and capture.query_positions is not None
-    key = ("window_attention", num_queries, layer.length, layer.scale)
-    if capture.shared is not None and key in capture.shared:
-        return capture.shared[key]
-    probs = window_attention(
-        capture.queries[-num_queries:], capture.query_positions[-num_queries:], layer.keys, layer.positions, layer.scale
+    queries, qpos = capture.queries[-num_queries:], capture.query_positions[-num_queries:]
+    return shared_prefix_score(
+        layer,
+        ("window_attention", num_queries, layer.length, layer.scale),
+        lambda: window_attention(queries, qpos, layer.keys, layer.positions, layer.scale),
     )
-    if capture.shared is not None:
-        capture.shared[key] = probs
-    return probs
 
 
 def captured_window_votes(
     layer: LayerPrefill, num_queries: int, window_reduction: str = "sum", group_reduction: str | None = "mean"
 ) -> torch.Tensor:
     """`window_votes` of the last `num_queries` captured queries over the layer's keys (`[Hkv, n]`, or
-    `[Hq, n]` with `group_reduction=None`).
-
-    Shared like `captured_window_attention` by requests forked from one prefix: every budget of a
-    SnapKV-family policy reduces the same window over the same uncompressed keys. Read-only.
-    """
+    `[Hq, n]` with `group_reduction=None`), shared by the forks of one prefix."""
     capture = layer.capture
     assert capture is not None and capture.queries is not None and capture.query_positions is not None
-    key = ("window_votes", num_queries, window_reduction, group_reduction, layer.length, layer.scale)
-    if capture.shared is not None and key in capture.shared:
-        return capture.shared[key]
-    votes = window_votes(
-        capture.queries[-num_queries:],
-        capture.query_positions[-num_queries:],
-        layer.keys,
-        layer.positions,
-        layer.scale,
-        window_reduction,
-        group_reduction,
+    queries, qpos = capture.queries[-num_queries:], capture.query_positions[-num_queries:]
+    return shared_prefix_score(
+        layer,
+        ("window_votes", num_queries, window_reduction, group_reduction, layer.length, layer.scale),
+        lambda: window_votes(
+            queries, qpos, layer.keys, layer.positions, layer.scale, window_reduction, group_reduction
+        ),
     )
-    if capture.shared is not None:
-        capture.shared[key] = votes
-    return votes
 
 
 def reduce_group(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
@@ -542,6 +540,7 @@ __all__ = [
     "pool_scores",
     "recent_window",
     "reduce_group",
+    "shared_prefix_score",
     "window_attention",
     "window_votes",
 ]

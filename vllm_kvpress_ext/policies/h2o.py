@@ -67,6 +67,7 @@ from vllm_kvpress_ext.policies.base import (
     check_choice,
     keep_top,
     recent_window,
+    shared_prefix_score,
 )
 from vllm_kvpress_ext.policies.capture import CaptureSpec
 from vllm_kvpress_ext.policies.streaming_llm import evictions, most_recent
@@ -83,14 +84,14 @@ def accumulated_attention(layer: LayerPrefill, window: int | None, how: str) -> 
     window, or positions of any other shape, go to `dense_column_sums` (bounded query blocks).
     Requests forked from one prefix compute this once (`LayerCapture.shared`).
     """
+    key = ("h2o.accumulated_attention", window, how, layer.length, layer.scale)
+    # A copy: the caller accumulates decode attention into what it gets.
+    return shared_prefix_score(layer, key, lambda: _column_sums(layer, window, how)).clone()
+
+
+def _column_sums(layer: LayerPrefill, window: int | None, how: str) -> torch.Tensor:
     capture = layer.capture
     assert capture is not None and capture.queries is not None and capture.query_positions is not None
-    memo_key = ("h2o.accumulated_attention", window, how, layer.length, layer.scale)
-    if capture.shared is not None and memo_key in capture.shared:
-        return capture.shared[memo_key].clone()
-    memo_key = ("h2o.accumulated_attention", window, how, layer.length, layer.scale)
-    if capture.shared is not None and memo_key in capture.shared:
-        return capture.shared[memo_key].clone()
     queries, qpos = capture.queries, capture.query_positions
     if window is not None:
         queries, qpos = queries[-window:], qpos[-window:]
@@ -100,10 +101,7 @@ def accumulated_attention(layer: LayerPrefill, window: int | None, how: str) -> 
         total = causal_column_sums(queries, layer.keys, layer.scale)
     else:
         total = dense_column_sums(queries, qpos, layer.keys, key_positions, layer.scale)
-    reduced = (total.mean(dim=1) if how == "mean" else total.amax(dim=1)).cpu()
-    if capture.shared is not None:
-        capture.shared[memo_key] = reduced.clone()
-    return reduced
+    return (total.mean(dim=1) if how == "mean" else total.amax(dim=1)).cpu()
 
 
 def dense_column_sums(
