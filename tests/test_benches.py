@@ -54,7 +54,18 @@ def test_bench_policies_runs(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("64 ")]
     assert [r[1] for r in rows] == ["full", "snapkv"]
-    assert float(rows[0][6]) == 1.0 and float(rows[1][6]) < 0.6  # retention column
+    assert float(rows[0][7]) == 1.0 and float(rows[1][7]) < 0.6  # retention column
+    assert rows[0][5] == "+0.0%"  # `full` is the baseline of the cost column
+
+
+def test_bench_policies_runs_the_baseline_first_and_repeats(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "policies", "--prompt-lens", "40", "--policies", "h2o", "--decode-steps", "1", "--repeats", "2"]
+    assert main(argv) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("40 ")]
+    assert [r[1] for r in rows] == ["full", "h2o"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv[:-1], "0"])
+    assert exit_info.value.code == 2 and "--repeats" in capsys.readouterr().err
 
 
 def test_bench_capacity_holds_more_compressed_requests(capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,5 +109,5 @@ def test_bench_policies_skips_wgkv_on_a_model_without_gates(tmp_path: Path, caps
     assert main([*argv, "--decode-steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "wgkv: skipped, no write gates at" in out
-    assert [line.split()[1] for line in out.splitlines() if line.strip().startswith("48 ")] == ["snapkv"]
+    assert [line.split()[1] for line in out.splitlines() if line.strip().startswith("48 ")] == ["full", "snapkv"]
     assert not list(model.parent.glob("*.wgkv.safetensors"))  # nothing written beside a user's model

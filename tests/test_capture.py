@@ -24,7 +24,7 @@ class Recorder(KVPolicy):
     window: int = 6
 
     def capture_spec(self) -> CaptureSpec:
-        return CaptureSpec(window=self.window, hidden_stats=True, keys_pre_rope=True)
+        return CaptureSpec(window=self.window, hidden_stats=True, keys_pre_rope=True, query_lse=True)
 
     def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> None:
         state.setdefault("layers", []).append(layer)
@@ -53,6 +53,13 @@ def test_capture_matches_the_dense_forward(tmp_path, chunk: int) -> None:  # typ
         cap = layer.capture
         torch.testing.assert_close(cap.queries, ref.q[-6:], atol=1e-5, rtol=1e-5)
         assert cap.query_positions.tolist() == list(range(34, 40))
+        # The log-sum-exps come from the prefill's own attention: flash on the first chunk, the paged path after.
+        heads = ref.k.shape[1]
+        logits = torch.einsum("qhd,khd->hqk", ref.q, ref.k.repeat_interleave(ref.q.shape[1] // heads, dim=1))
+        causal = torch.ones(40, 40, dtype=torch.bool).tril()
+        lse = torch.logsumexp((logits * layer.scale).masked_fill(~causal, float("-inf")), dim=-1).T  # [n, Hq]
+        assert not cap.lse_missing
+        torch.testing.assert_close(cap.query_lse, lse[-6:], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(cap.hidden_mean, ref.hidden.double().mean(0), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(cap.hidden_var, ref.hidden.double().var(0, unbiased=False), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(torch.cat(cap.keys_pre_rope), ref.k_pre_rope, atol=1e-5, rtol=1e-5)
@@ -90,3 +97,22 @@ def test_capture_spec_merge_takes_the_union() -> None:
     assert a.merge(b) == b.merge(a) == CaptureSpec(window=9, hidden_stats=True, keys_pre_rope=True)
     assert CaptureSpec().merge(CaptureSpec()) == CaptureSpec() and CaptureSpec().empty
     assert not CaptureSpec(keys_pre_rope=True).empty and not CaptureSpec(hidden_stats=True).empty
+
+
+def test_a_chunk_without_log_sum_exps_leaves_them_missing() -> None:
+    """One chunk whose attention yielded none (a gated prefill) drops them for the request: no partial set."""
+    from vllm_kvpress_ext.policies.capture import PrefillCapture
+
+    capture = PrefillCapture(CaptureSpec(window=100, query_lse=True), num_layers=1)
+    rows = torch.zeros(3, 4)
+
+    def chunk(start: int, lse: torch.Tensor | None) -> None:
+        q = torch.randn(3, 2, 4)
+        capture.record(0, torch.arange(start, start + 3), rows, q, q[:, :1], q[:, :1], lse)
+
+    chunk(0, torch.randn(3, 2))
+    assert capture.layers[0].query_lse is not None and capture.layers[0].query_lse.shape == (3, 2)
+    chunk(3, None)
+    chunk(6, torch.randn(3, 2))
+    assert capture.layers[0].query_lse is None and capture.layers[0].lse_missing
+    assert capture.layers[0].queries is not None and capture.layers[0].queries.shape[0] == 9

@@ -400,7 +400,7 @@ def test_h2o_plans_are_those_of_the_dense_computation(monkeypatch: pytest.Monkey
     monkeypatch.setattr(
         h2o_module,
         "causal_column_sums",
-        lambda q, k, scale: h2o_module.dense_column_sums(
+        lambda q, k, scale, lse=None: h2o_module.dense_column_sums(
             q, torch.arange(k.shape[1]), k, torch.arange(k.shape[1]), scale
         ),
     )

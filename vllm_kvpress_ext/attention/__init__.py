@@ -6,6 +6,7 @@ tensors are on CUDA (see `ops.py` for the rule) and to the reference everywhere 
 
 from vllm_kvpress_ext.attention.ops import (
     causal_attention,
+    causal_attention_with_lse,
     copy_slots,
     gather_paged,
     paged_decode_attention,
@@ -18,6 +19,7 @@ from vllm_kvpress_ext.attention.ops import (
 
 __all__ = [
     "causal_attention",
+    "causal_attention_with_lse",
     "copy_slots",
     "gather_paged",
     "paged_decode_attention",

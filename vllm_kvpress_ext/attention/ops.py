@@ -15,8 +15,10 @@ Why the CPU never runs a kernel: Triton only targets GPUs (its interpreter, whic
 CPU, is orders of magnitude slower than torch), and the references are what the CPU path was
 tuned for. Triton is imported lazily and only here, so the package imports without it.
 
-`gather_paged`, `paged_prefill_attention`, `causal_attention` (SDPA, already fused on GPU) and
-`varlen_causal_attention` have no kernel and always run the reference.
+`gather_paged`, `paged_prefill_attention`, `causal_attention` (SDPA, already fused on GPU),
+`causal_attention_with_lse` (torch's CPU flash attention, SDPA elsewhere) and
+`varlen_causal_attention` have no kernel of this project and always run the reference. The CPU's
+own C++ kernel (H2O's column sums) lives in `cpu_kernels.py`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from vllm_kvpress_ext.attention import reference
 from vllm_kvpress_ext.attention.reference import (
     causal_attention,
+    causal_attention_with_lse,
     gather_paged,
     paged_prefill_attention,
     varlen_causal_attention,
@@ -46,6 +49,7 @@ __all__ = [
     "DISABLE_TRITON_ENV",
     "backend",
     "causal_attention",
+    "causal_attention_with_lse",
     "copy_slots",
     "gather_paged",
     "paged_decode_attention",

@@ -49,10 +49,13 @@ def _grouped_attention(
     mask: torch.Tensor,
     scale: float,
     probs_out: list[torch.Tensor] | None = None,
+    lse_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`query[B, Hkv, G, Q, d]` against `keys/values[B, Hkv, N, d]` under `mask[B, Hkv, G or 1, Q, N]`."""
     scores = torch.einsum("bhgqd,bhnd->bhgqn", query.float(), keys.float()) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
+    if lse_out is not None:
+        lse_out.append(torch.logsumexp(scores, dim=-1))  # [B, Hkv, G, Q]
     probs = torch.softmax(scores, dim=-1)
     # A query with nothing to attend to (empty head) yields zeros rather than NaN.
     probs = torch.nan_to_num(probs, nan=0.0)
@@ -184,12 +187,14 @@ def paged_prefill_attention(
     block_table: torch.Tensor,
     seq_len: torch.Tensor,
     scale: float,
+    lse_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of one request's new tokens over everything cached for it (chunked prefill).
 
     query `[n, Hq, d]` at `query_positions[n]`; `block_table[Hkv, P]`, `seq_len[Hkv]` for the
     request in one layer, already holding the new tokens. Causality uses the stored positions,
-    so it stays right after compaction reorders or drops entries.
+    so it stays right after compaction reorders or drops entries. With `lse_out`, each query's
+    log-sum-exp `[n, Hq]` (float32) is appended to it.
     """
     n, num_q_heads, head_dim = query.shape
     num_kv_heads = block_table.shape[0]
@@ -198,7 +203,9 @@ def paged_prefill_attention(
     q = query.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).unsqueeze(0)  # [1, Hkv, G, n, d]
     causal = positions.unsqueeze(-2) <= query_positions.to(positions.device).view(1, n, 1)  # [Hkv, n, N]
     mask = (causal & valid.unsqueeze(-2)).view(1, num_kv_heads, 1, n, -1)
-    out = _grouped_attention(q, keys.unsqueeze(0), values.unsqueeze(0), mask, scale)  # [1, Hkv, G, n, d]
+    out = _grouped_attention(q, keys.unsqueeze(0), values.unsqueeze(0), mask, scale, lse_out=lse_out)
+    if lse_out is not None:
+        lse_out[-1] = lse_out[-1][0].permute(2, 0, 1).reshape(n, num_q_heads)  # [1, Hkv, G, n] -> [n, Hq]
     return out[0].permute(2, 0, 1, 3).reshape(n, num_q_heads, head_dim).to(query.dtype)
 
 
@@ -242,6 +249,22 @@ def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         enable_gqa=True,
     )
     return out.transpose(1, 2)
+
+
+def causal_attention_with_lse(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`causal_attention` plus each query's log-sum-exp `[B, n, Hq]` (natural log, float32) where it is free.
+
+    On a CPU, torch's flash attention (`aten._scaled_dot_product_flash_attention_for_cpu`, the kernel
+    SDPA itself dispatches to there) returns it beside the output at no extra cost; H2O's column
+    sums need it (`policies/h2o.py`). Elsewhere, or if that op is missing, the log-sum-exp is None.
+    """
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if flash is None or query.device.type != "cpu":
+        return causal_attention(query, keys, values, scale), None
+    out, lse = flash(query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), 0.0, True, scale=scale)[:2]
+    return out.transpose(1, 2), lse.float().transpose(1, 2)
 
 
 def vertical_slash_attention(

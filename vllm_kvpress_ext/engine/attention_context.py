@@ -20,6 +20,7 @@ import torch
 
 from vllm_kvpress_ext.attention import (
     causal_attention,
+    causal_attention_with_lse,
     gather_paged,
     paged_decode_attention,
     paged_prefill_attention,
@@ -92,11 +93,20 @@ class PrefillContext:
                 assert seg.slots is not None
                 slots = seg.slots[layer_idx, 0]
             cache.write(slots.transpose(0, 1), k[sl], v[sl])
+            # Where the capture asks for the queries' log-sum-exps, the attention below yields them (free on a
+            # CPU's flash attention and in the chunked path); the gated path leaves them missing.
+            lse: torch.Tensor | None = None
+            want_lse = seg.capture is not None and seg.capture.spec.query_lse
             if seg.admission is not None and self._gated(seg, layer_idx, q[sl], k[sl], v[sl], k_pre_rope[sl], out[sl]):
                 pass
+            elif seg.start == 0 and want_lse:
+                attended, lse = causal_attention_with_lse(q[sl][None], k[sl][None], v[sl][None], self.scale)
+                out[sl] = attended[0]
+                lse = None if lse is None else lse[0]
             elif seg.start == 0:
                 out[sl] = causal_attention(q[sl][None], k[sl][None], v[sl][None], self.scale)[0]
             else:
+                lse_out: list[torch.Tensor] | None = [] if want_lse else None
                 out[sl] = paged_prefill_attention(
                     q[sl],
                     self.positions[sl],
@@ -105,9 +115,11 @@ class PrefillContext:
                     cache.device_block_tables[layer_idx, seg.row],
                     cache.device_seq_lens[layer_idx, seg.row],
                     self.scale,
+                    lse_out=lse_out,
                 )
+                lse = lse_out[0] if lse_out else None
             if seg.capture is not None:
-                seg.capture.record(layer_idx, self.positions[sl], hidden[sl], q[sl], k[sl], k_pre_rope[sl])
+                seg.capture.record(layer_idx, self.positions[sl], hidden[sl], q[sl], k[sl], k_pre_rope[sl], lse)
             if seg.layerwise is not None:
                 seg.layerwise.compress(layer_idx)
         return out

@@ -133,6 +133,10 @@ def _own_capture(snapshot: PrefixSnapshot, spec: CaptureSpec, num_layers: int) -
             assert shared.queries is not None and shared.query_positions is not None
             mine.queries = shared.queries[-spec.window :].clone()
             mine.query_positions = shared.query_positions[-spec.window :].clone()
+            if spec.query_lse:
+                lse = None if shared.lse_missing else shared.query_lse
+                mine.query_lse = None if lse is None else lse[-spec.window :].clone()
+                mine.lse_missing = lse is None
         if spec.hidden_stats:
             mine.hidden_sum, mine.hidden_sq_sum = shared.hidden_sum, shared.hidden_sq_sum
             mine.hidden_count = shared.hidden_count

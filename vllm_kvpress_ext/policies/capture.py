@@ -16,21 +16,25 @@ import torch
 class CaptureSpec:
     """`window`: how many of the last prefill positions' queries to keep (0 = none).
     `hidden_stats`: running mean / variance of each layer's attention-input hidden states.
-    `keys_pre_rope`: every prefill token's pre-RoPE keys (for admission gates)."""
+    `keys_pre_rope`: every prefill token's pre-RoPE keys (for admission gates).
+    `query_lse`: beside the window's queries, their log-sum-exps from the prefill's own attention
+    (H2O's column sums start from them), where the attention path yields them."""
 
     window: int = 0
     hidden_stats: bool = False
     keys_pre_rope: bool = False
+    query_lse: bool = False
 
     @property
     def empty(self) -> bool:
-        return self.window == 0 and not self.hidden_stats and not self.keys_pre_rope
+        return self.window == 0 and not self.hidden_stats and not self.keys_pre_rope and not self.query_lse
 
     def merge(self, other: CaptureSpec) -> CaptureSpec:
         return CaptureSpec(
             window=max(self.window, other.window),
             hidden_stats=self.hidden_stats or other.hidden_stats,
             keys_pre_rope=self.keys_pre_rope or other.keys_pre_rope,
+            query_lse=self.query_lse or other.query_lse,
         )
 
 
@@ -40,6 +44,10 @@ class LayerCapture:
 
     queries: torch.Tensor | None = None  # [w, Hq, d] post-RoPE queries of the last w positions
     query_positions: torch.Tensor | None = None  # [w]
+    # [w, Hq] float32 natural-log log-sum-exp of each captured query's attention; None when not asked for,
+    # or when some chunk's attention path did not yield it (`lse_missing`, sticky for the request).
+    query_lse: torch.Tensor | None = None
+    lse_missing: bool = False
     hidden_sum: torch.Tensor | None = None  # [D] float64
     hidden_sq_sum: torch.Tensor | None = None  # [D] float64
     hidden_count: int = 0
@@ -80,13 +88,22 @@ class PrefillCapture:
         q: torch.Tensor,
         k: torch.Tensor,
         k_pre_rope: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
+        """One chunk of one layer; `lse` `[n, Hq]` when the chunk's attention yielded it."""
         rec = self.layers[layer]
         spec = self.spec
         if spec.window:
             queries = q.detach() if rec.queries is None else torch.cat([rec.queries, q.detach()])
             qpos = positions if rec.query_positions is None else torch.cat([rec.query_positions, positions])
             rec.queries, rec.query_positions = queries[-spec.window :].clone(), qpos[-spec.window :].clone()
+            if spec.query_lse:
+                rec.lse_missing = rec.lse_missing or lse is None
+                if rec.lse_missing or lse is None:
+                    rec.query_lse = None
+                else:
+                    lses = lse.detach() if rec.query_lse is None else torch.cat([rec.query_lse, lse.detach()])
+                    rec.query_lse = lses[-spec.window :].float().clone()
         if spec.hidden_stats:
             h = hidden.detach().double()
             s, sq = h.sum(0), (h * h).sum(0)

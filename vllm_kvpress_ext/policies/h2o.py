@@ -22,10 +22,11 @@ the cost is one sort over each head's entries to re-align them, which stays O(B 
 
 Prefill scores need every prompt query. By default (`observation_window: null`) the policy asks
 the forward pass to capture all prompt queries ([n, Hq, d] per layer, i.e. G times the size of the
-keys, held until the plan is made) and computes the column sums exactly without materialising the
-n x n attention (`causal_column_sums`: two fused causal attention passes, the second over the
-transposed, reversed problem biased by the first's log-sum-exp): O(n^2 Hq d) work per layer, the
-same order as the prefill's own attention. Setting
+keys, held until the plan is made) with their log-sum-exps, which the prefill's own attention
+yields for free where it runs torch's CPU flash attention or the chunked path (`query_lse`), and
+computes the column sums exactly without materialising the n x n attention (`causal_column_sums`:
+with the log-sum-exps known, A[i, j] = exp(s_ij - lse_i) needs no softmax, and a C++ CPU kernel sums
+it down the columns): O(n^2 Hq d) work per layer, about half of the prefill's own attention. Setting
 `observation_window: W` scores with the last W queries only (SnapKV-style, no pooling): O(W n)
 work and W queries captured, a cheaper approximation of the paper's sums.
 
@@ -54,6 +55,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvpress_ext.attention import cpu_kernels
 from vllm_kvpress_ext.cache import KeepPlan
 from vllm_kvpress_ext.policies.base import (
     GQA_REDUCTIONS,
@@ -98,7 +100,7 @@ def _column_sums(layer: LayerPrefill, window: int | None, how: str) -> torch.Ten
     key_positions = layer.positions.to(layer.keys.device)
     prompt = torch.arange(layer.length, device=key_positions.device)
     if window is None and torch.equal(key_positions, prompt) and torch.equal(qpos.to(prompt.device), prompt):
-        total = causal_column_sums(queries, layer.keys, layer.scale)
+        total = causal_column_sums(queries, layer.keys, layer.scale, capture.query_lse)
     else:
         total = dense_column_sums(queries, qpos, layer.keys, key_positions, layer.scale)
     return (total.mean(dim=1) if how == "mean" else total.amax(dim=1)).cpu()
@@ -127,18 +129,22 @@ def dense_column_sums(
     return total
 
 
-def causal_column_sums(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_column_sums(
+    queries: torch.Tensor, keys: torch.Tensor, scale: float, lse: torch.Tensor | None = None
+) -> torch.Tensor:
     """Column sums `[Hkv, G, n]` of a prompt's causal attention: query i (position i) over keys 0..i.
 
-    With A[i, j] = exp(s_ij - lse_i), the sum over i >= j of A[i, j] is exp(log-sum-exp over i >= j of
-    (s_ij - lse_i)): the log-sum-exp of the transposed problem, where key j queries the prompt's
-    queries i >= j with a bias -lse_i. Reversing both sequences makes "i >= j" causal, and the bias
-    rides in one extra head dimension (key side 1, query side -lse_i / scale). So two fused causal
-    attention passes give the sums: the first yields lse_i, the second the column log-sums; neither
-    materialises the n x n probabilities. On a CPU those passes are torch's flash attention, which
-    returns the log-sum-exp (`aten._scaled_dot_product_flash_attention_for_cpu`); elsewhere, or if
-    that op is missing, `tiled_column_sums` does the same sums by query tiles over their visible keys.
-    Equal to `dense_column_sums` up to float rounding (the same plans; tests/test_policies_baselines.py).
+    With A[i, j] = exp(s_ij - lse_i), the column sum is sum over i >= j of exp(s_ij - lse_i). Given
+    each query's log-sum-exp (`lse` `[n, Hq]`, natural log: the prefill's own attention yields it,
+    `CaptureSpec.query_lse`), that is one pass of dot products and exponentials with no softmax left
+    to compute; without it, one fused causal attention pass gets it first. On a CPU the pass is the
+    C++ kernel (`attention/cpu_kernels.py`): the QK^T dot products and one exp per logit, about half
+    of an attention pass. Where that kernel cannot be built, torch's flash attention does it: the
+    log-sum-exp of the transposed problem (key j queries the prompt's queries i >= j, each biased by
+    -lse_i), reversed so that "i >= j" is causal, with the bias carried in one extra head dimension;
+    that costs a whole attention pass, as it also multiplies by values nobody needs. Off the CPU,
+    `tiled_column_sums` does the sums by query tiles over their visible keys. Every path equals
+    `dense_column_sums` up to float rounding (the same plans; tests/test_policies_baselines.py).
     """
     flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if flash is None or keys.device.type != "cpu":
@@ -147,12 +153,18 @@ def causal_column_sums(queries: torch.Tensor, keys: torch.Tensor, scale: float) 
     num_q_heads = queries.shape[1]
     group = num_q_heads // heads
     q = queries.float().transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, n, d]
+    if lse is None:
+        k_heads = keys.float().unsqueeze(0).contiguous()  # [1, Hkv, n, d]: the op broadcasts over the group
+        lse = flash(q, k_heads, torch.zeros_like(k_heads), 0.0, True, scale=scale)[1][0].transpose(0, 1)
+    sums = cpu_kernels.causal_column_sums_given_lse(queries, keys, lse, scale)
+    if sums is not None:
+        return sums
     k = keys.float().repeat_interleave(group, dim=0).unsqueeze(0).contiguous()  # [1, Hq, n, d]
-    _, lse = flash(q, k, torch.zeros_like(q), 0.0, True, scale=scale)  # [1, Hq, n], natural log
+    bias = (-lse.float().transpose(0, 1) / scale).unsqueeze(0)  # [1, Hq, n]
     # Reversed and transposed: the keys query the queries, each query carrying its -lse in one more dimension.
     as_queries = torch.cat([k.flip(2), torch.ones(1, num_q_heads, n, 1)], dim=-1)
-    as_keys = torch.cat([q.flip(2), (-lse.float() / scale).flip(-1).unsqueeze(-1)], dim=-1)
-    _, column_lse = flash(as_queries, as_keys, torch.zeros_like(as_keys), 0.0, True, scale=scale)
+    as_keys = torch.cat([q.flip(2), bias.flip(-1).unsqueeze(-1)], dim=-1)
+    _, column_lse = flash(as_queries, as_keys, torch.zeros_like(as_keys), 0.0, True, scale=scale)[:2]
     return column_lse.flip(-1).exp().view(heads, group, n)
 
 
@@ -230,7 +242,9 @@ class H2OPolicy(KVPolicy):
         self.budget.validate()
 
     def capture_spec(self) -> CaptureSpec:
-        return CaptureSpec(window=ALL_QUERIES if self.observation_window is None else self.observation_window)
+        if self.observation_window is None:
+            return CaptureSpec(window=ALL_QUERIES, query_lse=True)
+        return CaptureSpec(window=self.observation_window)
 
     @property
     def wants_decode_steps(self) -> bool:

@@ -1,0 +1,144 @@
+"""CPU kernels in C++, compiled on first use for the machine that runs them and loaded with ctypes.
+
+Only one so far, `causal_column_sums_given_lse` (`column_sums.cpp`), which H2O's prefill scores
+need: the column sums of a prompt's causal attention, given each query's log-sum-exp. torch has no
+op that does it without a second full attention pass (see `policies/h2o.py`).
+
+Build: `$CXX` (else `c++`) with `-O3 -march=native -ffast-math -fopenmp`, no torch headers (about a
+second). The library is cached under `$KVPRESS_CACHE_DIR`, else `$XDG_CACHE_HOME/vllm_kvpress_ext`,
+else `~/.cache/vllm_kvpress_ext`, named by a hash of the source, the flags, the compiler's version
+and this CPU's feature flags, so a cache shared between machines never hands one CPU code built for
+another. It is written to a temporary name and renamed, so concurrent builds do not clash. Without a
+compiler, with `KVPRESS_DISABLE_CPU_KERNELS=1`, or if the build fails (one warning), callers get
+None and use their torch path; results agree to float rounding either way
+(tests/test_cpu_kernels.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+DISABLE_ENV = "KVPRESS_DISABLE_CPU_KERNELS"
+CACHE_ENV = "KVPRESS_CACHE_DIR"
+SOURCE = Path(__file__).with_name("column_sums.cpp")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 120
+
+_build_lock = threading.Lock()
+
+
+def disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vllm_kvpress_ext"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()
+    target = cache_dir() / f"column_sums-{digest[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except Exception as exc:  # a broken toolchain must not take serving down: the torch path is exact too
+        warnings.warn(f"CPU kernel build failed ({exc}); using torch's attention instead", stacklevel=3)
+        return None
+    function = library.kvpress_column_sums
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    return library
+
+
+def available() -> bool:
+    """Whether the kernels can run here (builds them on the first call)."""
+    if disabled():
+        return False
+    with _build_lock:
+        return _library() is not None
+
+
+def causal_column_sums_given_lse(
+    queries: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scale: float
+) -> torch.Tensor | None:
+    """Column sums `[Hkv, G, n]` of causal attention with known log-sum-exps; None if the kernel cannot run.
+
+    queries `[n, Hq, d]` at positions 0..n-1, keys `[Hkv, n, d]` at the same positions, lse `[n, Hq]`
+    (natural log, each query over keys 0..i). CPU tensors only; computed in float32.
+    """
+    if not available() or queries.device.type != "cpu" or keys.device.type != "cpu":
+        return None
+    library = _library()
+    assert library is not None
+    n, num_q_heads, dim = queries.shape
+    num_kv_heads = keys.shape[0]
+    if keys.shape[1] != n or lse.shape != (n, num_q_heads) or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"column sums need queries [n, Hq, d], keys [Hkv, n, d], lse [n, Hq] with Hkv dividing Hq; got "
+            f"{tuple(queries.shape)}, {tuple(keys.shape)}, {tuple(lse.shape)}"
+        )
+    # The softmax folds into the operands: (scale * q, -lse) . (k, 1) = scale * q.k - lse.
+    folded_queries = torch.cat([queries.float() * scale, -lse.float().unsqueeze(-1)], dim=-1)
+    folded_queries = folded_queries.transpose(0, 1).contiguous()  # [Hq, n, d + 1]
+    folded_keys = torch.cat([keys.float(), torch.ones(num_kv_heads, n, 1)], dim=-1).contiguous()  # [Hkv, n, d + 1]
+    out = torch.empty(num_q_heads, n, dtype=torch.float32)
+    status = library.kvpress_column_sums(
+        folded_queries.data_ptr(),
+        folded_keys.data_ptr(),
+        out.data_ptr(),
+        num_q_heads,
+        num_kv_heads,
+        n,
+        dim + 1,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"kvpress_column_sums rejected its arguments (status {status})")
+    return out.view(num_kv_heads, num_q_heads // num_kv_heads, n)
