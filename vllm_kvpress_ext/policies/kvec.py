@@ -172,20 +172,30 @@ class KVECPolicy(ObservationWindowScores):
         n, heads = layer.length, layer.num_kv_heads
         prefix = n - window  # here window == self.window < n (budget > window and budget < n)
         probs: torch.Tensor | None = None
+        extended_probs: torch.Tensor | None = None
+        delta = min(self.delta, heads)
         if ops.backend(layer.keys) == "reference":
-            # One probability tensor serves P and I (the max over query heads needs it anyway), and
-            # reducing it is what `window_votes` would compute, bit for bit.
-            probs = window_probs(layer, self.window)  # [Hq, O, n]
+            # One probability tensor serves P, P over O' and I (the max over query heads needs it anyway):
+            # the window's queries are the extended window's last ones, each query's softmax is its own, and
+            # reducing it is what `window_votes` would compute.
+            if delta > 0:
+                extended_probs = window_probs(layer, self.extended_window)  # [Hq, O', n]
+                probs = extended_probs[:, -_last_queries(layer, self.window) :]
+            else:
+                probs = window_probs(layer, self.window)  # [Hq, O, n]
             means = reduce_group(probs.mean(dim=1), heads, self.gqa_reduction)
         else:  # the kernel reduces without materialising the probabilities
             means = window_means(layer, self.window, self.gqa_reduction)
         scores = self._head_scores(means, prefix)  # P [H, prefix]
         cross_head = scores.clone()  # Pc
-        delta = min(self.delta, heads)
         if delta > 0:
             sigma = scores.std(dim=-1, unbiased=False)
             low = torch.sort(sigma, stable=True).indices[:delta]
-            extended = self._head_scores(window_means(layer, self.extended_window, self.gqa_reduction), prefix)
+            if extended_probs is not None:
+                extended_means = reduce_group(extended_probs.mean(dim=1), heads, self.gqa_reduction)
+            else:
+                extended_means = window_means(layer, self.extended_window, self.gqa_reduction)
+            extended = self._head_scores(extended_means, prefix)
             cross_head[low] = extended[low]
         if probs is None and self.lam > 0:
             probs = window_probs(layer, self.window)
