@@ -67,6 +67,20 @@ def test_kernel_builds_once_per_cache(fresh_build: Path) -> None:
     assert not [p for p in fresh_build.iterdir() if p.is_dir()]  # no build scratch left behind
 
 
+@needs_compiler
+def test_loading_the_kernel_leaves_the_process_floats_alone(fresh_build: Path) -> None:
+    """Subnormals survive: a library linked with -ffast-math would switch on flush-to-zero process-wide."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from vllm_kvpress_ext.attention import cpu_kernels; "
+        "assert cpu_kernels.available(); print(sys.float_info.min / 2 > 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "True"
+
+
 def test_a_failed_build_warns_once_and_falls_back(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")
     queries, keys, dense = problem(70, 2, 2, 16, seed=1)

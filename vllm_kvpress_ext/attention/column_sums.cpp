@@ -4,8 +4,9 @@
 //
 // where the caller has folded the softmax into the operands: q[h, i] = (scale * query_i, -lse_i) and
 // k[., j] = (key_j, 1), so every term is exp(scale * q_i . k_j - lse_i) = A[i, j] <= 1 (no overflow,
-// no running max). Built and loaded by `cpu_kernels.py` (g++ -O3 -march=native -ffast-math -fopenmp);
-// no torch headers, so it compiles in about a second.
+// no running max). Built and loaded by `cpu_kernels.py`: compiled with -O3 -march=native -ffast-math
+// -fopenmp, linked without -ffast-math (which would set flush-to-zero for the whole process); no torch
+// headers, so it builds in about a second.
 //
 // Why a kernel: torch's fused attention computes A @ V, never A^T @ 1, and the only exact route
 // through it is a second attention over the transposed problem, which also multiplies by a value

@@ -4,9 +4,12 @@ Only one so far, `causal_column_sums_given_lse` (`column_sums.cpp`), which H2O's
 need: the column sums of a prompt's causal attention, given each query's log-sum-exp. torch has no
 op that does it without a second full attention pass (see `policies/h2o.py`).
 
-Build: `$CXX` (else `c++`) with `-O3 -march=native -ffast-math -fopenmp`, no torch headers (about a
-second). The library is cached under `$KVPRESS_CACHE_DIR`, else `$XDG_CACHE_HOME/vllm_kvpress_ext`,
-else `~/.cache/vllm_kvpress_ext`, named by a hash of the source, the flags, the compiler's version
+Build: `$CXX` (else `c++`) compiles with `-O3 -march=native -ffast-math -fopenmp` (fast math lets the
+exponentials vectorise), then links in a second step without `-ffast-math`: linked with it, the
+library would carry `crtfastmath.o`, whose constructor sets flush-to-zero for the whole process on
+load and silently changes every other float computation in it. No torch headers (about a second).
+The library is cached under `$KVPRESS_CACHE_DIR`, else `$XDG_CACHE_HOME/vllm_kvpress_ext`, else
+`~/.cache/vllm_kvpress_ext`, named by a hash of the source, the flags, the compiler's version
 and this CPU's feature flags, so a cache shared between machines never hands one CPU code built for
 another. It is written to a temporary name and renamed, so concurrent builds do not clash. Without a
 compiler, with `KVPRESS_DISABLE_CPU_KERNELS=1`, or if the build fails (one warning), callers get
@@ -32,7 +35,8 @@ import torch
 DISABLE_ENV = "KVPRESS_DISABLE_CPU_KERNELS"
 CACHE_ENV = "KVPRESS_CACHE_DIR"
 SOURCE = Path(__file__).with_name("column_sums.cpp")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC")
+LINK_FLAGS = ("-shared", "-fopenmp")  # never -ffast-math here (see the module docstring)
 BUILD_TIMEOUT_S = 120
 
 _build_lock = threading.Lock()
@@ -65,18 +69,21 @@ def _compiler() -> str | None:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()
+    parts = [SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_flags()]
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = cache_dir() / f"column_sums-{digest[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        objects, built = Path(scratch) / "column_sums.o", Path(scratch) / target.name
+        for command in (
+            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(objects)],
+            [compiler, *LINK_FLAGS, str(objects), "-o", str(built)],
+        ):
+            result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)
     return target
 
