@@ -8,8 +8,9 @@ Build: `$CXX` (else `c++`) compiles with `-O3 -march=native -ffast-math -fopenmp
 exponentials vectorise), then links in a second step without `-ffast-math`: linked with it, the
 library would carry `crtfastmath.o`, whose constructor sets flush-to-zero for the whole process on
 load and silently changes every other float computation in it. No torch headers (about a second).
-The library is cached under `$KVPRESS_CACHE_DIR`, else `$XDG_CACHE_HOME/vllm_kvpress_ext`, else
-`~/.cache/vllm_kvpress_ext`, named by a hash of the source, the flags, the compiler's version
+The library is cached under `$KVPRESS_KERNEL_CACHE`, else
+`$XDG_CACHE_HOME/vllm-kvpress-ext/kernels`, else `~/.cache/vllm-kvpress-ext/kernels` (beside the
+pulled models, `hub/catalog.py`), named by a hash of the source, the flags, the compiler's version
 and this CPU's feature flags, so a cache shared between machines never hands one CPU code built for
 another. It is written to a temporary name and renamed, so concurrent builds do not clash. Without a
 compiler, with `KVPRESS_DISABLE_CPU_KERNELS=1`, or if the build fails (one warning), callers get
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 DISABLE_ENV = "KVPRESS_DISABLE_CPU_KERNELS"
-CACHE_ENV = "KVPRESS_CACHE_DIR"
+CACHE_ENV = "KVPRESS_KERNEL_CACHE"
 SOURCE = Path(__file__).with_name("column_sums.cpp")
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")  # never -ffast-math here (see the module docstring)
@@ -48,9 +49,9 @@ def disabled() -> bool:
 
 def cache_dir() -> Path:
     if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "vllm_kvpress_ext"
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "vllm-kvpress-ext" / "kernels"
 
 
 def _cpu_flags() -> str:
