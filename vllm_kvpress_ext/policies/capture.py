@@ -98,9 +98,8 @@ class PrefillCapture:
             qpos = positions if rec.query_positions is None else torch.cat([rec.query_positions, positions])
             rec.queries, rec.query_positions = queries[-spec.window :].clone(), qpos[-spec.window :].clone()
             if spec.query_lse:
-                rec.lse_missing = rec.lse_missing or lse is None
-                if rec.lse_missing or lse is None:
-                    rec.query_lse = None
+                if lse is None or rec.lse_missing:
+                    rec.lse_missing, rec.query_lse = True, None
                 else:
                     lses = lse.detach() if rec.query_lse is None else torch.cat([rec.query_lse, lse.detach()])
                     rec.query_lse = lses[-spec.window :].float().clone()
