@@ -31,7 +31,7 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
-from vllm_kvpress_ext.bench.report import format_table
+from vllm_kvpress_ext.bench.report import format_table, markdown_table
 from vllm_kvpress_ext.bench.tasks import TASKS, PromptSpec, build_prompt, generate, score
 from vllm_kvpress_ext.bench.tasks.prompt import PROTOCOLS, Protocol
 from vllm_kvpress_ext.engine import KeptEntries, LLMEngine, SamplingParams
@@ -250,8 +250,7 @@ def _report(rows: list[Row], config: AccuracyConfig) -> None:
         + ")"
     )
     print(format_table(headers, table))
-    md = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    md += ["| " + " | ".join(str(c) for c in row) + " |" for row in table]
+    md = markdown_table(headers, table)
     (out / "results.md").write_text("\n".join(md) + "\n")
     with (out / "results.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0]).keys()))

@@ -479,7 +479,7 @@ def _report(
     project_seconds: float,
     answers: list[dict[str, Any]],
 ) -> None:
-    from vllm_kvpress_ext.bench.report import format_table
+    from vllm_kvpress_ext.bench.report import format_table, markdown_table
 
     headers = ["ctx", "policy", "setting", "ratio", "prompts", "kept ∩ %", "same sets %", "kept/head ours"]
     headers += ["kept/head kvpress", "acc ours %", "acc kvpress %"]
@@ -497,8 +497,7 @@ def _report(
     print(f"wall time {seconds:.0f} s (kvpress side {kvpress_seconds:.0f} s, this project {project_seconds:.0f} s)")
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    md = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    md += ["| " + " | ".join(str(c) for c in row) + " |" for row in table]
+    md = markdown_table(headers, table)
     (out / "results.md").write_text("\n".join(md) + f"\n\nwall time {seconds:.0f} s\n")
     payload = {
         "config": asdict(config),

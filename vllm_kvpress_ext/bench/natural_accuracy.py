@@ -38,7 +38,7 @@ from vllm_kvpress_ext.bench.natural import (
     render,
     score,
 )
-from vllm_kvpress_ext.bench.report import format_table
+from vllm_kvpress_ext.bench.report import format_table, markdown_table
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.engine.prefix import PrefixSnapshot, add_forked_request, capture_prefix, merged_capture_spec
 from vllm_kvpress_ext.engine.request import RequestOutput
@@ -334,8 +334,7 @@ def _report(
     for note in notes:
         print(f"  {note}")
     print(f"wall time {seconds:.0f} s, of which shared prefills {prefill_seconds:.0f} s")
-    md = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    md += ["| " + " | ".join(str(c) for c in row) + " |" for row in table]
+    md = markdown_table(headers, table)
     md += [f"\n{n}" for n in notes] + [f"\nwall time {seconds:.0f} s (shared prefills {prefill_seconds:.0f} s)"]
     (out / "results.md").write_text("\n".join(md) + "\n")
     with (out / "results.csv").open("w", newline="") as f:

@@ -1,4 +1,4 @@
-"""Plain-text tables for benchmark output."""
+"""Tables for benchmark output: plain text for the terminal, Markdown for result files."""
 
 from __future__ import annotations
 
@@ -21,3 +21,9 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    """The lines of a Markdown table (header, rule, one line per row)."""
+    lines = ["| " + " | ".join(str(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
