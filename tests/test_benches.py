@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,11 +59,24 @@ def test_bench_policies_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert rows[0][5] == "+0.0%"  # `full` is the baseline of the cost column
 
 
-def test_bench_policies_runs_the_baseline_first_and_repeats(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_policies_runs_the_baseline_first_and_repeats(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_kvpress_ext.bench import policies_bench
+
+    prompt_lengths: list[int] = []
+    timed = policies_bench._timed_request
+
+    def counting(engine: Any, prompt: list[int], params: Any, policy: str) -> Any:
+        prompt_lengths.append(len(prompt))
+        return timed(engine, prompt, params, policy)
+
+    monkeypatch.setattr(policies_bench, "_timed_request", counting)
     argv = ["bench", "policies", "--prompt-lens", "40", "--policies", "h2o", "--decode-steps", "1", "--repeats", "2"]
     assert main(argv) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("40 ")]
     assert [r[1] for r in rows] == ["full", "h2o"]
+    assert prompt_lengths == [4, 4, 40, 40, 40, 40]  # a warm-up per policy, then each request twice
     with pytest.raises(SystemExit) as exit_info:
         main([*argv[:-1], "0"])
     assert exit_info.value.code == 2 and "--repeats" in capsys.readouterr().err
