@@ -105,6 +105,11 @@ def test_natural_bench_end_to_end(tiny_gguf: Path, tmp_path: Path, monkeypatch: 
     full = summary[("full", None)]["kv_bytes_mean"]
     assert summary[("snapkv", 0.25)]["kv_bytes_mean"] < summary[("snapkv", 0.5)]["kv_bytes_mean"] < full
     assert (out / "accuracy_vs_memory.png").stat().st_size > 0
+    for s in result["summary"]:
+        if s["runs"]:
+            low, high = s["accuracy_interval"]
+            assert 0.0 <= low <= s["accuracy"] <= high <= 1.0
+    assert "95% interval" in (out / "results.md").read_text()
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert len(runs) == 2 * 3  # samples x runnable (policy, budget)
     assert all(r["task"] == "nl_passkey" and 0.0 <= r["score"] <= 1.0 for r in runs)
@@ -220,3 +225,16 @@ def test_merge_refuses_what_it_cannot_combine(tmp_path: Path) -> None:
         merge_results([tmp_path / "absent"], tmp_path / "out")
     with pytest.raises(ValueError, match="no result directories"):
         merge_results([], tmp_path / "out")
+
+
+def test_wilson_interval_by_hand() -> None:
+    from vllm_kvpress_ext.bench.natural_accuracy import wilson_interval
+
+    # 8 of 8 right: the interval is [0.676, 1] (z = 1.96), not the point 1.
+    low, high = wilson_interval(1.0, 8)
+    assert low == pytest.approx(0.6756, abs=1e-4) and high == 1.0
+    low, high = wilson_interval(0.0, 8)
+    assert low == 0.0 and high == pytest.approx(0.3244, abs=1e-4)
+    low, high = wilson_interval(0.5, 100)
+    assert (low, high) == (pytest.approx(0.4038, abs=1e-4), pytest.approx(0.5962, abs=1e-4))
+    assert all(x != x for x in wilson_interval(0.5, 0))  # no runs: nan

@@ -240,6 +240,64 @@ def test_gvote_is_reproducible_and_budget_free() -> None:
     assert not fields & {"ratio", "tokens"}
 
 
+def observed_layer(positions: list[int], queries: list[float]) -> LayerPrefill:
+    """One KV head, one query head, d = 1, scale 1: key j is ln(p_j), so query 1.0 attends with p ~ [1, 2, 3, 4]."""
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    keys = probs.log().float().view(1, 4, 1)
+    capture = LayerCapture(
+        queries=torch.tensor(queries).view(-1, 1, 1), query_positions=torch.tensor(positions), hidden_count=0
+    )
+    return LayerPrefill(0, 1, keys, torch.ones_like(keys), torch.arange(4), capture, None, 1.0)  # type: ignore[arg-type]
+
+
+def test_gvote_observed_votes_are_each_querys_own_nucleus() -> None:
+    """Hand-computed: the nucleus of each real query over the keys it could see, then their union."""
+    # The query at position 3 sees p = [.1, .2, .3, .4]: at p_nuc 0.65 its nucleus is {3, 2} (0.4 + 0.3 = 0.7).
+    # The query at position 1 sees keys 0 and 1 only: p = [1/3, 2/3], nucleus {1} (0.667 >= 0.65).
+    layer = observed_layer([1, 3], [1.0, 1.0])
+    policy = GVotePolicy(p_nuc=0.65, observation_window=2)
+    assert policy.observed_votes(layer).tolist() == [[False, True, True, True]]
+    # A window of 1 takes the last captured query alone; a window longer than the capture takes all of it.
+    assert GVotePolicy(p_nuc=0.65, observation_window=1).observed_votes(layer).tolist() == [[False, False, True, True]]
+    assert torch.equal(
+        GVotePolicy(p_nuc=0.65, observation_window=9).observed_votes(layer), policy.observed_votes(layer)
+    )
+    # p_nuc 0.95 needs all four keys at position 3 (0.4 + 0.3 + 0.2 = 0.9 < 0.95), both keys at position 1.
+    assert GVotePolicy(p_nuc=0.95, observation_window=2).observed_votes(layer).tolist() == [[True, True, True, True]]
+    # Query -1.0 attends the other way round: p = [.48, .24, .16, .12], so at p_nuc 0.45 key 0 alone is its nucleus.
+    flipped = observed_layer([3], [-1.0])
+    assert GVotePolicy(p_nuc=0.45, observation_window=1).observed_votes(flipped).tolist() == [
+        [True, False, False, False]
+    ]
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_gvote_observation_window_adds_the_real_queries_votes(family: str) -> None:
+    """on_layer_prefilled = Algorithm 1's union | the observed queries' nuclei; window 0 is Algorithm 1 exactly."""
+    model = tiny_model(family, seed=2)
+    for index in range(2):
+        layer = gvote_layer(model, index, 48, seed=7 + index, query_scale=4.0)
+        assert layer.capture is not None and layer.capture.queries is not None
+        extra = torch.randn(5, *layer.capture.queries.shape[1:], generator=torch.Generator().manual_seed(index)) * 4.0
+        layer.capture.queries = torch.cat([extra, layer.capture.queries])
+        layer.capture.query_positions = torch.arange(43, 49) - 1
+        paper = GVotePolicy().on_layer_prefilled(layer, {})
+        assert torch.equal(paper, GVotePolicy(observation_window=0).on_layer_prefilled(layer, {}))
+        for window in (1, 3, 6):
+            policy = GVotePolicy(observation_window=window)
+            assert policy.capture_spec().window == window
+            observed = policy.on_layer_prefilled(layer, {})
+            assert torch.equal(observed, paper | policy.observed_votes(layer))
+            # Every observed query's own nucleus is inside the union, whatever the synthetic votes chose.
+            for q in range(6 - window, 6):
+                alone = GVotePolicy(observation_window=1)
+                one = gvote_layer(model, index, 48, seed=7 + index, query_scale=4.0)
+                assert one.capture is not None
+                one.capture.queries = layer.capture.queries[q : q + 1]
+                one.capture.query_positions = layer.capture.query_positions[q : q + 1]
+                assert not (alone.observed_votes(one) & ~observed).any()
+
+
 # ----------------------------------------------------------------------------- XKV: Algorithm 1
 
 
@@ -459,6 +517,8 @@ def test_xkv_profile_round_trip_and_allocation(tmp_path: Path) -> None:
         ({"name": "gvote", "num_samples": 0}, "num_samples"),
         ({"name": "gvote", "future_positions": 0}, "future_positions"),
         ({"name": "gvote", "window": -1}, "window"),
+        ({"name": "gvote", "observation_window": -1}, "observation_window"),
+        ({"name": "gvote", "observation_window": 257}, "observation_window"),
         ({"name": "gvote", "ratio": 0.5}, "unknown parameter"),
         ({"name": "xkv", "ratio": 0.5, "target_ratio": 0.9}, "at most one budget"),
         ({"name": "xkv", "tokens": 32, "target_ratio": 0.9}, "at most one budget"),
@@ -515,6 +575,7 @@ def prompt_ids(n: int, seed: int) -> list[int]:
         "xkv",
         {"name": "xkv", "target_ratio": 0.8},
         {"name": "gvote", "p_nuc": 0.2, "num_samples": 2, "window": 4},
+        {"name": "gvote", "p_nuc": 0.5, "num_samples": 2, "observation_window": 8},
     ],
     ids=str,
 )

@@ -284,19 +284,40 @@ def _pct(value: float) -> str:
     return "-" if math.isnan(value) else f"{100 * value:.1f}"
 
 
-def _summary(rows: list[NaturalRow]) -> list[dict[str, Any]]:
-    """Per (length, policy, budget): accuracy and KV bytes averaged over tasks, full cache first."""
+def wilson_interval(mean: float, runs: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate `mean` over `runs` generations ((nan, nan) without runs).
+
+    Exact for pass/fail scores; for multi-answer tasks (a score is the share of answers found) it treats the
+    mean as a rate, which is what a reader compares across rows. Unlike mean +- 1.96 sd, it does not shrink
+    to a point when every run scored the same (8 of 8 right is [0.68, 1], not [1, 1]).
+    """
+    if runs == 0 or math.isnan(mean):
+        return math.nan, math.nan
+    centre = (mean + z * z / (2 * runs)) / (1 + z * z / runs)
+    half = z * math.sqrt(mean * (1 - mean) / runs + z * z / (4 * runs * runs)) / (1 + z * z / runs)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _summary(rows: list[NaturalRow], runs: list[Run]) -> list[dict[str, Any]]:
+    """Per (length, policy, budget): accuracy (with its 95% interval over all the row's generations) and KV
+    bytes averaged over tasks, full cache first."""
     groups: dict[tuple[int, str, float | None], list[NaturalRow]] = defaultdict(list)
     for r in rows:
         groups[(r.context_len, r.policy, r.budget)].append(r)
+    scores: dict[tuple[int, str, float | None], list[float]] = defaultdict(list)
+    for run in runs:
+        scores[(run.context_len, run.policy, run.budget)].append(run.score)
     summary = []
     for (length, policy, budget), group in groups.items():
+        mine = scores.get((length, policy, budget), [])
+        low, high = wilson_interval(sum(mine) / len(mine) if mine else math.nan, len(mine))
         summary.append(
             {
                 "context_len": length,
                 "policy": policy,
                 "budget": budget,
                 "accuracy": _mean([r.accuracy for r in group]),
+                "accuracy_interval": [low, high],
                 "kv_bytes_mean": _mean([r.kv_bytes_mean for r in group]),
                 "retention": _mean([r.retention for r in group]),
                 "runs": sum(r.samples for r in group),
@@ -312,9 +333,9 @@ def _report(
 ) -> None:
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = _summary(rows)
+    summary = _summary(rows, runs)
     tasks = list(config.tasks)
-    headers = ["ctx", "policy", "budget", "runs", "accuracy %", "KV MiB held", "retention", *tasks]
+    headers = ["ctx", "policy", "budget", "runs", "accuracy %", "95% interval", "KV MiB held", "retention", *tasks]
     table = []
     for s in summary:
         mib = "-" if math.isnan(s["kv_bytes_mean"]) else f"{s['kv_bytes_mean'] / 2**20:.2f}"
@@ -322,7 +343,11 @@ def _report(
         budget = "-" if s["budget"] is None else f"{s['budget']:g}"
         cells = [_pct(s["tasks"].get(t, math.nan)) for t in tasks]
         runs_ = s["runs"] or "-"
-        table.append([s["context_len"], s["policy"], budget, runs_, _pct(s["accuracy"]), mib, retention, *cells])
+        low, high = s["accuracy_interval"]
+        interval = "-" if math.isnan(low) else f"{_pct(low)}-{_pct(high)}"
+        table.append(
+            [s["context_len"], s["policy"], budget, runs_, _pct(s["accuracy"]), interval, mib, retention, *cells]
+        )
     protocol = {"agnostic": "context compressed, question prefilled after", "served": "after the whole prompt"}
     print(
         f"\nmodel {config.model}; protocol {config.protocol} ({protocol[config.protocol]}); filler {config.filler}; "

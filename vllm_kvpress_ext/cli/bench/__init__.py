@@ -13,13 +13,26 @@ from vllm_kvpress_ext.cli.bench import (
     kvpress_parity,
     policies,
     prefill_peak,
+    recall,
     serve,
     throughput,
     vllm_serve,
 )
 from vllm_kvpress_ext.cli.common import Subparsers, show_usage_when_bare
 
-BENCHES = (cache, throughput, capacity, policies, accuracy, serve, vllm_serve, kernels, prefill_peak, kvpress_parity)
+BENCHES = (
+    cache,
+    throughput,
+    capacity,
+    policies,
+    accuracy,
+    serve,
+    vllm_serve,
+    kernels,
+    prefill_peak,
+    kvpress_parity,
+    recall,
+)
 
 
 def register(sub: Subparsers) -> None:
