@@ -74,6 +74,8 @@ def test_matched_budgets_follow_kvpress_rules() -> None:
         run = parity.kvpress_run(name, 0.25)
         assert run["compression_ratio"] == 0.75 and run["press"] == name and run["id"] == f"{name}-0.25"
     assert parity.item_policy("streaming_llm-0.25") == "streaming_llm"
+    expected = parity.project_policy("expected_attention", 0.1, 1000)
+    assert expected["tokens"] == 99 and expected["future_positions"] == 512 and expected["sink_tokens"] == 4
 
 
 FAKE_WORKER = """\

@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # torch and numpy load lazily: the command line's --help must
 DEFAULT_KVPRESS_PYTHON = "build/kvpress-venv/bin/python"
 KVPRESS_PYTHON_ENV = "KVPRESS_PARITY_PYTHON"
 WORKER = Path(__file__).with_name("kvpress_parity_worker.py")
-PARITY_POLICIES = ("snapkv", "streaming_llm", "pyramidkv", "adakv")
+PARITY_POLICIES = ("snapkv", "streaming_llm", "pyramidkv", "adakv", "expected_attention")
 DEFAULT_TASKS = ("nl_passkey", "nl_niah_single", "nl_niah_multikey", "nl_niah_multivalue")
 
 #: The matched settings of each policy: kvpress's press fields -> the same value in this project's policy.
@@ -63,6 +63,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "streaming_llm": {"n_sink": 4},
     "pyramidkv": {"window_size": 8, "kernel_size": 7, "beta": 20},
     "adakv": {"window_size": 64, "kernel_size": 5, "alpha_safeguard": 0.2},
+    "expected_attention": {"n_future_positions": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True},
 }
 
 #: Extra rows (`--variants`): this project's other choices, against the same kvpress sets.
@@ -171,6 +172,9 @@ def project_policy(name: str, ratio: float, n: int, overrides: dict[str, Any] | 
     spec: dict[str, Any]
     if name == "streaming_llm":
         spec = {"name": name, "tokens": kvpress_kept(n, ratio), "sink_tokens": s["n_sink"]}
+    elif name == "expected_attention":
+        spec = {"name": name, "tokens": kvpress_kept(n, ratio), "future_positions": s["n_future_positions"]}
+        spec |= {"sink_tokens": s["n_sink"], "use_covariance": s["use_covariance"], "use_vnorm": s["use_vnorm"]}
     else:
         common = {"window": s["window_size"], "kernel_size": s["kernel_size"], "pooling": "avgpool"}
         common |= {"gqa_reduction": "mean", "count_include_pad": True}

@@ -45,7 +45,7 @@ def _pack(mask: Any) -> str:
 
 
 def _press(run: dict[str, Any]) -> Any:
-    from kvpress import AdaKVPress, PyramidKVPress, SnapKVPress, StreamingLLMPress
+    from kvpress import AdaKVPress, ExpectedAttentionPress, PyramidKVPress, SnapKVPress, StreamingLLMPress
 
     kind, ratio = run["press"], float(run["compression_ratio"])
     if kind == "snapkv":
@@ -59,6 +59,14 @@ def _press(run: dict[str, Any]) -> Any:
     if kind == "adakv":
         inner = SnapKVPress(compression_ratio=ratio, window_size=run["window_size"], kernel_size=run["kernel_size"])
         return AdaKVPress(inner, alpha_safeguard=run["alpha_safeguard"])
+    if kind == "expected_attention":
+        return ExpectedAttentionPress(
+            compression_ratio=ratio,
+            n_future_positions=run["n_future_positions"],
+            n_sink=run["n_sink"],
+            use_covariance=run["use_covariance"],
+            use_vnorm=run["use_vnorm"],
+        )
     raise ValueError(f"unknown press {kind!r}")
 
 

@@ -337,7 +337,7 @@ class ModelRunner:
             spec = request.policy.capture_spec()
             if spec.empty:
                 return None
-            request.capture = PrefillCapture(spec, self.config.num_hidden_layers)
+            request.capture = PrefillCapture(spec, self.config.num_hidden_layers, self.model.rotary)
         return request.capture
 
     @staticmethod

@@ -122,11 +122,11 @@ def capture_prefix(
     )
 
 
-def _own_capture(snapshot: PrefixSnapshot, spec: CaptureSpec, num_layers: int) -> PrefillCapture | None:
+def _own_capture(snapshot: PrefixSnapshot, spec: CaptureSpec, engine: LLMEngine) -> PrefillCapture | None:
     """The capture the policy would have recorded itself: the snapshot's, cut to `spec`."""
     if spec.empty:
         return None
-    capture = PrefillCapture(spec, num_layers)
+    capture = PrefillCapture(spec, engine.config.num_hidden_layers, engine.model.rotary)
     for mine, shared in zip(capture.layers, snapshot.layers, strict=True):
         mine.shared = shared.shared
         if spec.window:
@@ -142,6 +142,11 @@ def _own_capture(snapshot: PrefixSnapshot, spec: CaptureSpec, num_layers: int) -
             mine.hidden_count = shared.hidden_count
         if spec.keys_pre_rope:
             mine.keys_pre_rope, mine.keys_post_rope = list(shared.keys_pre_rope), list(shared.keys_post_rope)
+        if spec.query_moments:
+            mine.query_sum, mine.query_outer_sum = shared.query_sum, shared.query_outer_sum
+            mine.query_count = shared.query_count
+        if spec.leading_queries and shared.leading_queries is not None:
+            mine.leading_queries = shared.leading_queries[: spec.leading_queries]
     return capture
 
 
@@ -181,7 +186,7 @@ def add_forked_request(
     slots = engine.cache.append_slots([request.row], torch.arange(n).view(1, -1))  # [L, 1, H, n]
     engine.cache.write(slots[:, 0], snapshot.keys, snapshot.values)
     request.num_processed = n
-    request.capture = _own_capture(snapshot, spec, engine.config.num_hidden_layers)
+    request.capture = _own_capture(snapshot, spec, engine)
     engine.requests[request_id] = request
     engine.scheduler.active.append(request)
     engine.runner.complete_prefill(request)  # compresses (when there is a policy) and marks it running

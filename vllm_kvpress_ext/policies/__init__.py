@@ -6,6 +6,7 @@
 
 from vllm_kvpress_ext.policies.adakv import AdaKVPolicy
 from vllm_kvpress_ext.policies.base import FIELD_LIMITS, KVPolicy, PolicyConfigError
+from vllm_kvpress_ext.policies.expected_attention import ExpectedAttentionPolicy
 from vllm_kvpress_ext.policies.files import PolicyFiles, allowed_files, set_allowed_files
 from vllm_kvpress_ext.policies.full import FullPolicy
 from vllm_kvpress_ext.policies.gvote import GVotePolicy
@@ -33,6 +34,7 @@ _BUILT_IN: tuple[type[KVPolicy], ...] = (
     PyramidKVPolicy,
     AdaKVPolicy,
     H2OPolicy,
+    ExpectedAttentionPolicy,
     GVotePolicy,
     XKVPolicy,
     KVECPolicy,
@@ -45,6 +47,7 @@ for _policy in _BUILT_IN:
 __all__ = [
     "FIELD_LIMITS",
     "AdaKVPolicy",
+    "ExpectedAttentionPolicy",
     "FullPolicy",
     "GVotePolicy",
     "H2OPolicy",

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from vllm_kvpress_ext.models.rope import RotaryEmbedding, apply_rope
+
 
 @dataclass(frozen=True)
 class CaptureSpec:
@@ -18,16 +20,30 @@ class CaptureSpec:
     `hidden_stats`: running mean / variance of each layer's attention-input hidden states.
     `keys_pre_rope`: every prefill token's pre-RoPE keys (for admission gates).
     `query_lse`: beside the window's queries, their log-sum-exps from the prefill's own attention
-    (H2O's column sums start from them), where the attention path yields them."""
+    (H2O's column sums start from them), where the attention path yields them.
+    `query_moments`: per query head, the sum and the sum of outer products of every prefill token's
+    query before RoPE (`[Hq, d]`, `[Hq, d, d]`): the mean and covariance of the queries (Expected
+    Attention), at d*d per head instead of the hidden states' D*D.
+    `leading_queries`: the first this-many positions' queries before RoPE, so a policy can take the
+    moments without its sink tokens (their outlier activations would dominate them)."""
 
     window: int = 0
     hidden_stats: bool = False
     keys_pre_rope: bool = False
     query_lse: bool = False
+    query_moments: bool = False
+    leading_queries: int = 0
 
     @property
     def empty(self) -> bool:
-        return self.window == 0 and not self.hidden_stats and not self.keys_pre_rope and not self.query_lse
+        return (
+            self.window == 0
+            and not self.hidden_stats
+            and not self.keys_pre_rope
+            and not self.query_lse
+            and not self.query_moments
+            and self.leading_queries == 0
+        )
 
     def merge(self, other: CaptureSpec) -> CaptureSpec:
         return CaptureSpec(
@@ -35,6 +51,8 @@ class CaptureSpec:
             hidden_stats=self.hidden_stats or other.hidden_stats,
             keys_pre_rope=self.keys_pre_rope or other.keys_pre_rope,
             query_lse=self.query_lse or other.query_lse,
+            query_moments=self.query_moments or other.query_moments,
+            leading_queries=max(self.leading_queries, other.leading_queries),
         )
 
 
@@ -52,6 +70,10 @@ class LayerCapture:
     hidden_sq_sum: torch.Tensor | None = None  # [D] float64
     hidden_count: int = 0
     keys_pre_rope: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, Hkv, d]
+    query_sum: torch.Tensor | None = None  # [Hq, d] float64, queries before RoPE
+    query_outer_sum: torch.Tensor | None = None  # [Hq, d, d] float64
+    query_count: int = 0
+    leading_queries: torch.Tensor | None = None  # [s, Hq, d] the first positions' queries before RoPE
     keys_post_rope: list[torch.Tensor] = field(default_factory=list)
     # Scores computed from this layer's prefill alone, keyed by what computed them. Requests forked from one
     # prefilled prefix (engine/prefix.py) share the dict: their captures and uncompressed keys are the same,
@@ -72,12 +94,36 @@ class LayerCapture:
         mean = self.hidden_mean
         return (self.hidden_sq_sum / self.hidden_count - mean * mean).clamp(min=0.0)
 
+    def query_mean_cov(self, skip: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean `[Hq, d]` and population covariance `[Hq, d, d]` (float64) of the prefill queries before RoPE,
+        over every position but the first `skip` (which must be at most the captured `leading_queries`)."""
+        if self.query_sum is None or self.query_outer_sum is None:
+            raise ValueError("query moments were not captured")
+        total, outer, count = self.query_sum, self.query_outer_sum, self.query_count
+        if skip:
+            if self.leading_queries is None or self.leading_queries.shape[0] < skip:
+                raise ValueError(f"the first {skip} queries were not captured")
+            lead = self.leading_queries[:skip].double()
+            total, outer = total - lead.sum(0), outer - torch.einsum("shi,shj->hij", lead, lead)
+            count -= skip
+        if count < 1:
+            raise ValueError("no query left after the skipped positions")
+        mean = total / count
+        return mean, outer / count - mean.unsqueeze(-1) * mean.unsqueeze(-2)
+
 
 class PrefillCapture:
-    """Accumulates a request's per-layer captures across prefill chunks."""
+    """Accumulates a request's per-layer captures across prefill chunks.
 
-    def __init__(self, spec: CaptureSpec, num_layers: int) -> None:
+    `rotary` (the model's RoPE) is needed only for `query_moments` / `leading_queries`: the attention
+    context hands over queries after RoPE, and the moments are of the queries before it.
+    """
+
+    def __init__(self, spec: CaptureSpec, num_layers: int, rotary: RotaryEmbedding | None = None) -> None:
+        if (spec.query_moments or spec.leading_queries) and rotary is None:
+            raise ValueError("capturing queries before RoPE needs the model's rotary embedding")
         self.spec = spec
+        self.rotary = rotary
         self.layers = [LayerCapture() for _ in range(num_layers)]
 
     def record(
@@ -112,3 +158,19 @@ class PrefillCapture:
         if spec.keys_pre_rope:
             rec.keys_pre_rope.append(k_pre_rope.detach().clone())
             rec.keys_post_rope.append(k.detach().clone())
+        if spec.query_moments or spec.leading_queries:
+            self._record_queries(rec, positions, q)
+
+    def _record_queries(self, rec: LayerCapture, positions: torch.Tensor, q: torch.Tensor) -> None:
+        assert self.rotary is not None
+        cos, sin = self.rotary.cos_sin(positions)
+        unrotated = apply_rope(q.detach().float(), cos, -sin)  # R(p)^-1 = R(-p): the query before RoPE
+        if self.spec.query_moments:
+            u = unrotated.double()
+            total, outer = u.sum(0), torch.einsum("thi,thj->hij", u, u)
+            rec.query_sum = total if rec.query_sum is None else rec.query_sum + total
+            rec.query_outer_sum = outer if rec.query_outer_sum is None else rec.query_outer_sum + outer
+            rec.query_count += u.shape[0]
+        lead = unrotated[positions < self.spec.leading_queries]
+        if lead.shape[0]:
+            rec.leading_queries = lead if rec.leading_queries is None else torch.cat([rec.leading_queries, lead])
