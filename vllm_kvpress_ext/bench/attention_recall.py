@@ -42,6 +42,7 @@ from vllm_kvpress_ext.engine.prefix import PrefixSnapshot, add_forked_request, c
 from vllm_kvpress_ext.engine.request import RequestOutput
 from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.policies import KVPolicy, create_policy
+from vllm_kvpress_ext.policies.capture import CaptureSpec
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ def _score_sample(
     engine: LLMEngine,
     prompt: NaturalPrompt,
     length: int,
-    spec: Any,
+    spec: CaptureSpec,
     policies: dict[tuple[str, float | None], KVPolicy],
     matched: list[KVPolicy],
     match_names: tuple[str, ...],
