@@ -42,18 +42,16 @@ queries also vote, each with its own nucleus over the keys it could see,
                                softmax(q_{p_i}[h] . K^T / sqrt(d)) mass reaches p_nuc,  i = 1..w
     keep set        keep[g] |= U_i U_{h in group g} O_i[h]
 
-This is a divergence, off by default, kept because of what it was measured to fix on SmolLM2-135M
-(`kvpress bench recall`, docs/gvote.md). There, Algorithm 1 answers none of the served needle tasks:
-its synthetic queries, drawn from the whole prompt's hidden-state statistics, stand for an average
-context token and not for the question, and in the middle layers (9-20), where the answer's
-retrieval heads read the needle, the last query's nucleus is 1-20 entries for most heads (the sink and
-a few recent tokens hold its mass), so those layers keep 2-12% of the prompt and lose the needle. Replacing the
-Gaussian (a full covariance, or a fit over the last 64 positions only) changed little; the real
-queries of the question are what predict the answer's attention. On one 2,048-token pass-key prompt,
-the relative error of the future decode attention output: Algorithm 1 0.150 at 29% kept, AdaKV at
-the same 29% 0.106, the real answer queries themselves voting with Algorithm 1's budgets 0.066, and
-w = 8 observed queries 0.055 at 47% kept (AdaKV at 47%: 0.064). The budget stays free: each observed
-query keeps its own nucleus, so a request whose question attends sharply adds little.
+This is a divergence, off by default, measured on SmolLM2-135M with `kvpress bench recall`
+(docs/gvote.md). There Algorithm 1 answers none of the served needle tasks: its synthetic queries,
+drawn from the whole prompt's hidden-state statistics, stand for an average context token and not for
+the question, and in the middle layers (9-20) the last query's nucleus is 1-20 entries for most heads
+(the sink and a few recent tokens hold its mass), so those layers keep 2-12% of the prompt. On one
+2,048-token pass-key prompt, the relative error of the future decode attention output is 0.150 for
+Algorithm 1 at 29% kept (AdaKV at the same 29%: 0.106) and 0.055 with w = 8 at 47% (AdaKV at 47%:
+0.064). The answers are not recovered (0 of 24 at 2,048 tokens, either way): the model copies the key
+digit by digit, and nucleus votes keep scattered entries where the copy needs the whole span, which
+pooled scores (the SnapKV family) keep. docs/gvote.md has the tables.
 
 Divergences:
 - RoPE convention: the paper's listing rotates interleaved pairs (x[2i], x[2i+1]); here the model's
