@@ -31,7 +31,7 @@ from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.policies import GVotePolicy, PolicyConfigError, XKVPolicy, load_policy
 from vllm_kvpress_ext.policies.base import LayerPrefill, RequestPrefill
 from vllm_kvpress_ext.policies.capture import LayerCapture
-from vllm_kvpress_ext.policies.gvote import nucleus_size
+from vllm_kvpress_ext.policies.gvote import nucleus_size, vote
 from vllm_kvpress_ext.policies.xkv import (
     XKVProfile,
     allocation_for_target,
@@ -269,6 +269,25 @@ def test_gvote_observed_votes_are_each_querys_own_nucleus() -> None:
     assert GVotePolicy(p_nuc=0.45, observation_window=1).observed_votes(flipped).tolist() == [
         [True, False, False, False]
     ]
+
+
+def test_gvote_pooled_votes_keep_spans() -> None:
+    """Hand-computed: scores [0, 0, 5, 0, 0, 1, 0] with B = 3 keep {0, 2, 5} unpooled and the span {1, 2, 3}
+    max-pooled over 3 positions ([0, 5, 5, 5, 1, 1, 1]; the peak's neighbours tie with it)."""
+    keys = torch.tensor([0.0, 0.0, 5.0, 0.0, 0.0, 1.0, 0.0]).view(1, 7, 1)
+    query = torch.ones(1, 1, 1)
+    budget = torch.tensor([3])
+    assert torch.nonzero(vote(query, keys, budget)[0]).flatten().tolist() == [0, 2, 5]
+    assert torch.nonzero(vote(query, keys, budget, kernel_size=3)[0]).flatten().tolist() == [1, 2, 3]
+    # The observed votes rank on pooled scores too, sized by their own nucleus (2 at p_nuc .65: .4 + .3), and
+    # never pick a key their query could not see: position 1 sees keys 0 and 1 only, whatever the pooling.
+    policy = GVotePolicy(p_nuc=0.65, observation_window=2, kernel_size=3)
+    assert policy.observed_votes(observed_layer([3], [1.0])).tolist() == [[False, False, True, True]]
+    early = GVotePolicy(p_nuc=0.99, observation_window=1, kernel_size=3).observed_votes(observed_layer([1], [1.0]))
+    assert early.tolist() == [[True, True, False, False]]
+    for bad in (0, 2, 65):
+        with pytest.raises(PolicyConfigError, match="kernel_size"):
+            load_policy({"name": "gvote", "kernel_size": bad})
 
 
 @pytest.mark.parametrize("family", list(FAMILY_CONFIGS))

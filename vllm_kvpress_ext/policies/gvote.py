@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from vllm_kvpress_ext.cache import KeepPlan
 from vllm_kvpress_ext.models.rope import apply_rope
@@ -119,11 +120,19 @@ def synthetic_queries(
     return apply_rope(unrotated.float(), cos.float().expand(rows, -1), sin.float().expand(rows, -1))
 
 
-def vote(queries: torch.Tensor, keys: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+def max_pooled(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """`scores[R, n]` max-pooled along positions over an odd `kernel_size` window (1: unchanged)."""
+    if kernel_size == 1:
+        return scores
+    return F.max_pool1d(scores.unsqueeze(1), kernel_size, stride=1, padding=kernel_size // 2).squeeze(1)
+
+
+def vote(queries: torch.Tensor, keys: torch.Tensor, budgets: torch.Tensor, kernel_size: int = 1) -> torch.Tensor:
     """Union keep mask `[Hkv, n]`: each query `queries[s, h]` keeps its top-`budgets[h]` keys of KV head h // G.
 
     queries `[S, Hq, d]`, keys `[Hkv, n, d]`, budgets `[Hq]`. Ties go to the lower index. One KV head at
-    a time, so the working set is `[S * G, n]` scores (never a GQA-expanded copy of the keys).
+    a time, so the working set is `[S * G, n]` scores (never a GQA-expanded copy of the keys). With
+    `kernel_size` k > 1 each query ranks the keys by its scores max-pooled over k neighbouring positions.
     """
     num_kv, n = keys.shape[0], keys.shape[1]
     samples, num_q, dim = queries.shape
@@ -133,7 +142,7 @@ def vote(queries: torch.Tensor, keys: torch.Tensor, budgets: torch.Tensor) -> to
     keep = torch.zeros(num_kv, n, dtype=torch.bool, device=keys.device)
     for kv in range(num_kv):
         rows = queries[:, kv * group : (kv + 1) * group].reshape(samples * group, dim)  # row s * G + g
-        scores = rows @ keys[kv].float().T  # [S * G, n]
+        scores = max_pooled(rows @ keys[kv].float().T, kernel_size)  # [S * G, n]
         take = budgets[kv * group : (kv + 1) * group].repeat(samples).clamp(1, n)  # [S * G]
         keep[kv] = top_with_low_ties(scores, take).any(dim=0)
     return keep
@@ -181,6 +190,7 @@ class GVotePolicy(KVPolicy):
         "num_samples": (1, 64),
         "future_positions": (1, 256),
         "observation_window": (0, 256),
+        "kernel_size": (1, 63),
     }
 
     p_nuc: float = 0.95
@@ -190,6 +200,7 @@ class GVotePolicy(KVPolicy):
     sink_tokens: int = 0
     seed: int = 0
     observation_window: int = 0
+    kernel_size: int = 1
 
     def validate(self) -> None:
         if not 0.0 < self.p_nuc <= 1.0:
@@ -207,6 +218,8 @@ class GVotePolicy(KVPolicy):
         ):
             if value < 0:
                 raise PolicyConfigError(f"{field} must be >= 0, got {value}")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise PolicyConfigError(f"kernel_size must be an odd number >= 1, got {self.kernel_size}")
 
     def capture_spec(self) -> CaptureSpec:
         return CaptureSpec(window=max(1, self.observation_window), hidden_stats=True)
@@ -250,7 +263,8 @@ class GVotePolicy(KVPolicy):
             rows = queries[:, kv * group : (kv + 1) * group].reshape(-1, queries.shape[-1])
             logits = ((rows @ keys[kv].float().T).double() * layer.scale).masked_fill(~visible, float("-inf"))
             sizes = nucleus_size(torch.softmax(logits, dim=-1), self.p_nuc)
-            keep[kv] = top_with_low_ties(logits, sizes).any(dim=0)
+            ranked = max_pooled(logits, self.kernel_size).masked_fill(~visible, float("-inf"))
+            keep[kv] = top_with_low_ties(ranked, sizes).any(dim=0)
         return keep
 
     def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> torch.Tensor:
@@ -263,7 +277,7 @@ class GVotePolicy(KVPolicy):
         last = int(capture.query_positions[-1])
         cos, sin = future_rotation(layer.model, last + 1, self.future_positions, layer.keys.device)
         queries = synthetic_queries(layer.model, layer.layer, hidden, cos, sin)
-        keep = vote(queries, layer.keys, budgets)
+        keep = vote(queries, layer.keys, budgets, self.kernel_size)
         if self.observation_window:
             keep |= self.observed_votes(layer)
         keep = keep.cpu()
