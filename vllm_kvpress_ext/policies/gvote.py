@@ -53,6 +53,11 @@ Algorithm 1 at 29% kept (AdaKV at the same 29%: 0.106) and 0.055 with w = 8 at 4
 digit by digit, and nucleus votes keep scattered entries where the copy needs the whole span, which
 pooled scores (the SnapKV family) keep. docs/gvote.md has the tables.
 
+Pooled votes (`kernel_size` k, default 1 = Algorithm 1 exactly): every vote, synthetic or observed,
+ranks the keys by its scores max-pooled over k neighbouring positions before taking its top B, so it
+keeps the span around what it attends (B entries still, fewer distinct peaks). A divergence, off by
+default, for the span fragmentation above; its measured effect is in docs/gvote.md.
+
 Divergences:
 - RoPE convention: the paper's listing rotates interleaved pairs (x[2i], x[2i+1]); here the model's
   own convention is used (HF "rotate_half": pairs (x[i], x[i + d/2]), with the model's frequency
@@ -65,7 +70,7 @@ Divergences:
   KV head's group too (each query head with its own B[h]), so each KV head keeps one set of
   entries that serves all its query heads.
 - Ties in a top-B selection go to the lower entry index (stable sort), so plans are deterministic.
-- `observation_window` > 0 (above).
+- `observation_window` > 0 and `kernel_size` > 1 (above).
 """
 
 from __future__ import annotations
