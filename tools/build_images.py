@@ -169,8 +169,15 @@ def make_base(podman: Podman, mirror: str) -> None:
             raise CheckFailed(f"importing the base failed: {imported.stderr[-2000:]}")
 
 
-def build(podman: Podman, args: argparse.Namespace, dockerfile: str, image: str, build_args: dict[str, str]) -> None:
+def build(
+    podman: Podman, args: argparse.Namespace, dockerfile: str, image: str, build_args: dict[str, str], *, no_cache: bool
+) -> None:
+    """podman build; the image the tag named before, if this build replaced it, is removed (when unused)."""
+    previous = podman.run("image", "inspect", "--format", "{{.Id}}", image, check=False).stdout.strip()
+    # --format docker: the OCI format has no HEALTHCHECK, and podman would drop it.
     command = ["build", "--isolation=chroot", "--format", "docker", "--pull=never", "-f", f"docker/{dockerfile}"]
+    if no_cache:
+        command.append("--no-cache")
     for name, value in build_args.items():
         command += ["--build-arg", f"{name}={value}"]
     if args.torch_wheels:
@@ -180,6 +187,9 @@ def build(podman: Podman, args: argparse.Namespace, dockerfile: str, image: str,
     command += ["-t", image, str(args.context)]
     log(f"podman {' '.join(command)}")
     podman.stream(*command)
+    current = podman.run("image", "inspect", "--format", "{{.Id}}", image).stdout.strip()
+    if previous and previous != current:
+        podman.run("rmi", previous, check=False)  # refused while a container or another tag uses it
 
 
 @contextmanager
@@ -263,7 +273,8 @@ def check_cpu_image(podman: Podman, report: Report, image: str) -> None:
     refused = podman.run("run", "--rm", "-e", "KVPRESS_PORT=eighty", image, check=False)
     if refused.returncode != 2 or "KVPRESS_PORT must be an integer" not in refused.stderr:
         raise CheckFailed(f"a bad KVPRESS_PORT was not refused: {refused.returncode} {refused.stderr!r}")
-    report.passed("cpu entrypoint refuses a bad variable", refused.stderr.strip())
+    message = [line for line in refused.stderr.splitlines() if line.startswith("kvpress-entrypoint:")]
+    report.passed("cpu entrypoint refuses a bad variable", f"exit status 2, {' '.join(message)}")
 
     port = free_port()
     served = "kvpress-cpu"
@@ -293,10 +304,13 @@ def check_cpu_image(podman: Podman, report: Report, image: str) -> None:
         report.passed("cpu graceful stop", "SIGTERM: exit status 0")
 
     # Nothing of the build stage reaches the final one: no compiler, no wheel, no pip cache, no source
-    # tree, no tests. (The environment's own pip stays: it is how a user extends the image.)
+    # tree, no tests. (The environment's own pip stays: it is how a user extends the image. So do the
+    # base's pip and setuptools wheels in /usr/share/python-wheels, Debian's python3-venv: they are
+    # what `python3 -m venv` installs.)
     leftovers = podman.run(
         "run", "--rm", "--entrypoint", "/bin/sh", image, "-c",
-        "command -v gcc cc c++ g++ make; find / -xdev \\( -name '*.whl' -o -path '*/.cache/pip'"
+        "command -v gcc cc c++ g++ make; find / -xdev -path /usr/share/python-wheels -prune -o \\( -name '*.whl'"
+        " -o -path '*/.cache/pip'"
         " -o -path /src -o -path /wheels -o -path '*/site-packages/tests' \\) -print 2>/dev/null",
         check=False,
     ).stdout.split()  # fmt: skip
@@ -364,7 +378,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "default $PIP_CERT or /etc/ssl/certs/ca-certificates.crt)",
     )
     parser.add_argument("--debian-mirror", default="http://deb.debian.org/debian", help="Debian archive for the base")
-    parser.add_argument("--rebuild-bases", action="store_true", help="rebuild both bases even if they exist")
+    parser.add_argument(
+        "--rebuild-bases", action="store_true", help="rebuild both bases even if they exist (no layer cache)"
+    )
+    parser.add_argument("--no-cache", action="store_true", help="build the two images without podman's layer cache")
     parser.add_argument("--skip-vllm", action="store_true", help="the CPU image only")
     parser.add_argument("--report", type=Path, help="write the checks, timings and sizes here as JSON")
     args = parser.parse_args(argv)
@@ -394,17 +411,19 @@ def main(argv: list[str]) -> int:
                 make_base(podman, args.debian_mirror)
             report.seconds["base"] = round(time.monotonic() - started, 1)
             started = time.monotonic()
-            build(podman, args, "Dockerfile.cpu", cpu_image, {"PYTHON_IMAGE": BASE_IMAGE, "VERSION": version, **torch})
+            cpu_args = {"PYTHON_IMAGE": BASE_IMAGE, "VERSION": version, **torch}
+            build(podman, args, "Dockerfile.cpu", cpu_image, cpu_args, no_cache=args.no_cache)
             report.seconds["cpu_build"] = round(time.monotonic() - started, 1)
             images = [BASE_IMAGE, cpu_image]
             if not args.skip_vllm:
                 started = time.monotonic()
                 if args.rebuild_bases or not podman.image_exists(VLLM_BASE_IMAGE):
-                    build(podman, args, "Dockerfile.vllm-base", VLLM_BASE_IMAGE, {"PYTHON_IMAGE": BASE_IMAGE, **torch})
+                    base_args = {"PYTHON_IMAGE": BASE_IMAGE, **torch}
+                    build(podman, args, "Dockerfile.vllm-base", VLLM_BASE_IMAGE, base_args, no_cache=True)
                 report.seconds["vllm_base"] = round(time.monotonic() - started, 1)
                 started = time.monotonic()
                 vllm_args = {"PYTHON_IMAGE": BASE_IMAGE, "VLLM_IMAGE": VLLM_BASE_IMAGE, "VERSION": version}
-                build(podman, args, "Dockerfile.vllm", vllm_image, vllm_args)
+                build(podman, args, "Dockerfile.vllm", vllm_image, vllm_args, no_cache=args.no_cache)
                 report.seconds["vllm_build"] = round(time.monotonic() - started, 1)
                 images += [VLLM_BASE_IMAGE, vllm_image]
             for image in images:
