@@ -35,6 +35,7 @@ EXPECTED_CHECKS = {
     "vllm command from KVPRESS_* variables",
     "vllm chat through the openai SDK",
     "vllm plugin metrics",
+    "vllm image content",
 }
 #: Bounds on the images' sizes, from the sizes measured (docs/deploy.md) plus a margin: a build stage's
 #: leftovers (a compiler, a pip cache, the torch wheel) would cross them.

@@ -349,6 +349,18 @@ def check_vllm_image(podman: Podman, report: Report, image: str) -> None:
             raise CheckFailed(f"the plugin's pool is not the 2000 pages asked for: {samples}")
         report.passed("vllm plugin metrics", "kvpress_kv_pages_total 2000 on vLLM's /metrics")
 
+    # What this image adds to its base leaves nothing of the build behind: no pip cache, no wheel of
+    # the package, no source tree (the base is vLLM's and keeps what it ships).
+    leftovers = podman.run(
+        "run", "--rm", "--entrypoint", "/bin/sh", image, "-c",
+        "find / -xdev \\( -path '*/.cache/pip' -o -name 'vllm_kvpress_ext-*.whl' -o -path /tmp/wheels"
+        " -o -path /src \\) -print 2>/dev/null",
+        check=False,
+    ).stdout.split()  # fmt: skip
+    if leftovers:
+        raise CheckFailed(f"the vLLM image holds build leftovers: {leftovers}")
+    report.passed("vllm image content", "no pip cache, package wheel or source tree")
+
 
 def size_table(report: Report) -> str:
     lines = ["| image | size (podman) |", "| --- | --- |"]
