@@ -54,13 +54,17 @@ BASE_PACKAGES = ("python3", "python3-venv")
 BASE_TRIM = ("var/cache/apt/archives/*.deb", "var/cache/apt/*.bin", "var/lib/apt/lists/*", "usr/share/doc/*",
              "usr/share/man/*", "usr/share/info/*", "usr/share/locale/*")  # fmt: skip
 # No cgroup, pids or rlimit settings: runc applies none then, which a cgroup-v1 machine without
-# systemd needs (crun, podman's default, fails on setrlimit and on hybrid cgroups there).
+# systemd needs (crun, podman's default, fails on setrlimit and on hybrid cgroups there). With
+# CONTAINERS_CONF set podman reads no other containers.conf, so logs and events go to files here
+# (the built-in default is journald, which such a machine does not run).
 CONTAINERS_CONF = """[containers]
 default_ulimits = []
 pids_limit = 0
+log_driver = "k8s-file"
 
 [engine]
 cgroup_manager = "cgroupfs"
+events_logger = "file"
 """
 # How the Kubernetes manifests run the server container (docker/k8s/base/deployment.yaml): the image's
 # own non-root user, a read-only root with /tmp the one writable mount, no capability, no escalation.
@@ -95,14 +99,9 @@ class Podman:
     def __init__(self, conf: Path) -> None:
         self.env = {**os.environ, "CONTAINERS_CONF": str(conf)}
 
-    def run(self, *args: str, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
-            ["podman", "--runtime", "runc", *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
+            ["podman", "--runtime", "runc", *args], env=self.env, capture_output=True, text=True, check=False
         )
         if check and result.returncode != 0:
             raise CheckFailed(f"podman {' '.join(args[:3])} ... failed ({result.returncode}):\n{result.stderr[-4000:]}")
@@ -153,8 +152,12 @@ def make_base(podman: Podman, mirror: str) -> None:
             raise CheckFailed(f"debootstrap failed ({status})")
         for pattern in BASE_TRIM:
             for path in rootfs.glob(pattern):
-                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+        assert tar.stdout is not None
         imported = subprocess.run(
             ["podman", "import", "--change", 'CMD ["/bin/bash"]', "-", BASE_IMAGE],
             stdin=tar.stdout,
@@ -163,7 +166,6 @@ def make_base(podman: Podman, mirror: str) -> None:
             text=True,
             check=False,
         )
-        assert tar.stdout is not None
         tar.stdout.close()
         if tar.wait() != 0 or imported.returncode != 0:
             raise CheckFailed(f"importing the base failed: {imported.stderr[-2000:]}")
@@ -175,7 +177,8 @@ def build(
     """podman build; the image the tag named before, if this build replaced it, is removed (when unused)."""
     previous = podman.run("image", "inspect", "--format", "{{.Id}}", image, check=False).stdout.strip()
     # --format docker: the OCI format has no HEALTHCHECK, and podman would drop it.
-    command = ["build", "--isolation=chroot", "--format", "docker", "--pull=never", "-f", f"docker/{dockerfile}"]
+    command = ["build", "--isolation=chroot", "--format", "docker", "--pull=never"]
+    command += ["-f", str(args.context / "docker" / dockerfile)]
     if no_cache:
         command.append("--no-cache")
     for name, value in build_args.items():
