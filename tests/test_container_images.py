@@ -1,23 +1,24 @@
 """Both images built with podman and run as the Kubernetes manifests run them (tools/build_images.py).
 
-Slow, and only where podman and runc are installed (as root): the bases are reused once built, so a
-run builds the two images on them and starts each container. Without podman the test is skipped with
-the reason; docs/deploy.md says how long a run takes and what it checks.
+The build-and-run test is slow, and runs only where podman and runc are installed (as root): the bases
+are reused once built, so a run builds the two images on them and starts each container. Without podman
+it is skipped with the reason; docs/deploy.md says how long a run takes and what it checks. The tool's
+own choices (torch's source, the container settings, its refusal without podman) are checked fast.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from deploy_utils import REPO
-
-pytestmark = pytest.mark.slow
 
 TOOL = REPO / "tools" / "build_images.py"
 #: Every check the tool makes; a run that skips one fails here.
@@ -52,6 +53,46 @@ def _missing_prerequisite() -> str | None:
     return None
 
 
+def _tool() -> ModuleType:
+    """tools/build_images.py as a module (registered first: its dataclass looks its module up)."""
+    if "build_images" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("build_images", TOOL)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["build_images"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["build_images"]
+
+
+def test_tool_stops_with_the_install_step_when_podman_is_missing(tmp_path: Path) -> None:
+    # Only this interpreter's folder on PATH: no podman, no runc.
+    env = {**os.environ, "PATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, str(TOOL)], env=env, capture_output=True, text=True, check=False)
+    assert result.returncode == 2
+    assert "podman is not installed: apt-get install podman runc debootstrap" in result.stderr
+
+
+def test_tool_takes_torch_from_the_wheels_alone_or_from_the_cpu_index(tmp_path: Path) -> None:
+    tool = _tool()
+    wheels_only = tool.parse_args(["--torch-wheels", str(tmp_path)])
+    assert (wheels_only.torch_wheels, wheels_only.torch_index_url) == (str(tmp_path), "")
+    index_only = tool.parse_args(["--torch-wheels", ""])
+    assert index_only.torch_index_url == "https://download.pytorch.org/whl/cpu"
+    both = tool.parse_args(["--torch-wheels", str(tmp_path), "--torch-index-url", "https://example.invalid/simple"])
+    assert both.torch_index_url == "https://example.invalid/simple"
+    assert tool.parse_args(["--ca-bundle", ""]).ca_bundle == ""
+
+
+def test_tool_runs_containers_without_cgroup_or_rlimit_settings() -> None:
+    # runc on a cgroup-v1 machine without systemd: no ulimits, no pids limit, cgroupfs (docs/deploy.md).
+    conf = _tool().CONTAINERS_CONF
+    for setting in ("default_ulimits = []", "pids_limit = 0", 'cgroup_manager = "cgroupfs"'):
+        assert setting in conf
+    restricted = " ".join(_tool().RESTRICTED_RUN)
+    assert "--read-only --read-only-tmpfs=false --tmpfs /tmp" in restricted and "--cap-drop all" in restricted
+
+
+@pytest.mark.slow
 def test_images_build_serve_and_stay_small(tmp_path: Path) -> None:
     reason = _missing_prerequisite()
     if reason is not None:
