@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast serve bench lint format clean mutation kvpress-venv
+.PHONY: install test test-fast serve bench lint format clean mutation kvpress-venv images
 
 install: $(STAMP)
 
@@ -81,6 +81,13 @@ MUTATION_ARGS ?=
 mutation: install
 	$(PY) -m pip install -q -e '.[mutation]'
 	$(PY) tools/mutation.py $(MUTATION_ARGS) $(MUTATION_PACKAGES)
+
+# Both container images built with podman (no Docker daemon or registry needed) and run as the Kubernetes
+# manifests run them: as root, after `apt-get install podman runc debootstrap`; docs/deploy.md.
+# IMAGES_ARGS="--skip-vllm" builds the CPU image only; `--help` lists the rest.
+IMAGES_ARGS ?=
+images: install
+	$(PY) tools/build_images.py $(IMAGES_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,6 @@
 """The Dockerfiles: hadolint-clean, pinned, non-root with a health check, and buildable from what
-.dockerignore lets into the context. (No Docker daemon runs here, so the images themselves are not
-built by the tests; docs/deploy.md says what was and was not verified.)"""
+.dockerignore lets into the context. (tests/test_container_images.py builds and runs the images
+themselves with podman, where it is installed; docs/deploy.md says what was and was not verified.)"""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from deploy_utils import DOCKER, REPO, run_tool
 from packaging.requirements import Requirement
 
 DOCKERFILES = ("Dockerfile.cpu", "Dockerfile.vllm")
+#: The serving images, plus the stand-in base with vLLM for where vLLM's own image cannot be pulled.
+ALL_DOCKERFILES = (*DOCKERFILES, "Dockerfile.vllm-base")
 HADOLINT_CONFIG = DOCKER / "hadolint.yaml"
 
 
@@ -45,7 +47,7 @@ def _args(path: Path) -> dict[str, str]:
     return dict(arg.split("=", 1) for name, arg in _instructions(path) if name == "ARG" and "=" in arg)
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+@pytest.mark.parametrize("dockerfile", ALL_DOCKERFILES)
 def test_hadolint_passes_with_no_ignored_rules(dockerfile: str) -> None:
     config = yaml.safe_load(HADOLINT_CONFIG.read_text())
     assert not config.get("ignored") and config["failure-threshold"] == "info"
@@ -95,11 +97,11 @@ def test_final_stage_is_non_root_with_healthcheck_and_entrypoint(dockerfile: str
     assert names.count("FROM") == 1
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+@pytest.mark.parametrize("dockerfile", ALL_DOCKERFILES)
 def test_base_images_are_pinned(dockerfile: str) -> None:
     args = _args(DOCKER / dockerfile)
     for name, arg in _instructions(DOCKER / dockerfile):
-        if name != "FROM":
+        if name != "FROM" or arg.split()[0] == "scratch":  # scratch: the empty torch-wheels default
             continue
         image = arg.split()[0]
         image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
@@ -201,3 +203,34 @@ def test_cpu_image_serves_the_bundled_model_by_default() -> None:
     env = " ".join(arg for name, arg in _final_stage(DOCKER / "Dockerfile.cpu") if name == "ENV")
     assert f"KVPRESS_MODEL_DIR={link.group(2)}" in env
     assert link.group(2).startswith("/opt/kvpress/")  # inside the environment the final stage copies
+
+
+@pytest.mark.parametrize("dockerfile", ALL_DOCKERFILES)
+def test_pip_steps_take_the_ca_bundle_as_a_secret_only(dockerfile: str) -> None:
+    # A proxy's CA bundle reaches pip as the build secret `pip-ca`, mounted for the step that runs pip
+    # and never stored: no ENV, ARG or COPY carries it into a layer or the image's history.
+    instructions = _instructions(DOCKER / dockerfile)
+    pip_runs = [arg for name, arg in instructions if name == "RUN" and re.search(r"pip (install|wheel)", arg)]
+    assert pip_runs
+    for run in pip_runs:
+        assert "--mount=type=secret,id=pip-ca,required=false" in run, run
+        assert "export PIP_CERT=/run/secrets/pip-ca" in run, run
+    for name, arg in instructions:
+        if name in ("ENV", "ARG", "COPY", "ADD"):
+            assert "PIP_CERT" not in arg and ".crt" not in arg and "pip-ca" not in arg, f"{name} {arg}"
+
+
+@pytest.mark.parametrize("dockerfile", ("Dockerfile.cpu", "Dockerfile.vllm-base"))
+def test_torch_comes_from_build_arguments_never_from_a_layer(dockerfile: str) -> None:
+    # Torch's source is TORCH_INDEX_URL or the `torch-wheels` build context, an empty stage unless
+    # given; the wheels are bind-mounted for the step that installs torch, never copied.
+    instructions = _instructions(DOCKER / dockerfile)
+    stages = [arg.split() for name, arg in instructions if name == "FROM"]
+    assert ["scratch", "AS", "torch-wheels"] in stages
+    assert "TORCH_INDEX_URL" in _args(DOCKER / dockerfile)
+    assert not any("torch-wheels" in arg for name, arg in instructions if name in ("COPY", "ADD"))
+    (torch_run,) = [arg for name, arg in instructions if name == "RUN" and "torch==${TORCH_VERSION}" in arg]
+    assert "--mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels" in torch_run
+    assert "--find-links /tmp/torch-wheels" in torch_run
+    # An empty TORCH_INDEX_URL means the wheels alone: pip must not reach for an index then.
+    assert 'export PIP_INDEX_URL="${TORCH_INDEX_URL}"; else export PIP_NO_INDEX=1' in torch_run
