@@ -31,6 +31,7 @@ from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillCont
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
 from vllm_kvpress_ext.engine.request import Request, RequestStatus
+from vllm_kvpress_ext.hub.pull import resolve_model
 from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.loader import resolve_dtype
 from vllm_kvpress_ext.models.write_gate import GateStore
@@ -96,7 +97,9 @@ class ModelRunner:
         max_num_seqs: int = 64,
         kv_dtype: torch.dtype | str | None = None,
     ) -> None:
-        self.model_dir = Path(model_dir)
+        # A catalog name ("smollm2-135m") works wherever a model path does: its cached GGUF file, pulled
+        # first if needed. An existing path always wins over a catalog name.
+        self.model_dir = resolve_model(model_dir)
         self.device = torch.device(device)
         self.model = load_model(self.model_dir, dtype=dtype, device=self.device)
         self.config = self.model.config
