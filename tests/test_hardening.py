@@ -643,3 +643,42 @@ def test_readme_says_how_to_run_serve_and_tests() -> None:
     assert "what `make serve` runs for now" not in readme
     # SERVE_ARGS adds to the command line instead of replacing the default policy.
     assert "--kv-policy $(SERVE_POLICY) $(SERVE_ARGS)" in makefile
+
+
+def test_openai_fields_that_do_not_change_the_answer_are_ignored_and_logged(
+    http: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    harmless = {"metadata": {"run": "a"}, "store": True, "service_tier": "auto", "user": "u1"}
+    plain = complete(http, temperature=0, max_tokens=4)
+    with caplog.at_level("INFO", logger="vllm_kvpress_ext.server.serving"):
+        tagged = complete(http, temperature=0, max_tokens=4, **harmless)
+    assert tagged.status_code == 200, tagged.text
+    assert tagged.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    assert any("metadata, store, service_tier, user" in r.getMessage() for r in caplog.records)
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 2, "parallel_tool_calls": False, "modalities": ["text"], **harmless},
+    )
+    assert chat.status_code == 200, chat.text
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("reasoning_effort", "high"),
+        ("verbosity", "low"),
+        ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("web_search_options", {}),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+    ],
+)
+def test_openai_fields_that_would_change_the_answer_are_refused_by_name(
+    http: httpx.Client, field: str, value: Any
+) -> None:
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, field: value}
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400, field)
+    assert error["code"] == "unsupported_parameter"

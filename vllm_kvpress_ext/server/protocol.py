@@ -9,11 +9,14 @@ and frequency penalties too). vLLM extensions this engine has no use for (`use_b
 (`NEUTRAL_ONLY`), which is what load generators send, and refused with a 400 otherwise. Parameters
 OpenAI defines but this server does not implement (`n > 1`, `echo`, `logprobs`, ...) are accepted by
 the schema and refused with a clear 400 by the handlers, so the message says "not supported"
-instead of "unrecognized". Types are strict (`strict=True`): `"echo": 0`, `"max_tokens": 2.0` or
-`"top_k": "3"` is a 400, not a silent conversion; an integer is still a valid float.
+instead of "unrecognized". OpenAI fields that cannot change the answer (`metadata`, `store`,
+`service_tier`, ...: `IGNORED`) are accepted, logged and ignored, as vLLM does; those that would
+(`reasoning_effort`, `audio`, ...: `CHANGES_THE_RESULT`) are refused by name. Types are strict
+(`strict=True`): `"echo": 0`, `"max_tokens": 2.0` or `"top_k": "3"` is a 400, not a silent
+conversion; an integer is still a valid float.
 
-Response bodies are plain dicts built in `responses.py`: their shape is fixed by OpenAI's API and
-building them directly keeps the hot streaming path free of model validation.
+Response bodies are plain dicts built by the handlers (`completions.py`, `chat.py`): their shape is
+fixed by OpenAI's API and building them directly keeps the hot streaming path free of model validation.
 """
 
 from __future__ import annotations
@@ -38,6 +41,24 @@ NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
     "priority": (0,),
     "return_tokens_as_token_ids": (False,),
 }
+
+
+#: OpenAI request fields that do not change the answer (storage, tracing, billing and routing hints): accepted,
+#: logged, ignored. The openai SDK sends some of them (`metadata`, `store`); vLLM accepts them too.
+IGNORED: tuple[str, ...] = ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "user")
+
+#: OpenAI request fields that would change the answer and that this server does not implement: a 400
+#: naming the field whenever one is set (`modalities` only past its neutral `["text"]`).
+CHANGES_THE_RESULT: tuple[str, ...] = (
+    "reasoning_effort",
+    "verbosity",
+    "modalities",
+    "audio",
+    "prediction",
+    "web_search_options",
+    "functions",
+    "function_call",
+)
 
 
 class StreamOptions(BaseModel):
@@ -70,7 +91,13 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, description="vLLM extension; 1 = off")
     logit_bias: dict[str, float] | None = None
+    # Accepted and ignored (IGNORED): they do not change the answer.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: StrictBool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     kv_policy: PolicyField = Field(
         default=None,
         description='KV compression policy for this request: a name ("snapkv") or {"name": ..., params}',
@@ -131,3 +158,13 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None  # ignored: tools are refused, so there are no calls
+    # OpenAI fields that would change the answer (CHANGES_THE_RESULT): refused with a 400 naming them.
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None

@@ -7,6 +7,7 @@ engine loop only ever sees requests it can run and clients get a precise 4xx.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -32,9 +33,16 @@ from vllm_kvpress_ext.server.engine_loop import (
 from vllm_kvpress_ext.server.errors import APIError, bad_request, unsupported
 from vllm_kvpress_ext.server.metrics import ServerMetrics
 from vllm_kvpress_ext.server.policy import policy_spec, resolve_policy
-from vllm_kvpress_ext.server.protocol import NEUTRAL_ONLY, ChatCompletionRequest, CompletionRequest
+from vllm_kvpress_ext.server.protocol import (
+    CHANGES_THE_RESULT,
+    IGNORED,
+    NEUTRAL_ONLY,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 _DISCONNECT_POLL_S = 0.5
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -84,6 +92,13 @@ def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
             raise unsupported(name, f"only {allowed} is supported, got {value!r}")
     if body.logit_bias:
         raise unsupported("logit_bias", "logit_bias is not supported")
+    for name in CHANGES_THE_RESULT:
+        value = getattr(body, name, None)
+        if value is not None and not (name == "modalities" and value == ["text"]):
+            raise unsupported(name, f"{name} is not supported (it would change the answer)")
+    ignored = [name for name in IGNORED if getattr(body, name, None) is not None]
+    if ignored:
+        logger.info("request fields accepted and ignored (they do not change the answer): %s", ", ".join(ignored))
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
