@@ -9,6 +9,7 @@ which the server still answers, and `/metrics` carries the `kvpress_*` series be
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -127,3 +128,84 @@ def test_metrics_carry_kvpress_series_beside_vllms(server: str, client: openai.O
         'kvpress_requests_finished_total{policy="snapkv"}',
     ):
         assert series in text, series
+
+
+def test_a_deeply_nested_body_is_a_400_and_the_server_keeps_serving(server: str, client: openai.OpenAI) -> None:
+    nested = b'{"model": "bundled", "prompt": "a", "x": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    response = httpx.post(
+        f"{server}/v1/completions", content=nested, headers={"content-type": "application/json"}, timeout=60
+    )
+    assert response.status_code == 400, response.text
+    assert "nested too deeply" in response.json()["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="key", max_tokens=2).choices
+
+
+def _stream_usage(server: str, path: str, body: dict[str, object]) -> dict[str, object]:
+    with httpx.stream("POST", f"{server}{path}", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        data = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    final = json.loads(data[-2])
+    assert final["choices"] == []
+    return dict(final["usage"])
+
+
+def test_streams_with_include_usage_end_with_the_kv_figures(server: str, client: openai.OpenAI) -> None:
+    sample = retrieval_samples(1, seed=7300)[0]
+    prompt = retrieval_prompts(1, seed=7300)[0].token_ids
+    common = {"model": MODEL, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    whole = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    assert whole.usage is not None
+    streamed = _stream_usage(
+        server,
+        "/v1/completions",
+        {**common, "prompt": prompt, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    expected = dict(whole.usage.model_extra or {})
+    for field in ("kv_policy", "kv_bytes", "kv_bytes_peak", "kv_retention", "kv_tokens_kept", "kv_tokens_full"):
+        assert streamed[field] == expected[field], field
+    chat = _stream_usage(
+        server,
+        "/v1/chat/completions",
+        {
+            **common,
+            "messages": chat_messages(sample),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "vllm_xargs": {"kv_policy": "full"},
+        },
+    )
+    assert chat["kv_policy"] == "full" and chat["kv_retention"] == 1.0 and chat["kv_bytes"] > 0  # type: ignore[operator]
+
+
+def test_batched_prompts_and_n_samples_report_the_sum_of_their_requests(client: openai.OpenAI) -> None:
+    prompts = [spec.token_ids for spec in retrieval_prompts(2, context_length=192, seed=7400)]
+    common = {"model": MODEL, "max_tokens": 3, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+    def kv(prompt: object, **extra: object) -> dict[str, object]:
+        out = client.completions.create(prompt=prompt, **{**common, **extra})  # type: ignore[call-overload]
+        assert out.usage is not None
+        return dict(out.usage.model_extra or {})
+
+    alone = [kv(p) for p in prompts]
+    batch = kv(prompts)
+    assert batch["kv_bytes"] == sum(a["kv_bytes"] for a in alone)  # type: ignore[misc]
+    assert batch["kv_tokens_kept"] == sum(a["kv_tokens_kept"] for a in alone)  # type: ignore[misc]
+    # n samples of one prompt: each sample prefills and holds the compressed prompt itself (docs/vllm.md).
+    sampled = kv(prompts[0], n=3, seed=5, temperature=1.0)
+    assert sampled["kv_bytes"] == 3 * alone[0]["kv_bytes"]  # type: ignore[operator]
+    assert sampled["kv_retention"] == alone[0]["kv_retention"]
+
+
+def test_the_running_gauge_returns_to_zero(server: str, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="key", max_tokens=3)
+    stopped = client.completions.create(model=MODEL, prompt="key", max_tokens=30, stop=[" "])  # an abort
+    assert stopped.choices[0].finish_reason in ("stop", "length")
+    for _ in range(100):  # the snapshot file is read at scrape time; give the engine process a moment
+        text = httpx.get(f"{server}/metrics", timeout=10).text
+        if "kvpress_requests_running 0.0" in text:
+            break
+        time.sleep(0.1)
+    assert "kvpress_requests_running 0.0" in text
