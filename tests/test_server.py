@@ -380,9 +380,14 @@ def test_32_concurrent_streams_complete_and_free_the_pool(server: LiveServer, ht
         ("/v1/completions", {"prompt": "a", "vllm_xargs": {"other": 1}}, 400, "vllm_xargs"),
         ("/v1/completions", {"prompt": " ".join(["the"] * 1100)}, 400, "prompt"),
         ("/v1/completions", {"prompt": [1, 2, 100000]}, 400, "prompt"),
-        ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n"),
+        ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
+        ("/v1/completions", {"prompt": "a", "n": 129}, 400, "n"),
+        ("/v1/completions", {"prompt": ["a"] * 100, "n": 3}, 400, "n"),
+        ("/v1/completions", {"prompt": ["a"] * 257}, 400, "prompt"),
+        ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2], [1, 2, 100000]]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "a", "best_of": 2}, 400, "best_of"),
         ("/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
         ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": "a", "not_a_field": 1}, 400, "not_a_field"),
@@ -590,3 +595,90 @@ def test_serve_rejects_a_model_dir_with_random_model(tmp_path: Path, capsys: pyt
 
     assert main(["serve", str(tmp_path), "--random-model"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- batched prompts and n samples
+
+GREEDY_BODY: dict[str, Any] = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "kv_policy": SNAPKV_SMALL}
+
+
+def _complete(http: httpx.Client, **body: Any) -> dict[str, Any]:
+    response = http.post("/v1/completions", json={**GREEDY_BODY, **body})
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def _stream_choices(http: httpx.Client, path: str, body: dict[str, Any]) -> tuple[dict[int, str], dict[str, Any]]:
+    """Text per choice index and the final usage of a stream."""
+    texts: dict[int, str] = {}
+    with http.stream("POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(e) for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            piece = choice["text"] if "text" in choice else choice["delta"].get("content", "")
+            texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
+    assert events[-1]["choices"] == []
+    return texts, events[-1]["usage"]
+
+
+def test_a_batch_of_prompts_answers_each_as_alone(server: LiveServer, http: httpx.Client, sdk: openai.OpenAI) -> None:
+    prompts = [PROMPT, LONG_PROMPT, "key carp is 12 . what is key carp ? answer :"]
+    alone = [_complete(http, prompt=p) for p in prompts]
+    batch = _complete(http, prompt=prompts)
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in batch["choices"]] == [a["choices"][0]["text"] for a in alone]
+    usage = batch["usage"]
+    for field in ("prompt_tokens", "completion_tokens", "kv_bytes", "kv_bytes_peak", "kv_tokens_kept"):
+        assert usage[field] == sum(a["usage"][field] for a in alone), field
+    kept, full = usage["kv_tokens_kept"], sum(a["usage"]["kv_tokens_full"] for a in alone)
+    assert usage["kv_tokens_full"] == full and usage["kv_retention"] == pytest.approx(kept / full, abs=1e-6)
+    # token lists batch the same way, and so do streams (chunks tagged by index) and the openai SDK.
+    token_lists = [[int(t) for t in server.engine.tokenizer.encode(p)] for p in prompts]
+    assert [c["text"] for c in _complete(http, prompt=token_lists)["choices"]] == [c["text"] for c in batch["choices"]]
+    texts, streamed_usage = _stream_choices(http, "/v1/completions", {**GREEDY_BODY, "prompt": prompts})
+    assert texts == {i: a["choices"][0]["text"] for i, a in enumerate(alone)}
+    assert streamed_usage["kv_bytes"] == usage["kv_bytes"]
+    out = sdk.completions.create(
+        model=MODEL, prompt=prompts[:2], max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert len(out.choices) == 2
+    wait_for(lambda: pool_empty(http))
+
+
+def test_n_samples_are_seeded_like_vllms_children(http: httpx.Client) -> None:
+    sampled = {"max_tokens": 6, "temperature": 1.0, "ignore_eos": True, "kv_policy": SNAPKV_SMALL}
+    one = [_complete(http, prompt=PROMPT, **sampled, seed=40 + j) for j in range(3)]
+    three = _complete(http, prompt=PROMPT, **sampled, seed=40, n=3)
+    assert [c["text"] for c in three["choices"]] == [o["choices"][0]["text"] for o in one]
+    usage = three["usage"]
+    assert usage["prompt_tokens"] == one[0]["usage"]["prompt_tokens"]  # the prompt counts once
+    assert usage["completion_tokens"] == 18
+    # Each sample is its own engine request holding its own compressed prompt (docs/server.md).
+    assert usage["kv_bytes"] == sum(o["usage"]["kv_bytes"] for o in one)
+    # A batch of 2 prompts x n=2: prompt-major indices.
+    batch = _complete(http, prompt=[PROMPT, LONG_PROMPT], n=2)
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
+    assert batch["choices"][0]["text"] == batch["choices"][1]["text"]  # greedy: the samples agree
+    wait_for(lambda: pool_empty(http))
+
+
+def test_chat_with_n_streams_every_choice(http: httpx.Client) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "what is key trout ?"}],
+        "max_tokens": 5,
+        "temperature": 1.0,
+        "seed": 7,
+        "n": 2,
+        "ignore_eos": True,
+    }
+    whole = http.post("/v1/chat/completions", json=body).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = [json.loads(e) for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    roles = [e["choices"][0] for e in events[:2]]
+    assert [(c["index"], c["delta"]["role"]) for c in roles] == [(0, "assistant"), (1, "assistant")]
+    texts, usage = _stream_choices(http, "/v1/chat/completions", body)
+    assert texts == {c["index"]: c["message"]["content"] for c in whole["choices"]}
+    assert usage["completion_tokens"] == 10
+    wait_for(lambda: pool_empty(http))

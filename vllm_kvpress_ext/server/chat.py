@@ -12,19 +12,21 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from vllm_kvpress_ext.engine.llm import chat_token_ids
-from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle
+from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
 from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
 from vllm_kvpress_ext.server.prompts import check_text
 from vllm_kvpress_ext.server.protocol import ChatCompletionRequest, ChatMessage
 from vllm_kvpress_ext.server.serving import (
     ServerState,
+    abort_all,
     check_model,
     check_unsupported,
     final_response,
     include_usage,
+    merged_updates,
     new_id,
-    sampling_params,
-    submit,
+    sample_params,
+    submit_all,
     usage,
 )
 from vllm_kvpress_ext.server.streaming import DONE, AbortingStreamingResponse, TextDeltas, sse
@@ -73,8 +75,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise unsupported("response_format", "only the text response format is supported")
     token_ids = await asyncio.to_thread(chat_prompt, state, body.messages)  # off the event loop
     requested = body.max_completion_tokens or body.max_tokens
-    params = sampling_params(body, requested or max(1, state.max_model_len - len(token_ids)))
-    handle = await submit(state, body, token_ids, params, arrival, "messages")
+    samples = sample_params(body, requested or max(1, state.max_model_len - len(token_ids)), 1)
+    handles = await submit_all(state, body, [token_ids], samples, arrival, "messages")
     completion_id = new_id("chatcmpl")
     created = int(time.time())
 
@@ -89,39 +91,43 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
     if body.stream:
         return AbortingStreamingResponse(
-            _stream(handle, payload, params.stop, include_usage(body)), on_close=handle.abort
+            _stream(handles, payload, samples[0].stop, include_usage(body), len(token_ids)),
+            on_close=abort_all(handles),
         )
-    return await final_response(
-        handle,
-        request,
-        partial(payload, "chat.completion"),
-        lambda final: {
-            "index": 0,
+
+    def choice(index: int, final: Update) -> dict[str, Any]:
+        return {
+            "index": index,
             "message": {"role": "assistant", "content": final.text},
             "logprobs": None,
             "finish_reason": final.finish_reason,
-        },
-    )
+        }
+
+    return await final_response(handles, request, partial(payload, "chat.completion"), choice, len(token_ids))
 
 
-async def _stream(handle: RequestHandle, payload: Any, stop: tuple[str, ...], with_usage: bool) -> AsyncIterator[str]:
+async def _stream(
+    handles: list[RequestHandle], payload: Any, stop: tuple[str, ...], with_usage: bool, prompt_tokens: int
+) -> AsyncIterator[str]:
     obj = "chat.completion.chunk"
-    deltas = TextDeltas(stop)
-    # The role goes first, before any token, as OpenAI does: clients key message assembly on it.
-    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    yield sse(payload(obj, first))
+    deltas = [TextDeltas(stop) for _ in handles]
+    finals: list[Update] = []
+    # Each choice's role goes first, before any token, as OpenAI does: clients key message assembly on it.
+    for index in range(len(handles)):
+        first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield sse(payload(obj, first))
     try:
-        async for update in handle.updates():
-            text = deltas.delta(update.text, update.finished)
+        async for index, update in merged_updates(handles):
+            text = deltas[index].delta(update.text, update.finished)
             if text:
-                delta = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+                delta = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
                 yield sse(payload(obj, delta))
             if update.finished:
-                yield sse(
-                    payload(obj, {"index": 0, "delta": {}, "logprobs": None, "finish_reason": update.finish_reason})
-                )
-                if with_usage:
-                    yield sse({**payload(obj), "usage": usage(handle, update)})
+                finals.append(update)
+                end = {"index": index, "delta": {}, "logprobs": None, "finish_reason": update.finish_reason}
+                yield sse(payload(obj, end))
+        if with_usage:
+            yield sse({**payload(obj), "usage": usage(prompt_tokens, finals)})
     except EngineStepError as exc:
         yield sse(error_body(str(exc), type="server_error", code=exc.code))
     yield DONE

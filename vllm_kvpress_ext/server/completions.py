@@ -1,4 +1,10 @@
-"""`POST /v1/completions`: a text or token-id prompt in, text out (whole or as SSE chunks)."""
+"""`POST /v1/completions`: text or token-id prompts in, text out (whole or as SSE chunks).
+
+`prompt` may be one prompt (a string or a list of token ids) or a batch (a list of strings or of token
+lists), as OpenAI and vLLM accept it. Each prompt, and each of its `n` samples, is its own engine
+request and its own choice (`index` = prompt x n + sample, vLLM's numbering); `usage` sums over them
+and counts each prompt's tokens once.
+"""
 
 from __future__ import annotations
 
@@ -10,36 +16,47 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle
+from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
 from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
 from vllm_kvpress_ext.server.prompts import check_text, encode_bounded
 from vllm_kvpress_ext.server.protocol import CompletionRequest
 from vllm_kvpress_ext.server.serving import (
     ServerState,
+    abort_all,
     check_model,
     check_unsupported,
     final_response,
     include_usage,
+    merged_updates,
     new_id,
-    sampling_params,
-    submit,
+    sample_params,
+    submit_all,
     usage,
 )
 from vllm_kvpress_ext.server.streaming import DONE, AbortingStreamingResponse, TextDeltas, sse
 
+#: Prompts one request may batch: each is an engine request, so a batch is bounded like the queue is.
+MAX_PROMPTS = 256
 
-def prompt_token_ids(state: ServerState, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
-    """One prompt as token ids. Batches (several prompts) are refused: one request, one stream."""
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise bad_request(f"only one prompt per request is supported, got {len(prompt)}", param="prompt")
-        return prompt_token_ids(state, prompt[0])
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+def _one_prompt(state: ServerState, prompt: str | list[int], param: str) -> list[int]:
     if isinstance(prompt, str):
         if state.tokenizer is None:
-            raise bad_request("this model has no tokenizer: send the prompt as token ids", param="prompt")
-        check_text(prompt, "prompt")
+            raise bad_request("this model has no tokenizer: send the prompt as token ids", param=param)
+        check_text(prompt, param)
         return encode_bounded(state.tokenizer, prompt, state.max_model_len)
-    return [int(t) for t in prompt]  # type: ignore[arg-type]
+    return [int(t) for t in prompt]
+
+
+def prompt_batch(state: ServerState, prompt: Prompt) -> list[list[int]]:
+    """The request's prompts as token ids: one for a string or a token list, several for a batch."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+        return [_one_prompt(state, p, "prompt") for p in prompt]
+    return [_one_prompt(state, prompt, "prompt")]  # type: ignore[arg-type]
 
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -56,9 +73,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.suffix:
         raise unsupported("suffix", "suffix is not supported")
     # Off the event loop: a long prompt must not stall other connections (or /health) while it tokenizes.
-    token_ids = await asyncio.to_thread(prompt_token_ids, state, body.prompt)
-    params = sampling_params(body, body.max_tokens or 16)
-    handle = await submit(state, body, token_ids, params, arrival, "prompt")
+    prompts = await asyncio.to_thread(prompt_batch, state, body.prompt)
+    samples = sample_params(body, body.max_tokens or 16, len(prompts))
+    handles = await submit_all(state, body, prompts, samples, arrival, "prompt")
+    prompt_tokens = sum(len(p) for p in prompts)
     completion_id = new_id("cmpl")
     created = int(time.time())
 
@@ -73,26 +91,30 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
     if body.stream:
         return AbortingStreamingResponse(
-            _stream(handle, payload, params.stop, include_usage(body)), on_close=handle.abort
+            _stream(handles, payload, samples[0].stop, include_usage(body), prompt_tokens), on_close=abort_all(handles)
         )
-    return await final_response(
-        handle,
-        request,
-        payload,
-        lambda final: {"index": 0, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason},
-    )
+
+    def choice(index: int, final: Update) -> dict[str, Any]:
+        return {"index": index, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason}
+
+    return await final_response(handles, request, payload, choice, prompt_tokens)
 
 
-async def _stream(handle: RequestHandle, payload: Any, stop: tuple[str, ...], with_usage: bool) -> AsyncIterator[str]:
-    deltas = TextDeltas(stop)
+async def _stream(
+    handles: list[RequestHandle], payload: Any, stop: tuple[str, ...], with_usage: bool, prompt_tokens: int
+) -> AsyncIterator[str]:
+    deltas = [TextDeltas(stop) for _ in handles]
+    finals: list[Update] = []
     try:
-        async for update in handle.updates():
-            text = deltas.delta(update.text, update.finished)
+        async for index, update in merged_updates(handles):
+            text = deltas[index].delta(update.text, update.finished)
             if text or update.finished:
                 reason = update.finish_reason if update.finished else None
-                yield sse(payload({"index": 0, "text": text, "logprobs": None, "finish_reason": reason}))
-            if update.finished and with_usage:
-                yield sse({**payload(), "usage": usage(handle, update)})
+                yield sse(payload({"index": index, "text": text, "logprobs": None, "finish_reason": reason}))
+            if update.finished:
+                finals.append(update)
+        if with_usage:
+            yield sse({**payload(), "usage": usage(prompt_tokens, finals)})
     except EngineStepError as exc:
         yield sse(error_body(str(exc), type="server_error", code=exc.code))
     yield DONE

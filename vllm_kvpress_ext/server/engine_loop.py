@@ -78,12 +78,15 @@ class KVSummary:
     kv_bytes: int
     kv_bytes_peak: int
     compression_seconds: float
+    tokens_full: int = 0
 
     @classmethod
     def of(cls, kv: KVStats | None, policy: str) -> KVSummary:
         if kv is None:
             return cls(policy, 0, 1.0, 0, 0, 0.0)
-        return cls(policy, kv.tokens_kept, kv.retention, kv.kv_bytes, kv.kv_bytes_peak, kv.compression_seconds)
+        return cls(
+            policy, kv.tokens_kept, kv.retention, kv.kv_bytes, kv.kv_bytes_peak, kv.compression_seconds, kv.tokens_full
+        )
 
 
 @dataclass(frozen=True)

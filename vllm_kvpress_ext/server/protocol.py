@@ -7,7 +7,7 @@ notice. vLLM's sampling extensions are implemented (`top_k`, `min_p`, `repetitio
 and frequency penalties too). vLLM extensions this engine has no use for (`use_beam_search`,
 `length_penalty`, `include_stop_str_in_output`, ...) are accepted at their neutral value
 (`NEUTRAL_ONLY`), which is what load generators send, and refused with a 400 otherwise. Parameters
-OpenAI defines but this server does not implement (`n > 1`, `echo`, `logprobs`, ...) are accepted by
+OpenAI defines but this server does not implement (`echo`, `logprobs`, `best_of > 1`, ...) are accepted by
 the schema and refused with a clear 400 by the handlers, so the message says "not supported"
 instead of "unrecognized". OpenAI fields that cannot change the answer (`metadata`, `store`,
 `service_tier`, ...: `IGNORED`) are accepted, logged and ignored, as vLLM does; those that would
@@ -86,7 +86,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool | None = Field(default=None, description="vLLM extension (default true)")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(default=1, ge=1, le=128, description="samples per prompt; each is its own engine request")
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, description="vLLM extension; 1 = off")
