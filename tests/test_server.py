@@ -24,7 +24,7 @@ import uvicorn
 
 from vllm_kvpress_ext.bench.tokenizer import BOS, EOS, VOCABULARY, save_tokenizer
 from vllm_kvpress_ext.cli import main
-from vllm_kvpress_ext.engine import LLMEngine
+from vllm_kvpress_ext.engine import LLM, LLMEngine, SamplingParams
 from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
 from vllm_kvpress_ext.server.app import create_app
 from vllm_kvpress_ext.server.config import BUNDLED_MODEL_DIR, ServerConfig, parse_size
@@ -387,7 +387,22 @@ def test_32_concurrent_streams_complete_and_free_the_pool(server: LiveServer, ht
         ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
         ("/v1/completions", {"prompt": [[1, 2], [1, 2, 100000]]}, 400, "prompt"),
         ("/v1/completions", {"prompt": "a", "best_of": 2}, 400, "best_of"),
-        ("/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
+        ("/v1/completions", {"prompt": "a", "echo": True, "stream": True}, 400, "echo"),
+        ("/v1/completions", {"prompt": "a", "logprobs": 1, "stream": True}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "a", "logprobs": -1}, 400, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
+            400,
+            "top_logprobs",
+        ),
         ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": "a", "not_a_field": 1}, 400, "not_a_field"),
@@ -682,3 +697,87 @@ def test_chat_with_n_streams_every_choice(http: httpx.Client) -> None:
     assert texts == {c["index"]: c["message"]["content"] for c in whole["choices"]}
     assert usage["completion_tokens"] == 10
     wait_for(lambda: pool_empty(http))
+
+
+# ---------------------------------------------------------------------- log-probabilities and echo
+
+
+def _offline(model_dir: Path, prompt: list[int], policy: Any, **params: Any) -> Any:
+    """The offline API's answer on the server's model, for parity (same engine settings as `_start`)."""
+    llm = LLM(model_dir, dtype="float32", num_pages=4096, page_size=4, max_num_seqs=32)
+    return llm.generate([prompt], SamplingParams(**params), policy=policy)[0]
+
+
+def test_completion_logprobs_and_echo_equal_the_offline_api(
+    server: LiveServer, http: httpx.Client, model_dir: Path
+) -> None:
+    ids = [int(t) for t in server.engine.tokenizer.encode(LONG_PROMPT)]
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "kv_policy": SNAPKV_SMALL}
+    served = _complete(http, **body, logprobs=2, echo=True)
+    offline = _offline(
+        model_dir, ids, SNAPKV_SMALL, max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2
+    )
+    choice = served["choices"][0]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 3
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    expected = [e.logprob for e in offline.prompt_logprobs[1:]] + [e.logprob for e in offline.logprobs]
+    assert logprobs["token_logprobs"][1:] == expected  # the same numbers, to the last bit
+    decode = server.engine.tokenizer.decode
+    assert choice["text"] == decode(ids) + offline.text
+    for token_id, token, top in zip(
+        ids[1:] + offline.output_token_ids, logprobs["tokens"][1:], logprobs["top_logprobs"][1:], strict=True
+    ):
+        assert token == decode([token_id]) and token in top and 2 <= len(top) <= 3
+    generated_top = logprobs["top_logprobs"][len(ids) :]
+    assert all(
+        max(top.values()) == top[token]
+        for top, token in zip(generated_top, logprobs["tokens"][len(ids) :], strict=True)
+    )
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and all(
+        b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs["tokens"], strict=False)
+    )
+
+
+def test_prompt_scoring_the_way_evaluation_harnesses_ask(server: LiveServer, http: httpx.Client) -> None:
+    """lm-evaluation-harness scores a continuation with echo + logprobs on token ids (max_tokens 1, or 0)."""
+    ids = [int(t) for t in server.engine.tokenizer.encode(PROMPT)]
+    full = _complete(http, prompt=ids, max_tokens=0, echo=True, logprobs=1, kv_policy="full")
+    compressed = _complete(http, prompt=ids, max_tokens=0, echo=True, logprobs=1, kv_policy=SNAPKV_SMALL)
+    harness = _complete(http, prompt=[ids, ids[:-2]], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    for answer in (full, compressed):
+        choice = answer["choices"][0]
+        # Token-id prompts are echoed decoded, special tokens included (as vLLM echoes them).
+        assert choice["text"] == server.engine.tokenizer.decode(ids) and choice["finish_reason"] == "length"
+        assert len(choice["logprobs"]["tokens"]) == len(ids)
+        assert answer["usage"]["completion_tokens"] == 0 and answer["usage"]["prompt_tokens"] == len(ids)
+    # The prompt is scored as prefilled, before the policy compresses: the same under any policy.
+    assert full["choices"][0]["logprobs"] == compressed["choices"][0]["logprobs"]
+    first, cut = harness["choices"]
+    assert first["logprobs"]["token_logprobs"][: len(ids)] == full["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(first["logprobs"]["tokens"]) == len(ids) + 1 and len(cut["logprobs"]["tokens"]) == len(ids) - 1
+    # echo alone returns the prompt before the completion, without logprobs.
+    echoed = _complete(http, prompt=PROMPT, max_tokens=2, echo=True)
+    assert echoed["choices"][0]["text"].startswith(PROMPT) and echoed["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs(http: httpx.Client, model_dir: Path) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "what is key trout ?"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    answer = http.post("/v1/chat/completions", json=body).json()
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for item in content:
+        assert item["bytes"] == list(item["token"].encode("utf-8"))
+        assert len(item["top_logprobs"]) == 3 and item["top_logprobs"][0]["logprob"] == item["logprob"]  # greedy
+    # The suite tokenizer is word-level: a token decoded alone carries no separating space.
+    assert "".join(item["token"] for item in content) == answer["choices"][0]["message"]["content"].replace(" ", "")
+    plain = http.post("/v1/chat/completions", json={**body, "logprobs": False, "top_logprobs": None}).json()
+    assert plain["choices"][0]["logprobs"] is None

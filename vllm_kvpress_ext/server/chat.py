@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from vllm_kvpress_ext.engine.llm import chat_token_ids
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
 from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
+from vllm_kvpress_ext.server.logprobs import chat_logprobs
 from vllm_kvpress_ext.server.prompts import check_text
 from vllm_kvpress_ext.server.protocol import ChatCompletionRequest, ChatMessage
 from vllm_kvpress_ext.server.serving import (
@@ -67,15 +68,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state: ServerState = request.app.state.kvpress
     check_model(state, body.model)
     check_unsupported(body)
-    if body.logprobs:
-        raise unsupported("logprobs", "logprobs are not supported")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    if body.logprobs and body.stream:
+        raise unsupported("logprobs", "logprobs are not supported with stream=true")
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.tools:
         raise unsupported("tools", "tool calling is not supported")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise unsupported("response_format", "only the text response format is supported")
     token_ids = await asyncio.to_thread(chat_prompt, state, body.messages)  # off the event loop
     requested = body.max_completion_tokens or body.max_tokens
-    samples = sample_params(body, requested or max(1, state.max_model_len - len(token_ids)), 1)
+    samples = sample_params(body, requested or max(1, state.max_model_len - len(token_ids)), 1, top_logprobs)
     handles = await submit_all(state, body, [token_ids], samples, arrival, "messages")
     completion_id = new_id("chatcmpl")
     created = int(time.time())
@@ -99,7 +103,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return {
             "index": index,
             "message": {"role": "assistant", "content": final.text},
-            "logprobs": None,
+            "logprobs": None
+            if top_logprobs is None
+            else chat_logprobs(state.tokenizer, final.logprobs or [], top_logprobs),
             "finish_reason": final.finish_reason,
         }
 

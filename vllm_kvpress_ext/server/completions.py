@@ -9,6 +9,7 @@ and counts each prompt's tokens once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,6 +19,7 @@ from fastapi.responses import Response
 
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
 from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
+from vllm_kvpress_ext.server.logprobs import completion_logprobs
 from vllm_kvpress_ext.server.prompts import check_text, encode_bounded
 from vllm_kvpress_ext.server.protocol import CompletionRequest
 from vllm_kvpress_ext.server.serving import (
@@ -64,17 +66,23 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state: ServerState = request.app.state.kvpress
     check_model(state, body.model)
     check_unsupported(body)
-    if body.echo:
-        raise unsupported("echo", "echo=true is not supported")
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "only best_of=1 is supported")
-    if body.logprobs is not None:
-        raise unsupported("logprobs", "logprobs are not supported")
     if body.suffix:
         raise unsupported("suffix", "suffix is not supported")
+    if body.stream and body.logprobs is not None:
+        raise unsupported("logprobs", "logprobs are not supported with stream=true")
+    if body.stream and body.echo:
+        raise unsupported("echo", "echo is not supported with stream=true")
+    score_only = body.max_tokens == 0
+    if score_only and not body.echo:
+        raise bad_request("max_tokens=0 needs echo=true: it returns the prompt (and its logprobs)", param="max_tokens")
     # Off the event loop: a long prompt must not stall other connections (or /health) while it tokenizes.
     prompts = await asyncio.to_thread(prompt_batch, state, body.prompt)
-    samples = sample_params(body, body.max_tokens or 16, len(prompts))
+    # The engine always generates at least one token; a prompt-scoring request's is dropped below.
+    max_tokens = 1 if score_only else (16 if body.max_tokens is None else body.max_tokens)
+    prompt_logprobs = body.logprobs if body.echo else None
+    samples = sample_params(body, max_tokens, len(prompts), body.logprobs, prompt_logprobs)
     handles = await submit_all(state, body, prompts, samples, arrival, "prompt")
     prompt_tokens = sum(len(p) for p in prompts)
     completion_id = new_id("cmpl")
@@ -94,10 +102,31 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             _stream(handles, payload, samples[0].stop, include_usage(body), prompt_tokens), on_close=abort_all(handles)
         )
 
-    def choice(index: int, final: Update) -> dict[str, Any]:
-        return {"index": index, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason}
+    def echoed_text(prompt_index: int) -> str:
+        given = body.prompt if isinstance(body.prompt, str) else None
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+            given = str(body.prompt[prompt_index])
+        if given is not None:
+            return given
+        return str(state.tokenizer.decode(prompts[prompt_index])) if state.tokenizer is not None else ""
 
-    return await final_response(handles, request, payload, choice, prompt_tokens)
+    def choice(index: int, final: Update) -> dict[str, Any]:
+        prompt_index = index // len(samples)
+        text = (echoed_text(prompt_index) if body.echo else "") + final.text
+        logprobs = None
+        if body.logprobs is not None:
+            token_ids, entries = list(final.token_ids), list(final.logprobs or [])
+            if body.echo:
+                token_ids = prompts[prompt_index] + token_ids
+                entries = list(final.prompt_logprobs or []) + entries
+            logprobs = completion_logprobs(state.tokenizer, token_ids, entries, body.logprobs)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": final.finish_reason}
+
+    def without_generation(final: Update) -> Update:
+        return dataclasses.replace(final, token_ids=[], text="", logprobs=[] if final.logprobs is not None else None)
+
+    finalize = without_generation if score_only else None
+    return await final_response(handles, request, payload, choice, prompt_tokens, finalize)
 
 
 async def _stream(

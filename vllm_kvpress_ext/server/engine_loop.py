@@ -36,6 +36,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_kvpress_ext.engine import LLMEngine, RequestOutput, SamplingParams
 from vllm_kvpress_ext.engine.request import KVStats
@@ -98,6 +99,9 @@ class Update:
     finished: bool
     finish_reason: str | None = None
     kv: KVSummary | None = None  # set when finished
+    # Set when finished, for requests that asked (SamplingParams.logprobs / prompt_logprobs).
+    logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -356,14 +360,14 @@ class EngineLoop:
             self._post(tracked, Failure(f"the engine failed while running this request ({out.error}); it was aborted"))
             return 1
         if out.finished:
-            self._finish(tracked, out.output_token_ids, out.text, out.finish_reason or "stop")
+            self._finish(tracked, out, out.finish_reason or "stop")
             return 1
         update = Update(list(out.output_token_ids), out.text, False)
         tracked.last_update = update
         self._post(tracked, update)
         return 0
 
-    def _finish(self, tracked: _Tracked, token_ids: list[int], text: str, reason: str) -> None:
+    def _finish(self, tracked: _Tracked, out: RequestOutput, reason: str) -> None:
         handle = tracked.add.handle
         del self._tracked[handle.request_id]
         kv = KVSummary.of(tracked.kv, handle.policy)
@@ -373,7 +377,10 @@ class EngineLoop:
             self.metrics.retention.labels(policy=handle.policy).observe(kv.retention)
             if handle.policy != "full":
                 self.metrics.compression.labels(policy=handle.policy).observe(kv.compression_seconds)
-        self._post(tracked, Update(list(token_ids), text, True, reason, kv))
+        self._post(
+            tracked,
+            Update(list(out.output_token_ids), out.text, True, reason, kv, out.logprobs, out.prompt_logprobs),
+        )
 
     def _batch_of_failed_step(self) -> list[str]:
         """The requests the failed step may have touched.

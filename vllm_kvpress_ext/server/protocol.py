@@ -7,7 +7,7 @@ notice. vLLM's sampling extensions are implemented (`top_k`, `min_p`, `repetitio
 and frequency penalties too). vLLM extensions this engine has no use for (`use_beam_search`,
 `length_penalty`, `include_stop_str_in_output`, ...) are accepted at their neutral value
 (`NEUTRAL_ONLY`), which is what load generators send, and refused with a 400 otherwise. Parameters
-OpenAI defines but this server does not implement (`echo`, `logprobs`, `best_of > 1`, ...) are accepted by
+OpenAI defines but this server does not implement (`best_of > 1`, `suffix`, `tools`, ...) are accepted by
 the schema and refused with a clear 400 by the handlers, so the message says "not supported"
 instead of "unrecognized". OpenAI fields that cannot change the answer (`metadata`, `store`,
 `service_tier`, ...: `IGNORED`) are accepted, logged and ignored, as vLLM does; those that would
@@ -24,6 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from vllm_kvpress_ext.engine.sampling_params import MAX_LOGPROBS
 
 PolicyField = str | dict[str, Any] | None
 
@@ -123,10 +125,10 @@ class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0, description="0 only with echo: score the prompt")
     echo: StrictBool | None = False
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
 
@@ -154,7 +156,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -100,7 +100,12 @@ def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
         logger.info("request fields accepted and ignored (they do not change the answer): %s", ", ".join(ignored))
 
 
-def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     top_k = 0 if body.top_k in (None, -1) else body.top_k
     try:
@@ -119,6 +124,8 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             frequency_penalty=body.frequency_penalty or 0.0,
             min_tokens=body.min_tokens or 0,
             skip_special_tokens=body.skip_special_tokens is not False,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
@@ -129,14 +136,18 @@ MAX_CHOICES = 256
 
 
 def sample_params(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, prompts: int
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    prompts: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> list[SamplingParams]:
     """One `SamplingParams` per sample (`n`): with a seed, sample j is seeded `seed + j`, as vLLM seeds
     the n children of a request, so each sample is reproducible alone and the n differ."""
     n = 1 if body.n is None else body.n
     if n * prompts > MAX_CHOICES:
         raise bad_request(f"n x prompts may be at most {MAX_CHOICES}, got {n} x {prompts}", param="n")
-    params = sampling_params(body, max_tokens)
+    params = sampling_params(body, max_tokens, logprobs, prompt_logprobs)
     if n == 1 or params.seed is None:
         return [params] * n
     return [dataclasses.replace(params, seed=(params.seed + j) % 2**64) for j in range(n)]
@@ -302,11 +313,13 @@ async def final_response(
     payload: Callable[..., dict[str, Any]],
     choice: Callable[[int, Update], dict[str, Any]],
     prompt_tokens: int,
+    finalize: Callable[[Update], Update] | None = None,
 ) -> Response:
     """The non-streaming answer: wait for every choice's finished update, then one JSON body with the usage.
 
     `choice(index, final)` builds one choice; `prompt_tokens` counts each prompt once (n samples of a
-    prompt share it), as OpenAI and vLLM count it.
+    prompt share it), as OpenAI and vLLM count it; `finalize` rewrites each final update first (e.g.
+    drops the token a prompt-scoring request generated only because the engine always generates one).
     """
     try:
         finals = await wait_all(handles, request.is_disconnected)
@@ -314,7 +327,10 @@ async def final_response(
         raise engine_failure(exc) from None
     if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
-    choices = [choice(index, final) for index, final in enumerate(finals)]
+    if finalize is not None:
+        finals = [finalize(final) for final in finals]
+    # Off the event loop: per-token log-probabilities of a long echoed prompt mean many decodes.
+    choices = await asyncio.to_thread(lambda: [choice(index, final) for index, final in enumerate(finals)])
     return JSONResponse({**payload(*choices), "usage": usage(prompt_tokens, finals)})
 
 
