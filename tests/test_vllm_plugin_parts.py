@@ -127,8 +127,8 @@ def test_bad_request_policies_are_validation_errors(extra_args: dict[str, Any], 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"logprobs": 1},
-        {"prompt_logprobs": 1},
+        {"logprobs": 21},
+        {"prompt_logprobs": 21},
         {"presence_penalty": 0.5},
         {"repetition_penalty": 1.2},
         {"min_p": 0.1},

@@ -15,10 +15,12 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import torch
 from vllm_utils import MODEL_DIR, retrieval_prompts, retrieval_samples, vllm_server
 
 from vllm_kvpress_ext.bench.tasks import score
 from vllm_kvpress_ext.bench.tasks.prompt import chat_messages
+from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +102,7 @@ def test_per_request_policies_change_kv_bytes(client: openai.OpenAI) -> None:
         ({"vllm_xargs": {"kv_policy": "snapkv", "kv_ratio": 7}}, "ratio"),
         ({"vllm_xargs": {"kv_ratio": 0.5}}, "kv_policy"),
         ({"kv_policy": "snapkv", "vllm_xargs": {"kv_policy": "h2o"}}, "disagree"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
     ],
 )
 def test_a_bad_request_is_400_and_the_server_keeps_serving(
@@ -209,3 +211,40 @@ def test_the_running_gauge_returns_to_zero(server: str, client: openai.OpenAI) -
             break
         time.sleep(0.1)
     assert "kvpress_requests_running 0.0" in text
+
+
+def test_prompt_scoring_and_logprobs_equal_the_embedded_engines(client: openai.OpenAI) -> None:
+    """What lm-evaluation-harness sends (echo, logprobs 1, max_tokens 1, token ids) and chat logprobs,
+    against the embedded engine's numbers for the same prompt and policy."""
+    prompt = retrieval_prompts(1, context_length=160, seed=7500)[0].token_ids
+    scored = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0.0,
+        echo=True,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = scored.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.token_logprobs) == len(prompt) + 1 and logprobs.token_logprobs[0] is None
+    engine = LLMEngine(MODEL_DIR, dtype=torch.float32, num_pages=2000, page_size=16)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    request_id = engine.add_request(prompt, params, policy="snapkv")
+    want = next(o for _ in range(100) for o in engine.step() if o.finished and o.request_id == request_id)
+    expected = [e.logprob for e in want.prompt_logprobs[1:]] + [e.logprob for e in want.logprobs]
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+    assert all(top is not None and len(top) >= 1 for top in logprobs.top_logprobs[1:])
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "key"}],
+        max_tokens=3,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content is not None and len(content) == 3
+    assert all(len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob == item.logprob for item in content)
