@@ -781,3 +781,24 @@ def test_chat_logprobs(http: httpx.Client, model_dir: Path) -> None:
     assert "".join(item["token"] for item in content) == answer["choices"][0]["message"]["content"].replace(" ", "")
     plain = http.post("/v1/chat/completions", json={**body, "logprobs": False, "top_logprobs": None}).json()
     assert plain["choices"][0]["logprobs"] is None
+
+
+def test_vllms_prompt_logprobs_extension(server: LiveServer, http: httpx.Client) -> None:
+    ids = [int(t) for t in server.engine.tokenizer.encode(PROMPT)]
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1, "prompt_logprobs": 3}
+    choice = _complete(http, **body)["choices"][0]
+    prompt_logprobs = choice["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(ids)
+    for token_id, legacy, position in zip(
+        ids[1:], choice["logprobs"]["token_logprobs"][1:], prompt_logprobs[1:], strict=False
+    ):
+        entry = position[str(token_id)]
+        assert entry["logprob"] == legacy and entry["decoded_token"] == server.engine.tokenizer.decode([token_id])
+        assert 3 <= len(position) <= 4 and {e["rank"] for e in position.values()} >= {1, 2, 3}
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "key"}], "max_tokens": 1, "prompt_logprobs": 0},
+    ).json()["choices"][0]
+    assert chat["prompt_logprobs"][0] is None and all(len(p) == 1 for p in chat["prompt_logprobs"][1:])
+    error = assert_error(http.post("/v1/completions", json={**body, "stream": True}), 400)
+    assert error["param"] in ("echo", "logprobs", "prompt_logprobs")

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from vllm_kvpress_ext.engine.llm import chat_token_ids
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
 from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
-from vllm_kvpress_ext.server.logprobs import chat_logprobs
+from vllm_kvpress_ext.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from vllm_kvpress_ext.server.prompts import check_text
 from vllm_kvpress_ext.server.protocol import ChatCompletionRequest, ChatMessage
 from vllm_kvpress_ext.server.serving import (
@@ -73,13 +73,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.logprobs and body.stream:
         raise unsupported("logprobs", "logprobs are not supported with stream=true")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.stream and body.prompt_logprobs is not None:
+        raise unsupported("prompt_logprobs", "prompt_logprobs are not supported with stream=true")
     if body.tools:
         raise unsupported("tools", "tool calling is not supported")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise unsupported("response_format", "only the text response format is supported")
     token_ids = await asyncio.to_thread(chat_prompt, state, body.messages)  # off the event loop
     requested = body.max_completion_tokens or body.max_tokens
-    samples = sample_params(body, requested or max(1, state.max_model_len - len(token_ids)), 1, top_logprobs)
+    max_tokens = requested or max(1, state.max_model_len - len(token_ids))
+    samples = sample_params(body, max_tokens, 1, top_logprobs, body.prompt_logprobs)
     handles = await submit_all(state, body, [token_ids], samples, arrival, "messages")
     completion_id = new_id("chatcmpl")
     created = int(time.time())
@@ -100,7 +103,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         )
 
     def choice(index: int, final: Update) -> dict[str, Any]:
-        return {
+        answer = {
             "index": index,
             "message": {"role": "assistant", "content": final.text},
             "logprobs": None
@@ -108,6 +111,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             else chat_logprobs(state.tokenizer, final.logprobs or [], top_logprobs),
             "finish_reason": final.finish_reason,
         }
+        if body.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(
+                state.tokenizer, token_ids, final.prompt_logprobs or [], body.prompt_logprobs
+            )
+        return answer
 
     return await final_response(handles, request, partial(payload, "chat.completion"), choice, len(token_ids))
 

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
 from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
-from vllm_kvpress_ext.server.logprobs import completion_logprobs
+from vllm_kvpress_ext.server.logprobs import completion_logprobs, vllm_prompt_logprobs
 from vllm_kvpress_ext.server.prompts import check_text, encode_bounded
 from vllm_kvpress_ext.server.protocol import CompletionRequest
 from vllm_kvpress_ext.server.serving import (
@@ -74,6 +74,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise unsupported("logprobs", "logprobs are not supported with stream=true")
     if body.stream and body.echo:
         raise unsupported("echo", "echo is not supported with stream=true")
+    if body.stream and body.prompt_logprobs is not None:
+        raise unsupported("prompt_logprobs", "prompt_logprobs are not supported with stream=true")
     score_only = body.max_tokens == 0
     if score_only and not body.echo:
         raise bad_request("max_tokens=0 needs echo=true: it returns the prompt (and its logprobs)", param="max_tokens")
@@ -81,7 +83,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = await asyncio.to_thread(prompt_batch, state, body.prompt)
     # The engine always generates at least one token; a prompt-scoring request's is dropped below.
     max_tokens = 1 if score_only else (16 if body.max_tokens is None else body.max_tokens)
-    prompt_logprobs = body.logprobs if body.echo else None
+    # The prompt's logprobs feed echo's legacy lists and vLLM's `prompt_logprobs`: the larger top-k serves both.
+    wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    prompt_logprobs = max(wanted) if wanted else None
     samples = sample_params(body, max_tokens, len(prompts), body.logprobs, prompt_logprobs)
     handles = await submit_all(state, body, prompts, samples, arrival, "prompt")
     prompt_tokens = sum(len(p) for p in prompts)
@@ -120,7 +124,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                 token_ids = prompts[prompt_index] + token_ids
                 entries = list(final.prompt_logprobs or []) + entries
             logprobs = completion_logprobs(state.tokenizer, token_ids, entries, body.logprobs)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": final.finish_reason}
+        answer = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": final.finish_reason}
+        if body.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(
+                state.tokenizer, prompts[prompt_index], final.prompt_logprobs or [], body.prompt_logprobs
+            )
+        return answer
 
     def without_generation(final: Update) -> Update:
         return dataclasses.replace(final, token_ids=[], text="", logprobs=[] if final.logprobs is not None else None)

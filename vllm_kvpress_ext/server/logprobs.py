@@ -63,6 +63,27 @@ def completion_logprobs(
     }
 
 
+def vllm_prompt_logprobs(
+    tokenizer: Any, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], top: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` extension: per prompt token, None for the first, else a dict keyed by token
+    id (the prompt token and its `top` most likely alternatives) of `logprob`, `rank`, `decoded_token`."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        position = {str(token_id): _vllm_item(tokenizer, token_id, entry.logprob, entry.rank)}
+        for rank, (alt_id, alt_logprob) in enumerate(entry.top[:top], start=1):
+            position.setdefault(str(alt_id), _vllm_item(tokenizer, alt_id, alt_logprob, rank))
+        out.append(position)
+    return out
+
+
+def _vllm_item(tokenizer: Any, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+    return {"logprob": _finite(logprob), "rank": rank, "decoded_token": _decode(tokenizer, token_id)}
+
+
 def chat_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob], top: int) -> dict[str, Any]:
     """The chat `logprobs` object: `{"content": [...]}`, one item per generated token."""
 

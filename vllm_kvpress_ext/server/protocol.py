@@ -37,7 +37,6 @@ NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,),
     "add_special_tokens": (True,),
     "truncate_prompt_tokens": (),
-    "prompt_logprobs": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
     "priority": (0,),
@@ -114,7 +113,9 @@ class _SamplingFields(BaseModel):
     spaces_between_special_tokens: StrictBool | None = None
     add_special_tokens: StrictBool | None = None
     truncate_prompt_tokens: int | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="vLLM extension: the prompt tokens' logprobs, vLLM's format"
+    )
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int | None = None
