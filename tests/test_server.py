@@ -388,7 +388,7 @@ def test_32_concurrent_streams_complete_and_free_the_pool(server: LiveServer, ht
         ("/v1/completions", {"prompt": [[1, 2], [1, 2, 100000]]}, 400, "prompt"),
         ("/v1/completions", {"prompt": "a", "best_of": 2}, 400, "best_of"),
         ("/v1/completions", {"prompt": "a", "echo": True, "stream": True}, 400, "echo"),
-        ("/v1/completions", {"prompt": "a", "logprobs": 1, "stream": True}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
         ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
         ("/v1/completions", {"prompt": "a", "logprobs": -1}, 400, "logprobs"),
         (
@@ -802,3 +802,27 @@ def test_vllms_prompt_logprobs_extension(server: LiveServer, http: httpx.Client)
     assert chat["prompt_logprobs"][0] is None and all(len(p) == 1 for p in chat["prompt_logprobs"][1:])
     error = assert_error(http.post("/v1/completions", json={**body, "stream": True}), 400)
     assert error["param"] in ("echo", "logprobs", "prompt_logprobs")
+
+
+def test_streamed_logprobs_add_up_to_the_whole_answers(http: httpx.Client) -> None:
+    common = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "kv_policy": SNAPKV_SMALL}
+    whole = _complete(http, prompt=[PROMPT, LONG_PROMPT], logprobs=2, **common)
+    with http.stream(
+        "POST", "/v1/completions", json={"prompt": [PROMPT, LONG_PROMPT], "logprobs": 2, "stream": True, **common}
+    ) as r:
+        events = [json.loads(e) for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    for choice in whole["choices"]:
+        pieces = [c["logprobs"] for e in events for c in e["choices"] if c["index"] == choice["index"]]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for piece in pieces for x in piece[key]] == choice["logprobs"][key], key
+    chat_body = {
+        "messages": [{"role": "user", "content": "what is key trout ?"}],
+        "logprobs": True,
+        "top_logprobs": 2,
+        **common,
+    }
+    chat = http.post("/v1/chat/completions", json=chat_body).json()["choices"][0]["logprobs"]["content"]
+    with http.stream("POST", "/v1/chat/completions", json={**chat_body, "stream": True}) as r:
+        events = [json.loads(e) for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    streamed = [item for e in events for c in e["choices"] if c["logprobs"] for item in c["logprobs"]["content"]]
+    assert streamed == chat

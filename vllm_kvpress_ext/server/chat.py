@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from vllm_kvpress_ext.engine.llm import chat_token_ids
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
 from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
-from vllm_kvpress_ext.server.logprobs import chat_logprobs, vllm_prompt_logprobs
+from vllm_kvpress_ext.server.logprobs import StreamedLogprobs, chat_logprobs, vllm_prompt_logprobs
 from vllm_kvpress_ext.server.prompts import check_text
 from vllm_kvpress_ext.server.protocol import ChatCompletionRequest, ChatMessage
 from vllm_kvpress_ext.server.serving import (
@@ -70,8 +70,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_unsupported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-    if body.logprobs and body.stream:
-        raise unsupported("logprobs", "logprobs are not supported with stream=true")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.stream and body.prompt_logprobs is not None:
         raise unsupported("prompt_logprobs", "prompt_logprobs are not supported with stream=true")
@@ -98,7 +96,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
     if body.stream:
         return AbortingStreamingResponse(
-            _stream(handles, payload, samples[0].stop, include_usage(body), len(token_ids)),
+            _stream(
+                handles, payload, samples[0].stop, include_usage(body), len(token_ids), state.tokenizer, top_logprobs
+            ),
             on_close=abort_all(handles),
         )
 
@@ -121,10 +121,21 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 
 async def _stream(
-    handles: list[RequestHandle], payload: Any, stop: tuple[str, ...], with_usage: bool, prompt_tokens: int
+    handles: list[RequestHandle],
+    payload: Any,
+    stop: tuple[str, ...],
+    with_usage: bool,
+    prompt_tokens: int,
+    tokenizer: Any,
+    top_logprobs: int | None,
 ) -> AsyncIterator[str]:
     obj = "chat.completion.chunk"
     deltas = [TextDeltas(stop) for _ in handles]
+    streamed = StreamedLogprobs(len(handles))
+
+    def logprobs(index: int, update: Update) -> dict[str, Any] | None:
+        return None if top_logprobs is None else streamed.chat_chunk(index, tokenizer, update, top_logprobs)
+
     finals: list[Update] = []
     # Each choice's role goes first, before any token, as OpenAI does: clients key message assembly on it.
     for index in range(len(handles)):
@@ -134,11 +145,17 @@ async def _stream(
         async for index, update in merged_updates(handles):
             text = deltas[index].delta(update.text, update.finished)
             if text:
-                delta = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+                delta = {
+                    "index": index,
+                    "delta": {"content": text},
+                    "logprobs": logprobs(index, update),
+                    "finish_reason": None,
+                }
                 yield sse(payload(obj, delta))
             if update.finished:
                 finals.append(update)
-                end = {"index": index, "delta": {}, "logprobs": None, "finish_reason": update.finish_reason}
+                rest = logprobs(index, update)  # tokens whose text was held back or never shown (a stop)
+                end = {"index": index, "delta": {}, "logprobs": rest, "finish_reason": update.finish_reason}
                 yield sse(payload(obj, end))
         if with_usage:
             yield sse({**payload(obj), "usage": usage(prompt_tokens, finals)})

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
 from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
-from vllm_kvpress_ext.server.logprobs import completion_logprobs, vllm_prompt_logprobs
+from vllm_kvpress_ext.server.logprobs import StreamedLogprobs, completion_logprobs, vllm_prompt_logprobs
 from vllm_kvpress_ext.server.prompts import check_text, encode_bounded
 from vllm_kvpress_ext.server.protocol import CompletionRequest
 from vllm_kvpress_ext.server.serving import (
@@ -70,8 +70,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise unsupported("best_of", "only best_of=1 is supported")
     if body.suffix:
         raise unsupported("suffix", "suffix is not supported")
-    if body.stream and body.logprobs is not None:
-        raise unsupported("logprobs", "logprobs are not supported with stream=true")
     if body.stream and body.echo:
         raise unsupported("echo", "echo is not supported with stream=true")
     if body.stream and body.prompt_logprobs is not None:
@@ -103,7 +101,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
     if body.stream:
         return AbortingStreamingResponse(
-            _stream(handles, payload, samples[0].stop, include_usage(body), prompt_tokens), on_close=abort_all(handles)
+            _stream(
+                handles, payload, samples[0].stop, include_usage(body), prompt_tokens, state.tokenizer, body.logprobs
+            ),
+            on_close=abort_all(handles),
         )
 
     def echoed_text(prompt_index: int) -> str:
@@ -139,16 +140,26 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 
 async def _stream(
-    handles: list[RequestHandle], payload: Any, stop: tuple[str, ...], with_usage: bool, prompt_tokens: int
+    handles: list[RequestHandle],
+    payload: Any,
+    stop: tuple[str, ...],
+    with_usage: bool,
+    prompt_tokens: int,
+    tokenizer: Any,
+    top_logprobs: int | None,
 ) -> AsyncIterator[str]:
     deltas = [TextDeltas(stop) for _ in handles]
+    streamed = StreamedLogprobs(len(handles))
     finals: list[Update] = []
     try:
         async for index, update in merged_updates(handles):
             text = deltas[index].delta(update.text, update.finished)
             if text or update.finished:
                 reason = update.finish_reason if update.finished else None
-                yield sse(payload({"index": index, "text": text, "logprobs": None, "finish_reason": reason}))
+                logprobs = (
+                    None if top_logprobs is None else streamed.completion_chunk(index, tokenizer, update, top_logprobs)
+                )
+                yield sse(payload({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}))
             if update.finished:
                 finals.append(update)
         if with_usage:

@@ -99,7 +99,8 @@ class Update:
     finished: bool
     finish_reason: str | None = None
     kv: KVSummary | None = None  # set when finished
-    # Set when finished, for requests that asked (SamplingParams.logprobs / prompt_logprobs).
+    # For requests that asked (SamplingParams.logprobs / prompt_logprobs): the output tokens' so far in
+    # every update, the prompt's when finished.
     logprobs: list[Any] | None = None
     prompt_logprobs: list[Any] | None = None
 
@@ -362,7 +363,7 @@ class EngineLoop:
         if out.finished:
             self._finish(tracked, out, out.finish_reason or "stop")
             return 1
-        update = Update(list(out.output_token_ids), out.text, False)
+        update = Update(list(out.output_token_ids), out.text, False, logprobs=out.logprobs)
         tracked.last_update = update
         self._post(tracked, update)
         return 0

@@ -34,13 +34,14 @@ def completion_logprobs(
     token_ids: Sequence[int],
     entries: Sequence[TokenLogprob | None],
     top: int,
+    offset: int = 0,
 ) -> dict[str, Any]:
-    """The legacy completions `logprobs` object for `token_ids` (one entry each, None where nothing predicts it)."""
+    """The legacy completions `logprobs` object for `token_ids` (one entry each, None where nothing predicts it);
+    `text_offset` counts from `offset` (a stream's chunks continue where the previous one ended)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
-    offset = 0
     for token_id, entry in zip(token_ids, entries, strict=True):
         token = _decode(tokenizer, token_id)
         tokens.append(token)
@@ -82,6 +83,31 @@ def vllm_prompt_logprobs(
 
 def _vllm_item(tokenizer: Any, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
     return {"logprob": _finite(logprob), "rank": rank, "decoded_token": _decode(tokenizer, token_id)}
+
+
+class StreamedLogprobs:
+    """A stream's log-probabilities per choice: each chunk carries those of the tokens new since the last."""
+
+    def __init__(self, choices: int) -> None:
+        self.sent = [0] * choices
+        self.offset = [0] * choices
+
+    def take(
+        self, index: int, token_ids: Sequence[int], entries: Sequence[TokenLogprob] | None
+    ) -> tuple[list[int], list[TokenLogprob]]:
+        start, end = self.sent[index], len(entries or ())
+        self.sent[index] = end
+        return list(token_ids[start:end]), list((entries or [])[start:end])
+
+    def completion_chunk(self, index: int, tokenizer: Any, update: Any, top: int) -> dict[str, Any]:
+        ids, entries = self.take(index, update.token_ids, update.logprobs)
+        chunk = completion_logprobs(tokenizer, ids, entries, top, self.offset[index])
+        self.offset[index] += sum(len(t) for t in chunk["tokens"])
+        return chunk
+
+    def chat_chunk(self, index: int, tokenizer: Any, update: Any, top: int) -> dict[str, Any]:
+        _, entries = self.take(index, update.token_ids, update.logprobs)
+        return chat_logprobs(tokenizer, entries, top)
 
 
 def chat_logprobs(tokenizer: Any, entries: Sequence[TokenLogprob], top: int) -> dict[str, Any]:
