@@ -387,7 +387,7 @@ def test_32_concurrent_streams_complete_and_free_the_pool(server: LiveServer, ht
         ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
         ("/v1/completions", {"prompt": [[1, 2], [1, 2, 100000]]}, 400, "prompt"),
         ("/v1/completions", {"prompt": "a", "best_of": 2}, 400, "best_of"),
-        ("/v1/completions", {"prompt": "a", "echo": True, "stream": True}, 400, "echo"),
+        ("/v1/completions", {"prompt": "a", "echo": True, "max_tokens": 0, "stream": True}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
         ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
         ("/v1/completions", {"prompt": "a", "logprobs": -1}, 400, "logprobs"),
@@ -826,3 +826,13 @@ def test_streamed_logprobs_add_up_to_the_whole_answers(http: httpx.Client) -> No
         events = [json.loads(e) for e in sse_events(r.iter_lines()) if e != "[DONE]"]
     streamed = [item for e in events for c in e["choices"] if c["logprobs"] for item in c["logprobs"]["content"]]
     assert streamed == chat
+    # echo in a stream: the prompt (and its logprobs) first, then the answer, as the whole response has them.
+    echo_body = {"prompt": [PROMPT, LONG_PROMPT], "logprobs": 1, "echo": True, **common}
+    whole = _complete(http, **echo_body)
+    with http.stream("POST", "/v1/completions", json={**echo_body, "stream": True}) as r:
+        events = [json.loads(e) for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    for choice in whole["choices"]:
+        mine = [c for e in events for c in e["choices"] if c["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for c in mine for x in c["logprobs"][key]] == choice["logprobs"][key], key

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -70,8 +70,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise unsupported("best_of", "only best_of=1 is supported")
     if body.suffix:
         raise unsupported("suffix", "suffix is not supported")
-    if body.stream and body.echo:
-        raise unsupported("echo", "echo is not supported with stream=true")
+    if body.stream and body.max_tokens == 0:
+        raise unsupported("max_tokens", "max_tokens=0 is not supported with stream=true")
     if body.stream and body.prompt_logprobs is not None:
         raise unsupported("prompt_logprobs", "prompt_logprobs are not supported with stream=true")
     score_only = body.max_tokens == 0
@@ -99,14 +99,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             "choices": list(choices),
         }
 
-    if body.stream:
-        return AbortingStreamingResponse(
-            _stream(
-                handles, payload, samples[0].stop, include_usage(body), prompt_tokens, state.tokenizer, body.logprobs
-            ),
-            on_close=abort_all(handles),
-        )
-
     def echoed_text(prompt_index: int) -> str:
         given = body.prompt if isinstance(body.prompt, str) else None
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
@@ -114,6 +106,30 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         if given is not None:
             return given
         return str(state.tokenizer.decode(prompts[prompt_index])) if state.tokenizer is not None else ""
+
+    def echo_chunk(index: int, first: Update) -> dict[str, Any]:
+        """A stream's first chunk of a choice with `echo`: the prompt, with its logprobs when asked."""
+        prompt_index = index // len(samples)
+        logprobs = None
+        if body.logprobs is not None:
+            entries = first.prompt_logprobs or []
+            logprobs = completion_logprobs(state.tokenizer, prompts[prompt_index], entries, body.logprobs)
+        return {"index": index, "text": echoed_text(prompt_index), "logprobs": logprobs, "finish_reason": None}
+
+    if body.stream:
+        return AbortingStreamingResponse(
+            _stream(
+                handles,
+                payload,
+                samples[0].stop,
+                include_usage(body),
+                prompt_tokens,
+                state.tokenizer,
+                body.logprobs,
+                echo_chunk if body.echo else None,
+            ),
+            on_close=abort_all(handles),
+        )
 
     def choice(index: int, final: Update) -> dict[str, Any]:
         prompt_index = index // len(samples)
@@ -147,12 +163,20 @@ async def _stream(
     prompt_tokens: int,
     tokenizer: Any,
     top_logprobs: int | None,
+    echo: Callable[[int, Update], dict[str, Any]] | None,
 ) -> AsyncIterator[str]:
     deltas = [TextDeltas(stop) for _ in handles]
     streamed = StreamedLogprobs(len(handles))
+    echoed: set[int] = set()
     finals: list[Update] = []
     try:
         async for index, update in merged_updates(handles):
+            if echo is not None and index not in echoed:
+                echoed.add(index)
+                chunk = echo(index, update)
+                if chunk["logprobs"] is not None:  # the answer's text offsets continue after the prompt's
+                    streamed.offset[index] = sum(len(t) for t in chunk["logprobs"]["tokens"])
+                yield sse(payload(chunk))
             text = deltas[index].delta(update.text, update.finished)
             if text or update.finished:
                 reason = update.finish_reason if update.finished else None

@@ -99,8 +99,8 @@ class Update:
     finished: bool
     finish_reason: str | None = None
     kv: KVSummary | None = None  # set when finished
-    # For requests that asked (SamplingParams.logprobs / prompt_logprobs): the output tokens' so far in
-    # every update, the prompt's when finished.
+    # For requests that asked (SamplingParams.logprobs / prompt_logprobs), in every update: the output
+    # tokens' so far, and the prompt's (complete once the prefill is, i.e. from the first update on).
     logprobs: list[Any] | None = None
     prompt_logprobs: list[Any] | None = None
 
@@ -363,7 +363,9 @@ class EngineLoop:
         if out.finished:
             self._finish(tracked, out, out.finish_reason or "stop")
             return 1
-        update = Update(list(out.output_token_ids), out.text, False, logprobs=out.logprobs)
+        update = Update(
+            list(out.output_token_ids), out.text, False, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs
+        )
         tracked.last_update = update
         self._post(tracked, update)
         return 0
