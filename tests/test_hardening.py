@@ -5,6 +5,7 @@ server of `test_server.py` (a tiny random model with the suite tokenizer) unless
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from starlette.types import Message, Receive, Scope, Send
 from test_server import MODEL, PROMPT, LiveServer, _start, _write_model, assert_error, pool_empty, wait_for
 
 from vllm_kvpress_ext.assets import DEFAULT_MODEL_DIR
@@ -29,6 +31,7 @@ from vllm_kvpress_ext.engine.llm import chat_token_ids
 from vllm_kvpress_ext.engine.sampler import apply_penalties, filter_logits, sample
 from vllm_kvpress_ext.policies import H2OPolicy, PolicyFiles, XKVPolicy, allowed_files, set_allowed_files
 from vllm_kvpress_ext.policies.xkv import XKVProfile
+from vllm_kvpress_ext.server.guards import BodySizeLimit
 
 STREAM_PROMPTS = [f"key trout is {n} . what is key trout ? answer :" for n in range(10, 18)]
 
@@ -223,6 +226,48 @@ def test_large_bodies_get_413_and_health_keeps_answering(server: LiveServer, htt
         error = assert_error(pending.result(), 400, "prompt")
     assert error["code"] == "invalid_prompt" and "limit" in error["message"]
     assert complete(http).status_code == 200
+
+
+def test_a_client_still_sending_reads_the_413(server: LiveServer) -> None:
+    """httpx's AsyncClient (the async openai SDK's transport) writes the whole body before it reads: the
+    server must read the rest of an oversized body before answering, or the client sees a reset."""
+    big = b'{"prompt": "' + b"the " * 10_000_000 + b'"}'  # 40 MB, far past the fixture's 256 KiB limit
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it arrives
+        for start in range(0, len(big), 1 << 20):
+            yield big[start : start + (1 << 20)]
+
+    async def post_twice() -> list[httpx.Response]:
+        headers = {"content-type": "application/json"}
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            declared = await client.post("/v1/completions", content=big, headers=headers)
+            streamed = await client.post("/v1/completions", content=chunks(), headers=headers)
+            after = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        return [declared, streamed, after]
+
+    declared, streamed, after = asyncio.run(post_twice())
+    for response in (declared, streamed):
+        assert assert_error(response, 413)["code"] == "request_too_large"
+        assert response.headers.get("connection") != "close"  # drained: the connection is reused
+    assert after.status_code == 200
+
+
+def test_a_body_past_the_drain_bound_is_answered_at_once_and_closed() -> None:
+    sent: list[Message] = []
+
+    async def never_called(scope: Scope, receive: Receive, send: Send) -> None:
+        raise AssertionError("the app must not see an oversized body")
+
+    async def receive() -> Message:
+        raise AssertionError("a body past the drain bound is not read")
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    limit = BodySizeLimit(never_called, max_bytes=10, drain_bytes=100)
+    scope = {"type": "http", "headers": [(b"content-length", b"101")]}
+    asyncio.run(limit(scope, receive, send))
+    assert sent[0]["status"] == 413 and (b"connection", b"close") in sent[0]["headers"]
 
 
 # ---------------------------------------------------------------------- 4. no file read on a client's say-so
@@ -598,3 +643,42 @@ def test_readme_says_how_to_run_serve_and_tests() -> None:
     assert "what `make serve` runs for now" not in readme
     # SERVE_ARGS adds to the command line instead of replacing the default policy.
     assert "--kv-policy $(SERVE_POLICY) $(SERVE_ARGS)" in makefile
+
+
+def test_openai_fields_that_do_not_change_the_answer_are_ignored_and_logged(
+    http: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    harmless = {"metadata": {"run": "a"}, "store": True, "service_tier": "auto", "user": "u1"}
+    plain = complete(http, temperature=0, max_tokens=4)
+    with caplog.at_level("INFO", logger="vllm_kvpress_ext.server.serving"):
+        tagged = complete(http, temperature=0, max_tokens=4, **harmless)
+    assert tagged.status_code == 200, tagged.text
+    assert tagged.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    assert any("metadata, store, service_tier, user" in r.getMessage() for r in caplog.records)
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 2, "parallel_tool_calls": False, "modalities": ["text"], **harmless},
+    )
+    assert chat.status_code == 200, chat.text
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("reasoning_effort", "high"),
+        ("verbosity", "low"),
+        ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("web_search_options", {}),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+    ],
+)
+def test_openai_fields_that_would_change_the_answer_are_refused_by_name(
+    http: httpx.Client, field: str, value: Any
+) -> None:
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, field: value}
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400, field)
+    assert error["code"] == "unsupported_parameter"

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from gguf_utils import tiny_model, write_gguf
 from model_utils import run_recording, write_suite_model
 
 from vllm_kvpress_ext.bench.tokenizer import VOCABULARY
 from vllm_kvpress_ext.engine import LLM, ContextQuestion, KeptEntries, RequestRejectedError, SamplingParams
+from vllm_kvpress_ext.hub import catalog
 from vllm_kvpress_ext.models import load_config
 from vllm_kvpress_ext.models.write_gate import WriteGates
 
@@ -196,3 +200,30 @@ def test_return_kept_and_mask_check_their_arguments(llm: LLM) -> None:
     assert out.kv.kept is not None
     with pytest.raises(ValueError, match="length must be an integer >= 0, got -1"):
         out.kv.kept.mask(-1)
+
+
+def test_a_catalog_name_works_where_a_model_path_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LLM("smollm2-135m")` as the README promises: a catalog entry resolves to its cached GGUF file
+    (here a tiny one registered for the test, already in the cache, so nothing is downloaded)."""
+    monkeypatch.setenv(catalog.CACHE_ENV, str(tmp_path / "cache"))
+    source = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama", seed=5), "llama")
+    data = source.read_bytes()
+    entry = catalog.CatalogModel(
+        name="tiny-catalog-test",
+        package="llm-tiny-catalog-test",
+        version="0.0.0",
+        member="llm_tiny_catalog_test/tiny.gguf",
+        sha256=hashlib.sha256(data).hexdigest(),
+        size=len(data),
+        description="test model",
+        license="none",
+    )
+    monkeypatch.setitem(catalog.CATALOG, entry.name, entry)
+    cached = catalog.cached_path(entry)
+    cached.parent.mkdir(parents=True)
+    shutil.copyfile(source, cached)
+    by_name = LLM(entry.name, dtype=torch.float32, num_pages=256)
+    by_path = LLM(cached, dtype=torch.float32, num_pages=256)
+    assert by_name.engine.model_dir == cached
+    prompt = [[1, 5, 9, 13, 17, 21]]
+    assert by_name.generate(prompt, GREEDY)[0].output_token_ids == by_path.generate(prompt, GREEDY)[0].output_token_ids

@@ -24,7 +24,7 @@ import uvicorn
 
 from vllm_kvpress_ext.bench.tokenizer import BOS, EOS, VOCABULARY, save_tokenizer
 from vllm_kvpress_ext.cli import main
-from vllm_kvpress_ext.engine import LLMEngine
+from vllm_kvpress_ext.engine import LLM, LLMEngine, SamplingParams
 from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
 from vllm_kvpress_ext.server.app import create_app
 from vllm_kvpress_ext.server.config import BUNDLED_MODEL_DIR, ServerConfig, parse_size
@@ -380,9 +380,29 @@ def test_32_concurrent_streams_complete_and_free_the_pool(server: LiveServer, ht
         ("/v1/completions", {"prompt": "a", "vllm_xargs": {"other": 1}}, 400, "vllm_xargs"),
         ("/v1/completions", {"prompt": " ".join(["the"] * 1100)}, 400, "prompt"),
         ("/v1/completions", {"prompt": [1, 2, 100000]}, 400, "prompt"),
-        ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n"),
-        ("/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
+        ("/v1/completions", {"prompt": "a", "n": 129}, 400, "n"),
+        ("/v1/completions", {"prompt": ["a"] * 100, "n": 3}, 400, "n"),
+        ("/v1/completions", {"prompt": ["a"] * 257}, 400, "prompt"),
+        ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2], [1, 2, 100000]]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "a", "best_of": 2}, 400, "best_of"),
+        ("/v1/completions", {"prompt": "a", "echo": True, "max_tokens": 0, "stream": True}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "a", "logprobs": -1}, 400, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
+            400,
+            "top_logprobs",
+        ),
         ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": "a", "not_a_field": 1}, 400, "not_a_field"),
@@ -590,3 +610,229 @@ def test_serve_rejects_a_model_dir_with_random_model(tmp_path: Path, capsys: pyt
 
     assert main(["serve", str(tmp_path), "--random-model"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- batched prompts and n samples
+
+GREEDY_BODY: dict[str, Any] = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "kv_policy": SNAPKV_SMALL}
+
+
+def _complete(http: httpx.Client, **body: Any) -> dict[str, Any]:
+    response = http.post("/v1/completions", json={**GREEDY_BODY, **body})
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def _stream_choices(http: httpx.Client, path: str, body: dict[str, Any]) -> tuple[dict[int, str], dict[str, Any]]:
+    """Text per choice index and the final usage of a stream."""
+    texts: dict[int, str] = {}
+    with http.stream("POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(e) for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            piece = choice["text"] if "text" in choice else choice["delta"].get("content", "")
+            texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
+    assert events[-1]["choices"] == []
+    return texts, events[-1]["usage"]
+
+
+def test_a_batch_of_prompts_answers_each_as_alone(server: LiveServer, http: httpx.Client, sdk: openai.OpenAI) -> None:
+    prompts = [PROMPT, LONG_PROMPT, "key carp is 12 . what is key carp ? answer :"]
+    alone = [_complete(http, prompt=p) for p in prompts]
+    batch = _complete(http, prompt=prompts)
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in batch["choices"]] == [a["choices"][0]["text"] for a in alone]
+    usage = batch["usage"]
+    for field in ("prompt_tokens", "completion_tokens", "kv_bytes", "kv_bytes_peak", "kv_tokens_kept"):
+        assert usage[field] == sum(a["usage"][field] for a in alone), field
+    kept, full = usage["kv_tokens_kept"], sum(a["usage"]["kv_tokens_full"] for a in alone)
+    assert usage["kv_tokens_full"] == full and usage["kv_retention"] == pytest.approx(kept / full, abs=1e-6)
+    # token lists batch the same way, and so do streams (chunks tagged by index) and the openai SDK.
+    token_lists = [[int(t) for t in server.engine.tokenizer.encode(p)] for p in prompts]
+    assert [c["text"] for c in _complete(http, prompt=token_lists)["choices"]] == [c["text"] for c in batch["choices"]]
+    texts, streamed_usage = _stream_choices(http, "/v1/completions", {**GREEDY_BODY, "prompt": prompts})
+    assert texts == {i: a["choices"][0]["text"] for i, a in enumerate(alone)}
+    assert streamed_usage["kv_bytes"] == usage["kv_bytes"]
+    out = sdk.completions.create(
+        model=MODEL, prompt=prompts[:2], max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert len(out.choices) == 2
+    wait_for(lambda: pool_empty(http))
+
+
+def test_n_samples_are_seeded_like_vllms_children(http: httpx.Client) -> None:
+    sampled = {"max_tokens": 6, "temperature": 1.0, "ignore_eos": True, "kv_policy": SNAPKV_SMALL}
+    one = [_complete(http, prompt=PROMPT, **sampled, seed=40 + j) for j in range(3)]
+    three = _complete(http, prompt=PROMPT, **sampled, seed=40, n=3)
+    assert [c["text"] for c in three["choices"]] == [o["choices"][0]["text"] for o in one]
+    usage = three["usage"]
+    assert usage["prompt_tokens"] == one[0]["usage"]["prompt_tokens"]  # the prompt counts once
+    assert usage["completion_tokens"] == 18
+    # Each sample is its own engine request holding its own compressed prompt (docs/server.md).
+    assert usage["kv_bytes"] == sum(o["usage"]["kv_bytes"] for o in one)
+    # A batch of 2 prompts x n=2: prompt-major indices.
+    batch = _complete(http, prompt=[PROMPT, LONG_PROMPT], n=2)
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
+    assert batch["choices"][0]["text"] == batch["choices"][1]["text"]  # greedy: the samples agree
+    wait_for(lambda: pool_empty(http))
+
+
+def test_chat_with_n_streams_every_choice(http: httpx.Client) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "what is key trout ?"}],
+        "max_tokens": 5,
+        "temperature": 1.0,
+        "seed": 7,
+        "n": 2,
+        "ignore_eos": True,
+    }
+    whole = http.post("/v1/chat/completions", json=body).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = [json.loads(e) for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    roles = [e["choices"][0] for e in events[:2]]
+    assert [(c["index"], c["delta"]["role"]) for c in roles] == [(0, "assistant"), (1, "assistant")]
+    texts, usage = _stream_choices(http, "/v1/chat/completions", body)
+    assert texts == {c["index"]: c["message"]["content"] for c in whole["choices"]}
+    assert usage["completion_tokens"] == 10
+    wait_for(lambda: pool_empty(http))
+
+
+# ---------------------------------------------------------------------- log-probabilities and echo
+
+
+def _offline(model_dir: Path, prompt: list[int], policy: Any, **params: Any) -> Any:
+    """The offline API's answer on the server's model, for parity (same engine settings as `_start`)."""
+    llm = LLM(model_dir, dtype="float32", num_pages=4096, page_size=4, max_num_seqs=32)
+    return llm.generate([prompt], SamplingParams(**params), policy=policy)[0]
+
+
+def test_completion_logprobs_and_echo_equal_the_offline_api(
+    server: LiveServer, http: httpx.Client, model_dir: Path
+) -> None:
+    ids = [int(t) for t in server.engine.tokenizer.encode(LONG_PROMPT)]
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "kv_policy": SNAPKV_SMALL}
+    served = _complete(http, **body, logprobs=2, echo=True)
+    offline = _offline(
+        model_dir, ids, SNAPKV_SMALL, max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2
+    )
+    choice = served["choices"][0]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 3
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    expected = [e.logprob for e in offline.prompt_logprobs[1:]] + [e.logprob for e in offline.logprobs]
+    assert logprobs["token_logprobs"][1:] == expected  # the same numbers, to the last bit
+    decode = server.engine.tokenizer.decode
+    assert choice["text"] == decode(ids) + offline.text
+    for token_id, token, top in zip(
+        ids[1:] + offline.output_token_ids, logprobs["tokens"][1:], logprobs["top_logprobs"][1:], strict=True
+    ):
+        assert token == decode([token_id]) and token in top and 2 <= len(top) <= 3
+    generated_top = logprobs["top_logprobs"][len(ids) :]
+    assert all(
+        max(top.values()) == top[token]
+        for top, token in zip(generated_top, logprobs["tokens"][len(ids) :], strict=True)
+    )
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and all(
+        b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs["tokens"], strict=False)
+    )
+
+
+def test_prompt_scoring_the_way_evaluation_harnesses_ask(server: LiveServer, http: httpx.Client) -> None:
+    """lm-evaluation-harness scores a continuation with echo + logprobs on token ids (max_tokens 1, or 0)."""
+    ids = [int(t) for t in server.engine.tokenizer.encode(PROMPT)]
+    full = _complete(http, prompt=ids, max_tokens=0, echo=True, logprobs=1, kv_policy="full")
+    compressed = _complete(http, prompt=ids, max_tokens=0, echo=True, logprobs=1, kv_policy=SNAPKV_SMALL)
+    harness = _complete(http, prompt=[ids, ids[:-2]], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    for answer in (full, compressed):
+        choice = answer["choices"][0]
+        # Token-id prompts are echoed decoded, special tokens included (as vLLM echoes them).
+        assert choice["text"] == server.engine.tokenizer.decode(ids) and choice["finish_reason"] == "length"
+        assert len(choice["logprobs"]["tokens"]) == len(ids)
+        assert answer["usage"]["completion_tokens"] == 0 and answer["usage"]["prompt_tokens"] == len(ids)
+    # The prompt is scored as prefilled, before the policy compresses: the same under any policy.
+    assert full["choices"][0]["logprobs"] == compressed["choices"][0]["logprobs"]
+    first, cut = harness["choices"]
+    assert first["logprobs"]["token_logprobs"][: len(ids)] == full["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(first["logprobs"]["tokens"]) == len(ids) + 1 and len(cut["logprobs"]["tokens"]) == len(ids) - 1
+    # echo alone returns the prompt before the completion, without logprobs.
+    echoed = _complete(http, prompt=PROMPT, max_tokens=2, echo=True)
+    assert echoed["choices"][0]["text"].startswith(PROMPT) and echoed["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs(http: httpx.Client, model_dir: Path) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "what is key trout ?"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    answer = http.post("/v1/chat/completions", json=body).json()
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for item in content:
+        assert item["bytes"] == list(item["token"].encode("utf-8"))
+        assert len(item["top_logprobs"]) == 3 and item["top_logprobs"][0]["logprob"] == item["logprob"]  # greedy
+    # The suite tokenizer is word-level: a token decoded alone carries no separating space.
+    assert "".join(item["token"] for item in content) == answer["choices"][0]["message"]["content"].replace(" ", "")
+    plain = http.post("/v1/chat/completions", json={**body, "logprobs": False, "top_logprobs": None}).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_vllms_prompt_logprobs_extension(server: LiveServer, http: httpx.Client) -> None:
+    ids = [int(t) for t in server.engine.tokenizer.encode(PROMPT)]
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1, "prompt_logprobs": 3}
+    choice = _complete(http, **body)["choices"][0]
+    prompt_logprobs = choice["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(ids)
+    for token_id, legacy, position in zip(
+        ids[1:], choice["logprobs"]["token_logprobs"][1:], prompt_logprobs[1:], strict=False
+    ):
+        entry = position[str(token_id)]
+        assert entry["logprob"] == legacy and entry["decoded_token"] == server.engine.tokenizer.decode([token_id])
+        assert 3 <= len(position) <= 4 and {e["rank"] for e in position.values()} >= {1, 2, 3}
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "key"}], "max_tokens": 1, "prompt_logprobs": 0},
+    ).json()["choices"][0]
+    assert chat["prompt_logprobs"][0] is None and all(len(p) == 1 for p in chat["prompt_logprobs"][1:])
+    error = assert_error(http.post("/v1/completions", json={**body, "stream": True}), 400)
+    assert error["param"] in ("echo", "logprobs", "prompt_logprobs")
+
+
+def test_streamed_logprobs_add_up_to_the_whole_answers(http: httpx.Client) -> None:
+    common = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "kv_policy": SNAPKV_SMALL}
+    whole = _complete(http, prompt=[PROMPT, LONG_PROMPT], logprobs=2, **common)
+    with http.stream(
+        "POST", "/v1/completions", json={"prompt": [PROMPT, LONG_PROMPT], "logprobs": 2, "stream": True, **common}
+    ) as r:
+        events = [json.loads(e) for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    for choice in whole["choices"]:
+        pieces = [c["logprobs"] for e in events for c in e["choices"] if c["index"] == choice["index"]]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for piece in pieces for x in piece[key]] == choice["logprobs"][key], key
+    chat_body = {
+        "messages": [{"role": "user", "content": "what is key trout ?"}],
+        "logprobs": True,
+        "top_logprobs": 2,
+        **common,
+    }
+    chat = http.post("/v1/chat/completions", json=chat_body).json()["choices"][0]["logprobs"]["content"]
+    with http.stream("POST", "/v1/chat/completions", json={**chat_body, "stream": True}) as r:
+        events = [json.loads(e) for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    streamed = [item for e in events for c in e["choices"] if c["logprobs"] for item in c["logprobs"]["content"]]
+    assert streamed == chat
+    # echo in a stream: the prompt (and its logprobs) first, then the answer, as the whole response has them.
+    echo_body = {"prompt": [PROMPT, LONG_PROMPT], "logprobs": 1, "echo": True, **common}
+    whole = _complete(http, **echo_body)
+    with http.stream("POST", "/v1/completions", json={**echo_body, "stream": True}) as r:
+        events = [json.loads(e) for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    for choice in whole["choices"]:
+        mine = [c for e in events for c in e["choices"] if c["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for c in mine for x in c["logprobs"][key]] == choice["logprobs"][key], key

@@ -150,3 +150,34 @@ def test_seeded_sampling_matches_the_embedded_engine(parity_llm: LLM) -> None:
     request_id = engine.add_request(prompt, params, policy="h2o")
     finished = [o for _ in range(100) for o in engine.step() if o.finished and o.request_id == request_id]
     assert list(ours.outputs[0].token_ids) == finished[0].output_token_ids
+
+
+def test_logprobs_equal_the_embedded_engines(parity_llm: LLM) -> None:
+    """Sampled-token and prompt log-probabilities through vLLM's engine core, scheduler and output
+    processor are the embedded engine's (the same runner and sampler compute them)."""
+    prompt = retrieval_prompts(1, seed=9500)[0].token_ids
+    vllm_params = VllmSamplingParams(
+        max_tokens=5,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=3,
+        prompt_logprobs=2,
+        extra_args={"kv_policy": "snapkv"},
+    )
+    ours = parity_llm.generate([{"prompt_token_ids": prompt}], vllm_params, use_tqdm=False)[0]
+    engine = LLMEngine(MODEL_DIR, dtype=torch.float32, num_pages=PARITY_POOL, page_size=16)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    request_id = engine.add_request(prompt, params, policy="snapkv")
+    want = next(o for _ in range(100) for o in engine.step() if o.finished and o.request_id == request_id)
+    completion = ours.outputs[0]
+    assert list(completion.token_ids) == want.output_token_ids
+    assert completion.logprobs is not None and len(completion.logprobs) == len(want.logprobs)
+    for position, entry in zip(completion.logprobs, want.logprobs, strict=True):
+        assert position[entry.token_id].logprob == pytest.approx(entry.logprob, abs=1e-5)
+        assert position[entry.token_id].rank == entry.rank
+        assert {t for t, _ in entry.top} <= set(position)
+    assert ours.prompt_logprobs is not None and ours.prompt_logprobs[0] is None
+    assert len(ours.prompt_logprobs) == len(prompt) == len(want.prompt_logprobs)
+    for position, entry in zip(ours.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+        assert position[entry.token_id].logprob == pytest.approx(entry.logprob, abs=1e-5)
+        assert {t for t, _ in entry.top} <= set(position)

@@ -3,6 +3,7 @@ refused features, the HTTP rewrites and the metrics collector."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,11 @@ from vllm_kvpress_ext.server.errors import APIError
 from vllm_kvpress_ext.vllm_plugin import activation
 from vllm_kvpress_ext.vllm_plugin.cli_args import fold_into_additional_config, install_kv_policy_flag, parse_policy_arg
 from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics, SnapshotCollector
-from vllm_kvpress_ext.vllm_plugin.middleware import rewrite_request, rewrite_response
+from vllm_kvpress_ext.vllm_plugin.middleware import KVPressMiddleware, rewrite_request, rewrite_response
 from vllm_kvpress_ext.vllm_plugin.platform import validate_kvpress_request
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 from vllm_kvpress_ext.vllm_plugin.request_policy import request_policy
+from vllm_kvpress_ext.vllm_plugin.usage import add_figures_to_usage_chunk, combine_figures
 from vllm_kvpress_ext.vllm_plugin.worker import runner_sampling_params
 
 
@@ -125,8 +127,8 @@ def test_bad_request_policies_are_validation_errors(extra_args: dict[str, Any], 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"logprobs": 1},
-        {"prompt_logprobs": 1},
+        {"logprobs": 21},
+        {"prompt_logprobs": 21},
         {"presence_penalty": 0.5},
         {"repetition_penalty": 1.2},
         {"min_p": 0.1},
@@ -216,3 +218,104 @@ def test_the_flag_reaches_additional_config_and_is_refused_when_the_plugin_is_of
     with pytest.raises(PolicyConfigError, match="KVPRESS_VLLM=off"):
         EngineArgs.from_cli_args(parser.parse_args(argv))
     assert EngineArgs.from_cli_args(parser.parse_args(["--model", str(MODEL_DIR)])).additional_config == {}
+
+
+def _through_middleware(body: bytes) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """What `KVPressMiddleware` sends back for `body`, and the bodies the wrapped app (vLLM) received."""
+    sent: list[dict[str, Any]] = []
+    forwarded: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        forwarded.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 400, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(KVPressMiddleware(app)(scope, receive, send))
+    return sent, forwarded
+
+
+def test_a_deeply_nested_body_is_an_openai_shaped_400_not_a_500() -> None:
+    nested = b'{"prompt": "a", "x": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    for body in (nested, b"[" * 20_000 + b"]" * 20_000):
+        sent, forwarded = _through_middleware(body)
+        assert sent[0]["status"] == 400 and not forwarded
+        error = json.loads(sent[1]["body"])["error"]
+        assert "nested too deeply" in error["message"] and error["code"] == 400
+
+
+def test_bodies_the_middleware_cannot_rewrite_reach_vllm_or_get_a_400() -> None:
+    sent, forwarded = _through_middleware(b"not json")
+    assert forwarded == [b"not json"]  # vLLM answers it with its own 400
+    sent, forwarded = _through_middleware(json.dumps({"kv_policy": "snapkv", "vllm_xargs": [1]}).encode())
+    assert not forwarded and sent[0]["status"] == 400
+    assert json.loads(sent[1]["body"])["error"]["param"] == "vllm_xargs"
+
+
+def test_kv_figures_of_several_requests_add_up() -> None:
+    one = {"policy": "snapkv", "kv_bytes": 100, "kv_bytes_peak": 300, "kv_tokens_kept": 10, "kv_tokens_full": 40}
+    two = {"policy": "snapkv", "kv_bytes": 50, "kv_bytes_peak": 200, "kv_tokens_kept": 20, "kv_tokens_full": 40}
+    assert combine_figures([one]) == one
+    combined = combine_figures([one, two])
+    assert combined == {
+        "policy": "snapkv",
+        "kv_bytes": 150,
+        "kv_bytes_peak": 500,
+        "kv_tokens_kept": 30,
+        "kv_tokens_full": 80,
+        "kv_retention": 0.375,
+    }
+    assert combine_figures([one, {**two, "policy": "full"}])["policy"] == "full,snapkv"
+
+
+def test_only_the_final_usage_chunk_of_a_stream_gets_the_figures() -> None:
+    figures = [{"policy": "h2o", "kv_bytes": 64, "kv_retention": 0.5, "kv_tokens_kept": 4, "kv_tokens_full": 8}]
+    final = 'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3}}\n\n'
+    usage = json.loads(add_figures_to_usage_chunk(final, figures)[len("data: ") :])["usage"]
+    assert usage == {
+        "prompt_tokens": 3,
+        "kv_policy": "h2o",
+        "kv_bytes": 64,
+        "kv_retention": 0.5,
+        "kv_tokens_kept": 4,
+        "kv_tokens_full": 8,
+    }
+    continuous = 'data: {"choices":[{"index":0,"text":"a"}],"usage":{"prompt_tokens":3}}\n\n'
+    for chunk in (continuous, "data: [DONE]\n\n", 'data: {"choices":[{"text":"usage"}]}\n\n'):
+        assert add_figures_to_usage_chunk(chunk, figures) == chunk
+    assert add_figures_to_usage_chunk(final, []) == final
+
+
+def test_the_running_gauge_returns_to_zero_when_the_last_request_finishes(tmp_path: Path) -> None:
+    path = tmp_path / "snapshot.json"
+    metrics = EngineMetrics(path)
+    report = PoolReport(100, 60, 16, 8, 4096)
+    metrics.pool(report, running=1, waiting=0)
+    metrics.request_finished({"policy": "full", "kv_retention": 1.0, "compression_seconds": 0.0})
+    metrics.pool(report, running=0, waiting=0)  # within the write interval of the finish's forced write
+    assert json.loads(path.read_text())["gauges"]["requests_running"] == 0
+    metrics.requests(running=0, waiting=1)  # an abort outside a step
+    assert json.loads(path.read_text())["gauges"]["requests_waiting"] == 1
+
+
+def test_a_catalog_name_survives_hf_hub_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With HF_HUB_OFFLINE, vLLM asks the hub cache for the model by name before the plugin resolves it."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvpress_ext.vllm_plugin.gguf_model import install_gguf_models
+
+    install_gguf_models()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv(activation.ENV, "on")
+    assert EngineArgs(model="smollm2-135m").model == "smollm2-135m"  # resolved later, in create_engine_config
+    monkeypatch.setenv(activation.ENV, "off")
+    with pytest.raises(LocalEntryNotFoundError):  # without the plugin, vLLM's own lookup (the defect's error)
+        EngineArgs(model="smollm2-135m")

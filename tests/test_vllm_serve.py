@@ -9,15 +9,18 @@ which the server still answers, and `/metrics` carries the `kvpress_*` series be
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
+import torch
 from vllm_utils import MODEL_DIR, retrieval_prompts, retrieval_samples, vllm_server
 
 from vllm_kvpress_ext.bench.tasks import score
 from vllm_kvpress_ext.bench.tasks.prompt import chat_messages
+from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +102,7 @@ def test_per_request_policies_change_kv_bytes(client: openai.OpenAI) -> None:
         ({"vllm_xargs": {"kv_policy": "snapkv", "kv_ratio": 7}}, "ratio"),
         ({"vllm_xargs": {"kv_ratio": 0.5}}, "kv_policy"),
         ({"kv_policy": "snapkv", "vllm_xargs": {"kv_policy": "h2o"}}, "disagree"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
     ],
 )
 def test_a_bad_request_is_400_and_the_server_keeps_serving(
@@ -127,3 +130,121 @@ def test_metrics_carry_kvpress_series_beside_vllms(server: str, client: openai.O
         'kvpress_requests_finished_total{policy="snapkv"}',
     ):
         assert series in text, series
+
+
+def test_a_deeply_nested_body_is_a_400_and_the_server_keeps_serving(server: str, client: openai.OpenAI) -> None:
+    nested = b'{"model": "bundled", "prompt": "a", "x": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    response = httpx.post(
+        f"{server}/v1/completions", content=nested, headers={"content-type": "application/json"}, timeout=60
+    )
+    assert response.status_code == 400, response.text
+    assert "nested too deeply" in response.json()["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="key", max_tokens=2).choices
+
+
+def _stream_usage(server: str, path: str, body: dict[str, object]) -> dict[str, object]:
+    with httpx.stream("POST", f"{server}{path}", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        data = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    final = json.loads(data[-2])
+    assert final["choices"] == []
+    return dict(final["usage"])
+
+
+def test_streams_with_include_usage_end_with_the_kv_figures(server: str, client: openai.OpenAI) -> None:
+    sample = retrieval_samples(1, seed=7300)[0]
+    prompt = retrieval_prompts(1, seed=7300)[0].token_ids
+    common = {"model": MODEL, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    whole = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    assert whole.usage is not None
+    streamed = _stream_usage(
+        server,
+        "/v1/completions",
+        {**common, "prompt": prompt, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    expected = dict(whole.usage.model_extra or {})
+    for field in ("kv_policy", "kv_bytes", "kv_bytes_peak", "kv_retention", "kv_tokens_kept", "kv_tokens_full"):
+        assert streamed[field] == expected[field], field
+    chat = _stream_usage(
+        server,
+        "/v1/chat/completions",
+        {
+            **common,
+            "messages": chat_messages(sample),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "vllm_xargs": {"kv_policy": "full"},
+        },
+    )
+    assert chat["kv_policy"] == "full" and chat["kv_retention"] == 1.0 and chat["kv_bytes"] > 0  # type: ignore[operator]
+
+
+def test_batched_prompts_and_n_samples_report_the_sum_of_their_requests(client: openai.OpenAI) -> None:
+    prompts = [spec.token_ids for spec in retrieval_prompts(2, context_length=192, seed=7400)]
+    common = {"model": MODEL, "max_tokens": 3, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+    def kv(prompt: object, **extra: object) -> dict[str, object]:
+        out = client.completions.create(prompt=prompt, **{**common, **extra})  # type: ignore[call-overload]
+        assert out.usage is not None
+        return dict(out.usage.model_extra or {})
+
+    alone = [kv(p) for p in prompts]
+    batch = kv(prompts)
+    assert batch["kv_bytes"] == sum(a["kv_bytes"] for a in alone)  # type: ignore[misc]
+    assert batch["kv_tokens_kept"] == sum(a["kv_tokens_kept"] for a in alone)  # type: ignore[misc]
+    # n samples of one prompt: each sample prefills and holds the compressed prompt itself (docs/vllm.md).
+    sampled = kv(prompts[0], n=3, seed=5, temperature=1.0)
+    assert sampled["kv_bytes"] == 3 * alone[0]["kv_bytes"]  # type: ignore[operator]
+    assert sampled["kv_retention"] == alone[0]["kv_retention"]
+
+
+def test_the_running_gauge_returns_to_zero(server: str, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="key", max_tokens=3)
+    stopped = client.completions.create(model=MODEL, prompt="key", max_tokens=30, stop=[" "])  # an abort
+    assert stopped.choices[0].finish_reason in ("stop", "length")
+    for _ in range(100):  # the snapshot file is read at scrape time; give the engine process a moment
+        text = httpx.get(f"{server}/metrics", timeout=10).text
+        if "kvpress_requests_running 0.0" in text:
+            break
+        time.sleep(0.1)
+    assert "kvpress_requests_running 0.0" in text
+
+
+def test_prompt_scoring_and_logprobs_equal_the_embedded_engines(client: openai.OpenAI) -> None:
+    """What lm-evaluation-harness sends (echo, logprobs 1, max_tokens 1, token ids) and chat logprobs,
+    against the embedded engine's numbers for the same prompt and policy."""
+    prompt = retrieval_prompts(1, context_length=160, seed=7500)[0].token_ids
+    scored = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0.0,
+        echo=True,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = scored.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.token_logprobs) == len(prompt) + 1 and logprobs.token_logprobs[0] is None
+    engine = LLMEngine(MODEL_DIR, dtype=torch.float32, num_pages=2000, page_size=16)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    request_id = engine.add_request(prompt, params, policy="snapkv")
+    want = next(o for _ in range(100) for o in engine.step() if o.finished and o.request_id == request_id)
+    expected = [e.logprob for e in want.prompt_logprobs[1:]] + [e.logprob for e in want.logprobs]
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+    assert all(top is not None and len(top) >= 1 for top in logprobs.top_logprobs[1:])
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "key"}],
+        max_tokens=3,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content is not None and len(content) == 3
+    assert all(len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob == item.logprob for item in content)

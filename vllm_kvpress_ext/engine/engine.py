@@ -20,7 +20,7 @@ import torch
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY, ModelRunner, RequestFailure
 from vllm_kvpress_ext.engine.request import Request, RequestOutput
-from vllm_kvpress_ext.engine.sampler import sample
+from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_kvpress_ext.models import load_tokenizer
@@ -205,6 +205,7 @@ class LLMEngine:
 
     def _append_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[Request]:
         tokens = sample(logits, requests, self.eos_token_ids)
+        record_logprobs(requests, logits, tokens)
         now = time.monotonic()
         for request, token in zip(requests, tokens, strict=True):
             request.output_token_ids.append(token)
@@ -267,4 +268,6 @@ class LLMEngine:
             ),
             num_preemptions=request.num_preemptions,
             error=request.error,
+            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            prompt_logprobs=list(request.prompt_logprobs) if request.params.prompt_logprobs is not None else None,
         )

@@ -31,6 +31,8 @@ from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillCont
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
 from vllm_kvpress_ext.engine.request import Request, RequestStatus
+from vllm_kvpress_ext.engine.sampler import token_logprobs
+from vllm_kvpress_ext.hub.pull import resolve_model
 from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.loader import resolve_dtype
 from vllm_kvpress_ext.models.write_gate import GateStore
@@ -96,7 +98,9 @@ class ModelRunner:
         max_num_seqs: int = 64,
         kv_dtype: torch.dtype | str | None = None,
     ) -> None:
-        self.model_dir = Path(model_dir)
+        # A catalog name ("smollm2-135m") works wherever a model path does: its cached GGUF file, pulled
+        # first if needed. An existing path always wins over a catalog name.
+        self.model_dir = resolve_model(model_dir)
         self.device = torch.device(device)
         self.model = load_model(self.model_dir, dtype=dtype, device=self.device)
         self.config = self.model.config
@@ -267,6 +271,7 @@ class ModelRunner:
             except Exception as exc:
                 failed.append(RequestFailure(req, exc))
                 continue
+            self._record_prompt_logprobs(req, chunk.start, hidden[segment.offset : segment.offset + segment.length])
             if chunk.end == req.num_tokens:
                 sampled.append((req, hidden[segment.offset + segment.length - 1]))
         return sampled
@@ -287,6 +292,7 @@ class ModelRunner:
         hidden = self.model(tokens, positions.view(-1).to(self.device), context)
         sampled: list[tuple[Request, Any]] = []
         for i, r in enumerate(requests):
+            self._record_prompt_logprobs(r, r.num_processed, hidden[i : i + 1])
             r.num_processed += 1
             if r.policy is not None and r.policy.wants_decode_steps:
                 try:
@@ -297,6 +303,27 @@ class ModelRunner:
             if r.num_processed == r.num_tokens:
                 sampled.append((r, hidden[i]))
         return sampled
+
+    def _record_prompt_logprobs(self, request: Request, first_position: int, hidden: torch.Tensor) -> None:
+        """Prompt log-probabilities from the hidden states at positions `first_position...` (`prompt_logprobs`).
+
+        The state at position p predicts prompt token p + 1, from what the cache held when the prompt was
+        written: before compression for everything the prefill runs, and from the compressed cache for
+        prompt tokens after a `compress_after` point. A recompute after preemption reproduces positions
+        already recorded; they are kept, not appended twice.
+        """
+        k = request.params.prompt_logprobs
+        if k is None:
+            return
+        prompt = request.prompt_token_ids
+        if not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)  # nothing predicts the first token
+        start = len(request.prompt_logprobs) - 1
+        stop = min(first_position + hidden.shape[0], len(prompt) - 1)
+        if not first_position <= start < stop:
+            return
+        logits = self.model.compute_logits(hidden[start - first_position : stop - first_position])
+        request.prompt_logprobs.extend(token_logprobs(logits, prompt[start + 1 : stop + 1], k))
 
     def _append_what_fits(
         self, requests: list[Request], failed: list[RequestFailure]

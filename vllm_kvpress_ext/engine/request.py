@@ -68,6 +68,10 @@ class Request:
     admitted: list[list[torch.Tensor]] | None = None  # per layer, admission flags [H, n] of each prefill chunk
     first_token_time: float | None = None
     error: str | None = None  # why the runner failed this request alone (finish_reason "error")
+    # SamplingParams.logprobs / prompt_logprobs: one entry per output token; one per prompt token
+    # (None for the first, which nothing predicts), filled as the prefill reaches each position.
+    output_logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -107,3 +111,7 @@ class RequestOutput:
     kv: KVStats
     num_preemptions: int = 0
     error: str | None = None  # set with finish_reason "error": the step failed for this request alone
+    #: `TokenLogprob` per output token (SamplingParams.logprobs), else None.
+    logprobs: list[Any] | None = None
+    #: `TokenLogprob` per prompt token, None for the first (SamplingParams.prompt_logprobs), else None.
+    prompt_logprobs: list[Any] | None = None

@@ -11,7 +11,9 @@ without a finite logit (which would make the draw fail for the whole batch).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -100,3 +102,53 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingState], eos: Collect
             row = apply_penalties(row, p, r.prompt_token_ids, r.output_token_ids)
         tokens[i] = int(torch.argmax(row).item()) if p.greedy else _draw(filter_logits(row, p), r.generator)
     return tokens
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the model, its rank, and the `k` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 for the most likely token
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[TokenLogprob]:
+    """For rows `logits[N, V]` and the token each row produced (or was followed by), its `TokenLogprob`.
+
+    A log-softmax of the logits as given (the model's raw logits), in float32, so the figures do not
+    depend on which other requests share the batch or on the sampling settings.
+    """
+    if logits.shape[0] == 0:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.tensor(list(token_ids), dtype=torch.long, device=logprobs.device)
+    chosen_lp = logprobs.gather(1, chosen.view(-1, 1)).view(-1)
+    ranks = (logprobs > chosen_lp.view(-1, 1)).sum(dim=-1) + 1
+    top_values, top_ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+    chosen_list, ranks_list = chosen_lp.tolist(), ranks.tolist()
+    values_list, ids_list = top_values.tolist(), top_ids.tolist()
+    return [
+        TokenLogprob(
+            int(t), float(chosen_list[i]), int(ranks_list[i]), tuple(zip(ids_list[i], values_list[i], strict=True))
+        )
+        for i, t in enumerate(token_ids)
+    ]
+
+
+class LogprobsState(Protocol):
+    params: SamplingParams
+    output_logprobs: list[TokenLogprob]
+
+
+def record_logprobs(requests: Sequence[LogprobsState], logits: torch.Tensor, tokens: Sequence[int]) -> None:
+    """Append the `TokenLogprob` of each sampled token to `output_logprobs`, for the requests that ask."""
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if not rows:
+        return
+    k = max(int(requests[i].params.logprobs or 0) for i in rows)
+    entries = token_logprobs(logits[rows], [tokens[i] for i in rows], k)
+    for i, entry in zip(rows, entries, strict=True):
+        wanted = int(requests[i].params.logprobs or 0)
+        requests[i].output_logprobs.append(entry if wanted == k else dataclasses.replace(entry, top=entry.top[:wanted]))

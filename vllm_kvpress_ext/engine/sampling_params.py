@@ -12,6 +12,9 @@ GREEDY_TEMPERATURE = 1e-5
 #: The largest value a penalty may take: beyond it a penalty only turns logits into infinities.
 MAX_PENALTY = 100.0
 
+#: Most alternatives per token a request may ask for (`logprobs`, `prompt_logprobs`): vLLM's default cap.
+MAX_LOGPROBS = 20
+
 
 def _finite_in(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
@@ -36,6 +39,11 @@ class SamplingParams:
     `return_kept` asks for the positions every (layer, KV head) held when the request finished
     (`RequestOutput.kv.kept`) and right after its policy compressed (`kv.kept_at_compression`), as
     `KeptEntries`; each costs a pass over the request's tables.
+
+    `logprobs` (None: off) returns, for every generated token, its log-probability and the `logprobs`
+    most likely tokens' (0: the sampled token's only); `prompt_logprobs` does the same for every prompt
+    token after the first (`RequestOutput.logprobs`, `.prompt_logprobs`). Both are log-softmaxes of the
+    model's own logits, before penalties, temperature and filters (vLLM's default, `raw_logprobs`).
     """
 
     max_tokens: int = 16
@@ -53,6 +61,8 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     return_kept: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +92,12 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if not isinstance(self.return_kept, bool):
             raise ValueError(f"return_kept must be True or False, got {self.return_kept!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
 
     @property
     def greedy(self) -> bool:

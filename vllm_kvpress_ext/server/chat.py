@@ -12,19 +12,22 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from vllm_kvpress_ext.engine.llm import chat_token_ids
-from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle
+from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
 from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
+from vllm_kvpress_ext.server.logprobs import StreamedLogprobs, chat_logprobs, vllm_prompt_logprobs
 from vllm_kvpress_ext.server.prompts import check_text
 from vllm_kvpress_ext.server.protocol import ChatCompletionRequest, ChatMessage
 from vllm_kvpress_ext.server.serving import (
     ServerState,
+    abort_all,
     check_model,
     check_unsupported,
     final_response,
     include_usage,
+    merged_updates,
     new_id,
-    sampling_params,
-    submit,
+    sample_params,
+    submit_all,
     usage,
 )
 from vllm_kvpress_ext.server.streaming import DONE, AbortingStreamingResponse, TextDeltas, sse
@@ -65,16 +68,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state: ServerState = request.app.state.kvpress
     check_model(state, body.model)
     check_unsupported(body)
-    if body.logprobs:
-        raise unsupported("logprobs", "logprobs are not supported")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.stream and body.prompt_logprobs is not None:
+        raise unsupported("prompt_logprobs", "prompt_logprobs are not supported with stream=true")
     if body.tools:
         raise unsupported("tools", "tool calling is not supported")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise unsupported("response_format", "only the text response format is supported")
     token_ids = await asyncio.to_thread(chat_prompt, state, body.messages)  # off the event loop
     requested = body.max_completion_tokens or body.max_tokens
-    params = sampling_params(body, requested or max(1, state.max_model_len - len(token_ids)))
-    handle = await submit(state, body, token_ids, params, arrival, "messages")
+    max_tokens = requested or max(1, state.max_model_len - len(token_ids))
+    samples = sample_params(body, max_tokens, 1, top_logprobs, body.prompt_logprobs)
+    handles = await submit_all(state, body, [token_ids], samples, arrival, "messages")
     completion_id = new_id("chatcmpl")
     created = int(time.time())
 
@@ -89,39 +96,69 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
     if body.stream:
         return AbortingStreamingResponse(
-            _stream(handle, payload, params.stop, include_usage(body)), on_close=handle.abort
+            _stream(
+                handles, payload, samples[0].stop, include_usage(body), len(token_ids), state.tokenizer, top_logprobs
+            ),
+            on_close=abort_all(handles),
         )
-    return await final_response(
-        handle,
-        request,
-        partial(payload, "chat.completion"),
-        lambda final: {
-            "index": 0,
+
+    def choice(index: int, final: Update) -> dict[str, Any]:
+        answer = {
+            "index": index,
             "message": {"role": "assistant", "content": final.text},
-            "logprobs": None,
+            "logprobs": None
+            if top_logprobs is None
+            else chat_logprobs(state.tokenizer, final.logprobs or [], top_logprobs),
             "finish_reason": final.finish_reason,
-        },
-    )
+        }
+        if body.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(
+                state.tokenizer, token_ids, final.prompt_logprobs or [], body.prompt_logprobs
+            )
+        return answer
+
+    return await final_response(handles, request, partial(payload, "chat.completion"), choice, len(token_ids))
 
 
-async def _stream(handle: RequestHandle, payload: Any, stop: tuple[str, ...], with_usage: bool) -> AsyncIterator[str]:
+async def _stream(
+    handles: list[RequestHandle],
+    payload: Any,
+    stop: tuple[str, ...],
+    with_usage: bool,
+    prompt_tokens: int,
+    tokenizer: Any,
+    top_logprobs: int | None,
+) -> AsyncIterator[str]:
     obj = "chat.completion.chunk"
-    deltas = TextDeltas(stop)
-    # The role goes first, before any token, as OpenAI does: clients key message assembly on it.
-    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    yield sse(payload(obj, first))
+    deltas = [TextDeltas(stop) for _ in handles]
+    streamed = StreamedLogprobs(len(handles))
+
+    def logprobs(index: int, update: Update) -> dict[str, Any] | None:
+        return None if top_logprobs is None else streamed.chat_chunk(index, tokenizer, update, top_logprobs)
+
+    finals: list[Update] = []
+    # Each choice's role goes first, before any token, as OpenAI does: clients key message assembly on it.
+    for index in range(len(handles)):
+        first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield sse(payload(obj, first))
     try:
-        async for update in handle.updates():
-            text = deltas.delta(update.text, update.finished)
+        async for index, update in merged_updates(handles):
+            text = deltas[index].delta(update.text, update.finished)
             if text:
-                delta = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+                delta = {
+                    "index": index,
+                    "delta": {"content": text},
+                    "logprobs": logprobs(index, update),
+                    "finish_reason": None,
+                }
                 yield sse(payload(obj, delta))
             if update.finished:
-                yield sse(
-                    payload(obj, {"index": 0, "delta": {}, "logprobs": None, "finish_reason": update.finish_reason})
-                )
-                if with_usage:
-                    yield sse({**payload(obj), "usage": usage(handle, update)})
+                finals.append(update)
+                rest = logprobs(index, update)  # tokens whose text was held back or never shown (a stop)
+                end = {"index": index, "delta": {}, "logprobs": rest, "finish_reason": update.finish_reason}
+                yield sse(payload(obj, end))
+        if with_usage:
+            yield sse({**payload(obj), "usage": usage(prompt_tokens, finals)})
     except EngineStepError as exc:
         yield sse(error_body(str(exc), type="server_error", code=exc.code))
     yield DONE

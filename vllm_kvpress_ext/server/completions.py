@@ -1,45 +1,64 @@
-"""`POST /v1/completions`: a text or token-id prompt in, text out (whole or as SSE chunks)."""
+"""`POST /v1/completions`: text or token-id prompts in, text out (whole or as SSE chunks).
+
+`prompt` may be one prompt (a string or a list of token ids) or a batch (a list of strings or of token
+lists), as OpenAI and vLLM accept it. Each prompt, and each of its `n` samples, is its own engine
+request and its own choice (`index` = prompt x n + sample, vLLM's numbering); `usage` sums over them
+and counts each prompt's tokens once.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle
+from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
 from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
+from vllm_kvpress_ext.server.logprobs import StreamedLogprobs, completion_logprobs, vllm_prompt_logprobs
 from vllm_kvpress_ext.server.prompts import check_text, encode_bounded
 from vllm_kvpress_ext.server.protocol import CompletionRequest
 from vllm_kvpress_ext.server.serving import (
     ServerState,
+    abort_all,
     check_model,
     check_unsupported,
     final_response,
     include_usage,
+    merged_updates,
     new_id,
-    sampling_params,
-    submit,
+    sample_params,
+    submit_all,
     usage,
 )
 from vllm_kvpress_ext.server.streaming import DONE, AbortingStreamingResponse, TextDeltas, sse
 
+#: Prompts one request may batch: each is an engine request, so a batch is bounded like the queue is.
+MAX_PROMPTS = 256
 
-def prompt_token_ids(state: ServerState, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
-    """One prompt as token ids. Batches (several prompts) are refused: one request, one stream."""
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise bad_request(f"only one prompt per request is supported, got {len(prompt)}", param="prompt")
-        return prompt_token_ids(state, prompt[0])
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+def _one_prompt(state: ServerState, prompt: str | list[int], param: str) -> list[int]:
     if isinstance(prompt, str):
         if state.tokenizer is None:
-            raise bad_request("this model has no tokenizer: send the prompt as token ids", param="prompt")
-        check_text(prompt, "prompt")
+            raise bad_request("this model has no tokenizer: send the prompt as token ids", param=param)
+        check_text(prompt, param)
         return encode_bounded(state.tokenizer, prompt, state.max_model_len)
-    return [int(t) for t in prompt]  # type: ignore[arg-type]
+    return [int(t) for t in prompt]
+
+
+def prompt_batch(state: ServerState, prompt: Prompt) -> list[list[int]]:
+    """The request's prompts as token ids: one for a string or a token list, several for a batch."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+        return [_one_prompt(state, p, "prompt") for p in prompt]
+    return [_one_prompt(state, prompt, "prompt")]  # type: ignore[arg-type]
 
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -47,18 +66,27 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state: ServerState = request.app.state.kvpress
     check_model(state, body.model)
     check_unsupported(body)
-    if body.echo:
-        raise unsupported("echo", "echo=true is not supported")
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "only best_of=1 is supported")
-    if body.logprobs is not None:
-        raise unsupported("logprobs", "logprobs are not supported")
     if body.suffix:
         raise unsupported("suffix", "suffix is not supported")
+    if body.stream and body.max_tokens == 0:
+        raise unsupported("max_tokens", "max_tokens=0 is not supported with stream=true")
+    if body.stream and body.prompt_logprobs is not None:
+        raise unsupported("prompt_logprobs", "prompt_logprobs are not supported with stream=true")
+    score_only = body.max_tokens == 0
+    if score_only and not body.echo:
+        raise bad_request("max_tokens=0 needs echo=true: it returns the prompt (and its logprobs)", param="max_tokens")
     # Off the event loop: a long prompt must not stall other connections (or /health) while it tokenizes.
-    token_ids = await asyncio.to_thread(prompt_token_ids, state, body.prompt)
-    params = sampling_params(body, body.max_tokens or 16)
-    handle = await submit(state, body, token_ids, params, arrival, "prompt")
+    prompts = await asyncio.to_thread(prompt_batch, state, body.prompt)
+    # The engine always generates at least one token; a prompt-scoring request's is dropped below.
+    max_tokens = 1 if score_only else (16 if body.max_tokens is None else body.max_tokens)
+    # The prompt's logprobs feed echo's legacy lists and vLLM's `prompt_logprobs`: the larger top-k serves both.
+    wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    prompt_logprobs = max(wanted) if wanted else None
+    samples = sample_params(body, max_tokens, len(prompts), body.logprobs, prompt_logprobs)
+    handles = await submit_all(state, body, prompts, samples, arrival, "prompt")
+    prompt_tokens = sum(len(p) for p in prompts)
     completion_id = new_id("cmpl")
     created = int(time.time())
 
@@ -71,28 +99,95 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             "choices": list(choices),
         }
 
+    def echoed_text(prompt_index: int) -> str:
+        given = body.prompt if isinstance(body.prompt, str) else None
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+            given = str(body.prompt[prompt_index])
+        if given is not None:
+            return given
+        return str(state.tokenizer.decode(prompts[prompt_index])) if state.tokenizer is not None else ""
+
+    def echo_chunk(index: int, first: Update) -> dict[str, Any]:
+        """A stream's first chunk of a choice with `echo`: the prompt, with its logprobs when asked."""
+        prompt_index = index // len(samples)
+        logprobs = None
+        if body.logprobs is not None:
+            entries = first.prompt_logprobs or []
+            logprobs = completion_logprobs(state.tokenizer, prompts[prompt_index], entries, body.logprobs)
+        return {"index": index, "text": echoed_text(prompt_index), "logprobs": logprobs, "finish_reason": None}
+
     if body.stream:
         return AbortingStreamingResponse(
-            _stream(handle, payload, params.stop, include_usage(body)), on_close=handle.abort
+            _stream(
+                handles,
+                payload,
+                samples[0].stop,
+                include_usage(body),
+                prompt_tokens,
+                state.tokenizer,
+                body.logprobs,
+                echo_chunk if body.echo else None,
+            ),
+            on_close=abort_all(handles),
         )
-    return await final_response(
-        handle,
-        request,
-        payload,
-        lambda final: {"index": 0, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason},
-    )
+
+    def choice(index: int, final: Update) -> dict[str, Any]:
+        prompt_index = index // len(samples)
+        text = (echoed_text(prompt_index) if body.echo else "") + final.text
+        logprobs = None
+        if body.logprobs is not None:
+            token_ids, entries = list(final.token_ids), list(final.logprobs or [])
+            if body.echo:
+                token_ids = prompts[prompt_index] + token_ids
+                entries = list(final.prompt_logprobs or []) + entries
+            logprobs = completion_logprobs(state.tokenizer, token_ids, entries, body.logprobs)
+        answer = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": final.finish_reason}
+        if body.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(
+                state.tokenizer, prompts[prompt_index], final.prompt_logprobs or [], body.prompt_logprobs
+            )
+        return answer
+
+    def without_generation(final: Update) -> Update:
+        return dataclasses.replace(final, token_ids=[], text="", logprobs=[] if final.logprobs is not None else None)
+
+    finalize = without_generation if score_only else None
+    return await final_response(handles, request, payload, choice, prompt_tokens, finalize)
 
 
-async def _stream(handle: RequestHandle, payload: Any, stop: tuple[str, ...], with_usage: bool) -> AsyncIterator[str]:
-    deltas = TextDeltas(stop)
+async def _stream(
+    handles: list[RequestHandle],
+    payload: Any,
+    stop: tuple[str, ...],
+    with_usage: bool,
+    prompt_tokens: int,
+    tokenizer: Any,
+    top_logprobs: int | None,
+    echo: Callable[[int, Update], dict[str, Any]] | None,
+) -> AsyncIterator[str]:
+    deltas = [TextDeltas(stop) for _ in handles]
+    streamed = StreamedLogprobs(len(handles))
+    echoed: set[int] = set()
+    finals: list[Update] = []
     try:
-        async for update in handle.updates():
-            text = deltas.delta(update.text, update.finished)
+        async for index, update in merged_updates(handles):
+            if echo is not None and index not in echoed:
+                echoed.add(index)
+                chunk = echo(index, update)
+                if chunk["logprobs"] is not None:  # the answer's text offsets continue after the prompt's
+                    streamed.offset[index] = sum(len(t) for t in chunk["logprobs"]["tokens"])
+                yield sse(payload(chunk))
+            text = deltas[index].delta(update.text, update.finished)
             if text or update.finished:
                 reason = update.finish_reason if update.finished else None
-                yield sse(payload({"index": 0, "text": text, "logprobs": None, "finish_reason": reason}))
-            if update.finished and with_usage:
-                yield sse({**payload(), "usage": usage(handle, update)})
+                logprobs = (
+                    None if top_logprobs is None else streamed.completion_chunk(index, tokenizer, update, top_logprobs)
+                )
+                yield sse(payload({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}))
+            if update.finished:
+                finals.append(update)
+        if with_usage:
+            yield sse({**payload(), "usage": usage(prompt_tokens, finals)})
     except EngineStepError as exc:
         yield sse(error_body(str(exc), type="server_error", code=exc.code))
     yield DONE

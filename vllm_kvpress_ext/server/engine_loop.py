@@ -36,6 +36,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_kvpress_ext.engine import LLMEngine, RequestOutput, SamplingParams
 from vllm_kvpress_ext.engine.request import KVStats
@@ -78,12 +79,15 @@ class KVSummary:
     kv_bytes: int
     kv_bytes_peak: int
     compression_seconds: float
+    tokens_full: int = 0
 
     @classmethod
     def of(cls, kv: KVStats | None, policy: str) -> KVSummary:
         if kv is None:
             return cls(policy, 0, 1.0, 0, 0, 0.0)
-        return cls(policy, kv.tokens_kept, kv.retention, kv.kv_bytes, kv.kv_bytes_peak, kv.compression_seconds)
+        return cls(
+            policy, kv.tokens_kept, kv.retention, kv.kv_bytes, kv.kv_bytes_peak, kv.compression_seconds, kv.tokens_full
+        )
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,10 @@ class Update:
     finished: bool
     finish_reason: str | None = None
     kv: KVSummary | None = None  # set when finished
+    # For requests that asked (SamplingParams.logprobs / prompt_logprobs), in every update: the output
+    # tokens' so far, and the prompt's (complete once the prefill is, i.e. from the first update on).
+    logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -353,14 +361,16 @@ class EngineLoop:
             self._post(tracked, Failure(f"the engine failed while running this request ({out.error}); it was aborted"))
             return 1
         if out.finished:
-            self._finish(tracked, out.output_token_ids, out.text, out.finish_reason or "stop")
+            self._finish(tracked, out, out.finish_reason or "stop")
             return 1
-        update = Update(list(out.output_token_ids), out.text, False)
+        update = Update(
+            list(out.output_token_ids), out.text, False, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs
+        )
         tracked.last_update = update
         self._post(tracked, update)
         return 0
 
-    def _finish(self, tracked: _Tracked, token_ids: list[int], text: str, reason: str) -> None:
+    def _finish(self, tracked: _Tracked, out: RequestOutput, reason: str) -> None:
         handle = tracked.add.handle
         del self._tracked[handle.request_id]
         kv = KVSummary.of(tracked.kv, handle.policy)
@@ -370,7 +380,10 @@ class EngineLoop:
             self.metrics.retention.labels(policy=handle.policy).observe(kv.retention)
             if handle.policy != "full":
                 self.metrics.compression.labels(policy=handle.policy).observe(kv.compression_seconds)
-        self._post(tracked, Update(list(token_ids), text, True, reason, kv))
+        self._post(
+            tracked,
+            Update(list(out.output_token_ids), out.text, True, reason, kv, out.logprobs, out.prompt_logprobs),
+        )
 
     def _batch_of_failed_step(self) -> list[str]:
         """The requests the failed step may have touched.

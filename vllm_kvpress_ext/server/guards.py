@@ -1,7 +1,11 @@
 """What keeps one bad request from costing anyone else: a body-size limit and contained 500s.
 
 `BodySizeLimit` answers 413 before a large body is parsed (by `Content-Length`, or by counting a
-chunked body as it arrives), so a 50 MB upload never reaches the JSON parser or the tokenizer.
+chunked body as it arrives), so a 50 MB upload never reaches the JSON parser or the tokenizer. The
+rest of the body is read and dropped (up to `DRAIN_BYTES`) before the answer goes out: a server that
+closes while the client is still sending resets the connection, and a client that writes the whole
+body before reading (httpx's AsyncClient, so the async openai SDK) then sees a `ReadError` instead
+of the 413. Past `DRAIN_BYTES` the server answers at once and closes.
 
 `GuardedRoute` turns an unexpected exception in a handler into a 500 with OpenAI's error shape
 *inside* the route. Starlette's last-resort handler re-raises after answering, which makes the
@@ -34,30 +38,39 @@ class _TooLarge(HTTPException):
         super().__init__(413, f"the request body exceeds this server's limit of {max_bytes} bytes")
 
 
+#: Bytes of an oversized body read and dropped so that its sender reads the 413 (see the module doc).
+DRAIN_BYTES = 64 << 20
+
+
 class BodySizeLimit:
     """ASGI middleware: HTTP requests whose body exceeds `max_bytes` get 413 and are never parsed."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, drain_bytes: int = DRAIN_BYTES) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.drain_bytes = drain_bytes
 
     def _message(self) -> str:
         return f"the request body exceeds this server's limit of {self.max_bytes} bytes"
 
-    async def _reject(self, send: Send) -> None:
+    async def _drain(self, receive: Receive, seen: int) -> bool:
+        """Read and drop the rest of the body; False when the client left or the body passed `drain_bytes`."""
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return False
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return True
+            if seen > self.drain_bytes:
+                return False
+
+    async def _reject(self, send: Send, drained: bool) -> None:
         body = json.dumps(error_body(self._message(), code="request_too_large")).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                # The rest of the body is not read: the connection cannot be reused.
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if not drained:
+            headers.append((b"connection", b"close"))  # unread body bytes: the connection cannot be reused
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -66,7 +79,8 @@ class BodySizeLimit:
             return
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(send)
+            drained = int(declared) <= self.drain_bytes and await self._drain(receive, 0)
+            await self._reject(send, drained)
             return
         seen = 0
         started = False
@@ -89,7 +103,7 @@ class BodySizeLimit:
             await self.app(scope, counted_receive, tracked_send)
         except _TooLarge:
             if not started:
-                await self._reject(send)
+                await self._reject(send, await self._drain(receive, seen))
 
 
 class GuardedRoute(APIRoute):

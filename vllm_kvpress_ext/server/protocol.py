@@ -7,13 +7,16 @@ notice. vLLM's sampling extensions are implemented (`top_k`, `min_p`, `repetitio
 and frequency penalties too). vLLM extensions this engine has no use for (`use_beam_search`,
 `length_penalty`, `include_stop_str_in_output`, ...) are accepted at their neutral value
 (`NEUTRAL_ONLY`), which is what load generators send, and refused with a 400 otherwise. Parameters
-OpenAI defines but this server does not implement (`n > 1`, `echo`, `logprobs`, ...) are accepted by
+OpenAI defines but this server does not implement (`best_of > 1`, `suffix`, `tools`, ...) are accepted by
 the schema and refused with a clear 400 by the handlers, so the message says "not supported"
-instead of "unrecognized". Types are strict (`strict=True`): `"echo": 0`, `"max_tokens": 2.0` or
-`"top_k": "3"` is a 400, not a silent conversion; an integer is still a valid float.
+instead of "unrecognized". OpenAI fields that cannot change the answer (`metadata`, `store`,
+`service_tier`, ...: `IGNORED`) are accepted, logged and ignored, as vLLM does; those that would
+(`reasoning_effort`, `audio`, ...: `CHANGES_THE_RESULT`) are refused by name. Types are strict
+(`strict=True`): `"echo": 0`, `"max_tokens": 2.0` or `"top_k": "3"` is a 400, not a silent
+conversion; an integer is still a valid float.
 
-Response bodies are plain dicts built in `responses.py`: their shape is fixed by OpenAI's API and
-building them directly keeps the hot streaming path free of model validation.
+Response bodies are plain dicts built by the handlers (`completions.py`, `chat.py`): their shape is
+fixed by OpenAI's API and building them directly keeps the hot streaming path free of model validation.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from vllm_kvpress_ext.engine.sampling_params import MAX_LOGPROBS
 
 PolicyField = str | dict[str, Any] | None
 
@@ -32,12 +37,29 @@ NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,),
     "add_special_tokens": (True,),
     "truncate_prompt_tokens": (),
-    "prompt_logprobs": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
     "priority": (0,),
     "return_tokens_as_token_ids": (False,),
 }
+
+
+#: OpenAI request fields that do not change the answer (storage, tracing, billing and routing hints): accepted,
+#: logged, ignored. The openai SDK sends some of them (`metadata`, `store`); vLLM accepts them too.
+IGNORED: tuple[str, ...] = ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "user")
+
+#: OpenAI request fields that would change the answer and that this server does not implement: a 400
+#: naming the field whenever one is set (`modalities` only past its neutral `["text"]`).
+CHANGES_THE_RESULT: tuple[str, ...] = (
+    "reasoning_effort",
+    "verbosity",
+    "modalities",
+    "audio",
+    "prediction",
+    "web_search_options",
+    "functions",
+    "function_call",
+)
 
 
 class StreamOptions(BaseModel):
@@ -65,12 +87,18 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool | None = Field(default=None, description="vLLM extension (default true)")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(default=1, ge=1, le=128, description="samples per prompt; each is its own engine request")
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, description="vLLM extension; 1 = off")
     logit_bias: dict[str, float] | None = None
+    # Accepted and ignored (IGNORED): they do not change the answer.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: StrictBool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     kv_policy: PolicyField = Field(
         default=None,
         description='KV compression policy for this request: a name ("snapkv") or {"name": ..., params}',
@@ -85,7 +113,9 @@ class _SamplingFields(BaseModel):
     spaces_between_special_tokens: StrictBool | None = None
     add_special_tokens: StrictBool | None = None
     truncate_prompt_tokens: int | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="vLLM extension: the prompt tokens' logprobs, vLLM's format"
+    )
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int | None = None
@@ -96,10 +126,10 @@ class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0, description="0 only with echo: score the prompt")
     echo: StrictBool | None = False
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
 
@@ -127,7 +157,17 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None  # ignored: tools are refused, so there are no calls
+    # OpenAI fields that would change the answer (CHANGES_THE_RESULT): refused with a 400 naming them.
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None

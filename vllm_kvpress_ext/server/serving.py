@@ -7,9 +7,11 @@ engine loop only ever sees requests it can run and clients get a precise 4xx.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +34,16 @@ from vllm_kvpress_ext.server.engine_loop import (
 from vllm_kvpress_ext.server.errors import APIError, bad_request, unsupported
 from vllm_kvpress_ext.server.metrics import ServerMetrics
 from vllm_kvpress_ext.server.policy import policy_spec, resolve_policy
-from vllm_kvpress_ext.server.protocol import NEUTRAL_ONLY, ChatCompletionRequest, CompletionRequest
+from vllm_kvpress_ext.server.protocol import (
+    CHANGES_THE_RESULT,
+    IGNORED,
+    NEUTRAL_ONLY,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 _DISCONNECT_POLL_S = 0.5
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,8 +84,6 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse OpenAI parameters this server does not implement instead of silently ignoring them."""
-    if body.n not in (None, 1):
-        raise unsupported("n", "only n=1 is supported")
     for name, neutral in NEUTRAL_ONLY.items():
         value = getattr(body, name, None)
         if value is not None and value not in neutral:
@@ -84,9 +91,21 @@ def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
             raise unsupported(name, f"only {allowed} is supported, got {value!r}")
     if body.logit_bias:
         raise unsupported("logit_bias", "logit_bias is not supported")
+    for name in CHANGES_THE_RESULT:
+        value = getattr(body, name, None)
+        if value is not None and not (name == "modalities" and value == ["text"]):
+            raise unsupported(name, f"{name} is not supported (it would change the answer)")
+    ignored = [name for name in IGNORED if getattr(body, name, None) is not None]
+    if ignored:
+        logger.info("request fields accepted and ignored (they do not change the answer): %s", ", ".join(ignored))
 
 
-def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     top_k = 0 if body.top_k in (None, -1) else body.top_k
     try:
@@ -105,9 +124,33 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             frequency_penalty=body.frequency_penalty or 0.0,
             min_tokens=body.min_tokens or 0,
             skip_special_tokens=body.skip_special_tokens is not False,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+
+
+#: Engine requests one HTTP request may start (prompts x n): each holds its own pages and queue slot.
+MAX_CHOICES = 256
+
+
+def sample_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    prompts: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> list[SamplingParams]:
+    """One `SamplingParams` per sample (`n`): with a seed, sample j is seeded `seed + j`, as vLLM seeds
+    the n children of a request, so each sample is reproducible alone and the n differ."""
+    n = 1 if body.n is None else body.n
+    if n * prompts > MAX_CHOICES:
+        raise bad_request(f"n x prompts may be at most {MAX_CHOICES}, got {n} x {prompts}", param="n")
+    params = sampling_params(body, max_tokens, logprobs, prompt_logprobs)
+    if n == 1 or params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=(params.seed + j) % 2**64) for j in range(n)]
 
 
 async def submit(
@@ -166,43 +209,155 @@ async def wait_final(handle: RequestHandle, is_disconnected: Callable[[], Awaita
         handle.abort()  # no-op once finished
 
 
+async def submit_all(
+    state: ServerState,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    arrival: float,
+    prompt_param: str,
+) -> list[RequestHandle]:
+    """One engine request per (prompt, sample): `params[j]` is sample j's; prompt-major order (choice
+    index = prompt * samples + sample, as vLLM numbers them). A refusal aborts what was already submitted."""
+    handles: list[RequestHandle] = []
+    try:
+        for token_ids in prompts:
+            for sample_params in params:
+                handles.append(await submit(state, body, token_ids, sample_params, arrival, prompt_param))
+    except BaseException:
+        for handle in handles:
+            handle.abort()
+        raise
+    return handles
+
+
+def _shared_disconnect_check(is_disconnected: Callable[[], Awaitable[bool]]) -> Callable[[], Awaitable[bool]]:
+    """`is_disconnected` for many waiters at once: one of them asks the connection, the rest reuse its answer."""
+    lock = asyncio.Lock()
+    clock = asyncio.get_running_loop().time
+    last: list[float | bool] = [-_DISCONNECT_POLL_S, False]
+
+    async def check() -> bool:
+        async with lock:
+            if clock() - float(last[0]) >= _DISCONNECT_POLL_S / 2:
+                last[:] = [clock(), await is_disconnected()]
+            return bool(last[1])
+
+    return check
+
+
+async def wait_all(handles: list[RequestHandle], is_disconnected: Callable[[], Awaitable[bool]]) -> list[Update] | None:
+    """Every handle's finished update (in order), or None if the client went away; all are aborted then,
+    and when one of them fails (its `EngineStepError` is raised)."""
+    check = _shared_disconnect_check(is_disconnected) if len(handles) > 1 else is_disconnected
+    waiters = [asyncio.ensure_future(wait_final(handle, check)) for handle in handles]
+    try:
+        finals = await asyncio.gather(*waiters)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()  # a failed sibling leaves the others waiting; no-op for the done ones
+        for handle in handles:
+            handle.abort()  # no-op for the finished ones
+    if any(final is None for final in finals):
+        return None
+    return [final for final in finals if final is not None]
+
+
+async def merged_updates(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Update]]:
+    """(choice index, update) as they arrive from every handle, until all finished; an engine failure of
+    any choice is raised (`EngineStepError`) and ends the stream."""
+    if len(handles) == 1:
+        async for update in handles[0].updates():
+            yield 0, update
+        return
+    arrivals: asyncio.Queue[tuple[int, Update | EngineStepError]] = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        try:
+            async for update in handle.updates():
+                arrivals.put_nowait((index, update))
+        except EngineStepError as exc:
+            arrivals.put_nowait((index, exc))
+
+    pumps = [asyncio.ensure_future(pump(i, handle)) for i, handle in enumerate(handles)]
+    remaining = len(handles)
+    try:
+        while remaining:
+            index, item = await arrivals.get()
+            if isinstance(item, EngineStepError):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield index, item
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+def abort_all(handles: list[RequestHandle]) -> Callable[[], None]:
+    def abort() -> None:
+        for handle in handles:
+            handle.abort()
+
+    return abort
+
+
 def engine_failure(exc: EngineStepError) -> APIError:
     status = 503 if exc.code == SHUTTING_DOWN else 500
     return APIError(status, str(exc), type="server_error", code=exc.code)
 
 
 async def final_response(
-    handle: RequestHandle,
+    handles: list[RequestHandle],
     request: Request,
     payload: Callable[..., dict[str, Any]],
-    choice: Callable[[Update], dict[str, Any]],
+    choice: Callable[[int, Update], dict[str, Any]],
+    prompt_tokens: int,
+    finalize: Callable[[Update], Update] | None = None,
 ) -> Response:
-    """The non-streaming answer: wait for the finished update, then one JSON body with its usage."""
+    """The non-streaming answer: wait for every choice's finished update, then one JSON body with the usage.
+
+    `choice(index, final)` builds one choice; `prompt_tokens` counts each prompt once (n samples of a
+    prompt share it), as OpenAI and vLLM count it; `finalize` rewrites each final update first (e.g.
+    drops the token a prompt-scoring request generated only because the engine always generates one).
+    """
     try:
-        final = await wait_final(handle, request.is_disconnected)
+        finals = await wait_all(handles, request.is_disconnected)
     except EngineStepError as exc:
         raise engine_failure(exc) from None
-    if final is None:
+    if finals is None:
         return Response(status_code=499)  # client closed the connection; nobody reads this
-    return JSONResponse({**payload(choice(final)), "usage": usage(handle, final)})
+    if finalize is not None:
+        finals = [finalize(final) for final in finals]
+    # Off the event loop: per-token log-probabilities of a long echoed prompt mean many decodes.
+    choices = await asyncio.to_thread(lambda: [choice(index, final) for index, final in enumerate(finals)])
+    return JSONResponse({**payload(*choices), "usage": usage(prompt_tokens, finals)})
 
 
-def usage(handle: RequestHandle, update: Update) -> dict[str, Any]:
-    """OpenAI's usage block plus the KV figures the page pool reported for this request."""
-    completion = len(update.token_ids)
+def usage(prompt_tokens: int, finals: list[Update]) -> dict[str, Any]:
+    """OpenAI's usage block plus the KV figures the page pool reported, summed over the request's choices.
+
+    Bytes, peaks and kept tokens add up (a response's engine requests run side by side, so the summed
+    peak bounds what they held at once); retention is kept over full tokens.
+    """
+    completion = sum(len(final.token_ids) for final in finals)
     block: dict[str, Any] = {
-        "prompt_tokens": handle.prompt_tokens,
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
-        "total_tokens": handle.prompt_tokens + completion,
+        "total_tokens": prompt_tokens + completion,
     }
-    kv = update.kv
-    if kv is not None:
+    kvs = [final.kv for final in finals if final.kv is not None]
+    if kvs:
+        kept = sum(kv.tokens_kept for kv in kvs)
+        full = sum(kv.tokens_full for kv in kvs)
+        retention = kvs[0].retention if len(kvs) == 1 else (kept / full if full else 1.0)
         block.update(
-            kv_tokens_kept=kv.tokens_kept,
-            kv_retention=round(kv.retention, 6),
-            kv_bytes=kv.kv_bytes,
-            kv_bytes_peak=kv.kv_bytes_peak,
-            kv_policy=kv.policy,
+            kv_tokens_kept=kept,
+            kv_tokens_full=full,
+            kv_retention=round(retention, 6),
+            kv_bytes=sum(kv.kv_bytes for kv in kvs),
+            kv_bytes_peak=sum(kv.kv_bytes_peak for kv in kvs),
+            kv_policy=kvs[0].policy,
         )
     return block
 

@@ -137,12 +137,26 @@ def refuse_without_plugin(engine_args: Any) -> None:
 
 def install_gguf_models() -> None:
     """Wrap `EngineArgs.create_engine_config` once per process: both `vllm serve` and offline `vllm.LLM`
-    build their config there, before vLLM first reads the model path (its speculators probe)."""
+    build their config there, before vLLM first reads the model path (its speculators probe).
+
+    With `HF_HUB_OFFLINE=1`, `EngineArgs.__post_init__` runs earlier still and asks the hub cache for
+    the model by name (`get_model_path`), which fails for a catalog name; the wrapper installed here
+    hands a GGUF spec back unchanged so `create_engine_config` can resolve it from the model cache.
+    """
+    from vllm.engine import arg_utils
     from vllm.engine.arg_utils import EngineArgs
 
     if getattr(EngineArgs, "_kvpress_gguf_installed", False):
         return
     original = EngineArgs.create_engine_config
+    original_get_model_path = arg_utils.get_model_path
+
+    def get_model_path(model: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm_kvpress_ext.vllm_plugin.activation import plugin_active
+
+        if plugin_active() and is_gguf_spec(str(model)):
+            return model  # resolved (pulled at most once, then from the local cache) by adapt_engine_args
+        return original_get_model_path(model, *args, **kwargs)
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         from vllm_kvpress_ext.vllm_plugin.activation import mode, plugin_active
@@ -154,4 +168,5 @@ def install_gguf_models() -> None:
         return original(self, *args, **kwargs)
 
     EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    arg_utils.get_model_path = get_model_path
     EngineArgs._kvpress_gguf_installed = True  # type: ignore[attr-defined]

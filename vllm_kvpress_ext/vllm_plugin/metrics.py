@@ -100,16 +100,20 @@ class EngineMetrics:
         self.write(force=True)
 
     def pool(self, report: PoolReport, running: int, waiting: int) -> None:
-        self.gauges = {
-            "pages_total": report.pages_total,
-            "pages_free": report.pages_free,
-            "pages_held": report.pages_total - report.pages_free,
-            "page_bytes": report.page_bytes,
-            "requests_running": running,
-            "requests_waiting": waiting,
-            "requests_running_peak": self.running_peak,
-        }
-        self.write()
+        self.gauges.update(
+            pages_total=report.pages_total,
+            pages_free=report.pages_free,
+            pages_held=report.pages_total - report.pages_free,
+            page_bytes=report.page_bytes,
+        )
+        self.requests(running, waiting)
+
+    def requests(self, running: int, waiting: int) -> None:
+        """The request gauges; written at once when they change, so the last value of a burst is never
+        lost to the write interval (an idle engine runs no further step that would write it)."""
+        changed = (self.gauges.get("requests_running"), self.gauges.get("requests_waiting")) != (running, waiting)
+        self.gauges.update(requests_running=running, requests_waiting=waiting, requests_running_peak=self.running_peak)
+        self.write(force=changed)
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -6,6 +6,10 @@
 - Out: a non-streaming completion or chat response carries the worker's KV figures as
   `kv_transfer_params.kvpress`; they are moved into `usage` (`kv_policy`, `kv_bytes`,
   `kv_bytes_peak`, `kv_retention`, `kv_tokens_kept`), the same fields the embedded server reports.
+  Streams get them in their final usage chunk (`usage.py`, which also sums batched prompts and n
+  samples).
+- A body that is not JSON goes to vLLM as sent, which answers it with its own 400; one nested too
+  deeply for Python's parser (where vLLM's parse would fail the same way) is an OpenAI-shaped 400 here.
 
 Installed by the general plugin around vLLM's `build_app`, so nothing needs configuring (vLLM's
 `vllm.endpoint_plugins` group is not used: it loads only when `VLLM_PLUGINS` names it, and warns
@@ -22,6 +26,7 @@ from typing import Any
 from vllm_kvpress_ext.server.errors import APIError
 from vllm_kvpress_ext.server.policy import policy_spec
 from vllm_kvpress_ext.vllm_plugin.metrics import choose_metrics_file, register_collector
+from vllm_kvpress_ext.vllm_plugin.usage import install_usage_hooks, usage_fields
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -29,15 +34,17 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
-USAGE_FIELDS = ("kv_bytes", "kv_bytes_peak", "kv_retention", "kv_tokens_kept", "kv_tokens_full")
 
 
 def rewrite_request(payload: dict[str, Any]) -> dict[str, Any]:
     """Fold a top-level `kv_policy` into `vllm_xargs` (raises `APIError` when they disagree or are invalid)."""
     if "kv_policy" not in payload:
         return payload
+    raw_xargs = payload.get("vllm_xargs")
+    if raw_xargs is not None and not isinstance(raw_xargs, dict):
+        raise APIError(400, f"vllm_xargs must be an object, got {type(raw_xargs).__name__}", param="vllm_xargs")
     body_policy = payload.pop("kv_policy")
-    xargs = dict(payload.get("vllm_xargs") or {})
+    xargs = dict(raw_xargs or {})
     kv_fields = {k: v for k, v in xargs.items() if k.startswith("kv_") and k != "kv_transfer_params"}
     if kv_fields and "kv_policy" not in kv_fields:
         # Flat `kv_<param>` fields refine the body's policy.
@@ -63,8 +70,7 @@ def rewrite_response(payload: dict[str, Any]) -> dict[str, Any]:
         payload.pop("kv_transfer_params")
     usage = payload.get("usage")
     if isinstance(usage, dict):
-        usage["kv_policy"] = figures.get("policy", "full")
-        usage.update({k: figures[k] for k in USAGE_FIELDS if k in figures})
+        usage.update(usage_fields(figures))
     return payload
 
 
@@ -72,6 +78,13 @@ def _error_body(exc: APIError) -> bytes:
     return json.dumps(
         {"error": {"message": str(exc), "type": "BadRequestError", "param": exc.param, "code": exc.status}}
     ).encode()
+
+
+async def _send_error(send: Send, exc: APIError) -> None:
+    error = _error_body(exc)
+    headers = _with_length([(b"content-type", b"application/json")], len(error))
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": error})
 
 
 def _with_length(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
@@ -96,21 +109,22 @@ class KVPressMiddleware:
             if not message.get("more_body", False):
                 break
         try:
-            payload = json.loads(body)
-        except ValueError:
-            payload = None
-        if isinstance(payload, dict):
             try:
+                payload = json.loads(body)
+            except ValueError:
+                payload = None  # not JSON: vLLM gets the body as sent and answers it with its own 400
+            if isinstance(payload, dict):
                 payload = rewrite_request(payload)
-            except APIError as exc:
-                error = _error_body(exc)
-                headers = [(b"content-type", b"application/json")]
-                await send(
-                    {"type": "http.response.start", "status": exc.status, "headers": _with_length(headers, len(error))}
-                )
-                await send({"type": "http.response.body", "body": error})
-                return
-            body = json.dumps(payload).encode()
+                body = json.dumps(payload).encode()
+        except RecursionError:
+            # Nested deeper than Python's parser goes (vLLM's own parse would fail the same way); also a
+            # body parsed right at the limit that cannot be re-encoded, whose `kv_policy` must not be lost.
+            await _send_error(send, APIError(400, "malformed JSON body: nested too deeply"))
+            return
+        except APIError as exc:
+            await _send_error(send, exc)
+            return
+        if isinstance(payload, dict):
             scope = dict(scope)
             scope["headers"] = _with_length(list(scope.get("headers", [])), len(body))
         delivered = False
@@ -182,6 +196,7 @@ def install_into_api_server() -> None:
     if multiprocessing.parent_process() is not None:
         return
     choose_metrics_file()
+    install_usage_hooks()
     try:
         from vllm.entrypoints.launchers import app as app_module
         from vllm.entrypoints.launchers.api_server import entry

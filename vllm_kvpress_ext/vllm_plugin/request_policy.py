@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_kvpress_ext.engine.sampling_params import MAX_LOGPROBS
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
 from vllm_kvpress_ext.server.errors import APIError
 from vllm_kvpress_ext.server.policy import policy_spec, resolve_policy
@@ -48,9 +49,11 @@ def default_policy(additional_config: dict[str, Any] | None) -> KVPolicy | None:
 
 def unsupported_sampling(params: Any) -> tuple[str, str] | None:
     """(parameter, reason) for the first sampling feature the plugin's worker does not implement."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            return name, f"{name} must be in [0, {MAX_LOGPROBS}] with the vllm-kvpress-ext worker, got {value}"
     checks: list[tuple[str, bool]] = [
-        ("logprobs", params.logprobs is not None),
-        ("prompt_logprobs", params.prompt_logprobs is not None),
         ("presence_penalty", params.presence_penalty != 0.0),
         ("frequency_penalty", params.frequency_penalty != 0.0),
         ("repetition_penalty", params.repetition_penalty != 1.0),

@@ -173,6 +173,9 @@ class KVPressScheduler(Scheduler):
         finished = super().finish_requests(request_ids, finished_status)
         for request in finished or ():
             self._credit_finished(request.request_id)
+        # An abort (a stop string seen by the API process, a client gone) may be the engine's last event
+        # before it idles: no step follows to update the gauges.
+        self.metrics.requests(running=len(self.running), waiting=len(self.waiting))
         return finished
 
     # ------------------------------------------------------------------ outputs

@@ -17,14 +17,15 @@ import math
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY, ModelRunner, Schedule, ScheduledChunk
 from vllm_kvpress_ext.engine.request import Request, RequestStatus
-from vllm_kvpress_ext.engine.sampler import sample
+from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.server.policy import policy_label
@@ -48,6 +49,8 @@ def runner_sampling_params(params: Any) -> SamplingParams:
         top_k=max(int(params.top_k or 0), 0),
         seed=params.seed,
         ignore_eos=True,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
     )
 
 
@@ -76,6 +79,7 @@ class KVPressWorker(WorkerBase):
     ) -> None:
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         self.requests: dict[str, Request] = {}
+        self.prompt_logprobs_sent: set[str] = set()  # requests whose prompt logprobs went out (once each)
         self.runner: ModelRunner | None = None
         self.default_policy: KVPolicy | None = None
 
@@ -204,6 +208,7 @@ class KVPressWorker(WorkerBase):
         sampled: dict[str, int] = {}
         if result.logits is not None:
             tokens = sample(result.logits, result.sample, runner.config.eos_token_ids)
+            record_logprobs(result.sample, result.logits, tokens)
             for request, token in zip(result.sample, tokens, strict=True):
                 request.output_token_ids.append(token)
                 sampled[request.request_id] = token
@@ -216,14 +221,56 @@ class KVPressWorker(WorkerBase):
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=[[sampled[rid]] if rid in sampled else [] for rid in req_ids],
         )
+        output.logprobs = self._sampled_logprobs(req_ids, sampled)
+        output.prompt_logprobs_dict = self._prompt_logprobs(sampled)
         output.kvpress = self._report(sampled, failed)  # type: ignore[attr-defined]
         return output
+
+    def _sampled_logprobs(self, req_ids: list[str], sampled: dict[str, int]) -> LogprobsLists | None:
+        """vLLM's per-step logprobs: row i for `req_ids[i]`, column 0 the sampled token, then its top-k."""
+        asking = [rid for rid in req_ids if rid in sampled and self.requests[rid].params.logprobs is not None]
+        if not asking:
+            return None
+        width = 1 + max(int(self.requests[rid].params.logprobs or 0) for rid in asking)
+        token_ids = np.zeros((len(req_ids), width), dtype=np.int64)
+        logprobs = np.full((len(req_ids), width), -np.inf, dtype=np.float32)
+        ranks = np.zeros(len(req_ids), dtype=np.int64)
+        index = {rid: i for i, rid in enumerate(req_ids)}
+        for rid in asking:
+            entry = self.requests[rid].output_logprobs[-1]
+            row = index[rid]
+            token_ids[row, 0], logprobs[row, 0], ranks[row] = entry.token_id, entry.logprob, entry.rank
+            for column, (alt_id, alt_logprob) in enumerate(entry.top, start=1):
+                token_ids[row, column], logprobs[row, column] = alt_id, alt_logprob
+        return LogprobsLists(token_ids, logprobs, ranks)
+
+    def _prompt_logprobs(self, sampled: dict[str, int]) -> dict[str, LogprobsTensors | None]:
+        """The whole prompt's logprobs, sent once, in the step that ends its prefill (vLLM sends no partial
+        prefill output): row p scores prompt token p + 1, column 0 that token, then the top-k."""
+        out: dict[str, LogprobsTensors | None] = {}
+        for rid in sampled:
+            request = self.requests[rid]
+            k = request.params.prompt_logprobs
+            if k is None or rid in self.prompt_logprobs_sent:
+                continue
+            self.prompt_logprobs_sent.add(rid)
+            entries = request.prompt_logprobs[1:]
+            token_ids = torch.zeros((len(entries), k + 1), dtype=torch.int64)
+            logprobs = torch.full((len(entries), k + 1), float("-inf"), dtype=torch.float32)
+            ranks = torch.zeros(len(entries), dtype=torch.int64)
+            for row, entry in enumerate(entries):
+                token_ids[row, 0], logprobs[row, 0], ranks[row] = entry.token_id, entry.logprob, entry.rank
+                for column, (alt_id, alt_logprob) in enumerate(entry.top, start=1):
+                    token_ids[row, column], logprobs[row, column] = alt_id, alt_logprob
+            out[rid] = LogprobsTensors(token_ids, logprobs, ranks)
+        return out
 
     def _forget(self, scheduler_output: Any) -> None:
         """Free finished requests; free preempted ones but keep them for their recomputation."""
         runner = self.runner
         assert runner is not None
         for request_id in scheduler_output.finished_req_ids:
+            self.prompt_logprobs_sent.discard(request_id)
             request = self.requests.pop(request_id, None)
             if request is not None:
                 runner.release(request)
