@@ -91,7 +91,10 @@ class WriteGates(nn.Module):
                 f"{where} are for a model with (layers, KV heads, head_dim) = {have}, but the model has {want}"
             )
 
-    def save(self, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
+    def save(
+        self, path: str | Path, metadata: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32
+    ) -> Path:
+        """Write the gates as safetensors in `dtype` (they are always loaded back as fp32)."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -104,7 +107,7 @@ class WriteGates(nn.Module):
             "parameters": sum(p.numel() for p in self.parameters()),
         }
         meta = {"format": "wgkv-gates-v1", "shape": json.dumps(shape), "info": json.dumps(metadata or {})}
-        tensors = {name: p.detach().float().contiguous().cpu() for name, p in self.named_parameters()}
+        tensors = {name: p.detach().to(dtype).contiguous().cpu() for name, p in self.named_parameters()}
         save_file(tensors, str(path), metadata=meta)
         return path
 
@@ -133,7 +136,8 @@ def load_gates(path: str | Path, device: torch.device | str = "cpu") -> WriteGat
             raise ValueError(f"{path} is not a write-gate file (format {meta.get('format')!r})")
         shape = json.loads(meta["shape"])
         gates = WriteGates(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], shape["hidden"])
-        state = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - safe_open is not a dict
+        # Shipped gates may be fp16: the gates always run in fp32.
+        state = {name: handle.get_tensor(name).float() for name in handle.keys()}  # noqa: SIM118 - not a dict
     gates.load_state_dict(state)
     return gates.to(device).eval()
 
