@@ -149,16 +149,24 @@ class PrefillContext:
             out.copy_(vertical_slash_attention(q, k, v, admitted, window, self.scale))
             return True
         cache = self.cache
-        keys, values, _, _ = gather_paged(
+        keys, values, positions, valid = gather_paged(
             cache.pool.kv,
             cache.pool.positions,
             cache.device_block_tables[layer_idx, seg.row],
             cache.device_seq_lens[layer_idx, seg.row],
-        )
+        )  # [H, N, d]: earlier chunks left each head only its admitted entries and the last window
+        # Back to one row per position: the entries earlier chunks dropped are exactly the ones this
+        # chunk's mask hides, so the zeros standing in for them are never attended to, and the result
+        # is bit for bit what the whole prefix gives.
+        heads, _, dim = keys.shape
+        dense_keys = keys.new_zeros(seg.end, heads, dim)
+        dense_values = values.new_zeros(seg.end, heads, dim)
+        head_index = torch.arange(heads, device=keys.device).view(-1, 1).expand_as(positions)[valid]
+        position_index = positions[valid].to(torch.int64)
+        dense_keys[position_index, head_index] = keys[valid]
+        dense_values[position_index, head_index] = values[valid]
         out.copy_(
-            vertical_slash_attention(
-                q, keys.transpose(0, 1), values.transpose(0, 1), admitted, window, self.scale, query_start=seg.start
-            )
+            vertical_slash_attention(q, dense_keys, dense_values, admitted, window, self.scale, query_start=seg.start)
         )
         return True
 

@@ -264,6 +264,8 @@ class ModelRunner:
                     raise compression.error
                 if chunk.end == req.prefill_target:
                     self.complete_prefill(req, compression)
+                elif req.admission is not None:
+                    self._drop_unadmitted(req)
             except Exception as exc:
                 failed.append(RequestFailure(req, exc))
                 continue
@@ -417,6 +419,19 @@ class ModelRunner:
         self.update_kv_stats(request)
         if policy is not None and request.params.return_kept:  # before any later token enters the cache
             request.kv.kept_at_compression = kept_entries(self.cache, request.request_id)
+
+    def _drop_unadmitted(self, request: Request) -> None:
+        """Admission during a chunked prefill: what the gates did not admit leaves the cache with its chunk.
+
+        After each chunk but the last, every head keeps only its admitted entries and the last W
+        tokens (which the next chunk's band still reaches), so the prefill peak is about the admitted
+        tokens plus one chunk and the window rather than the whole prompt. The next chunk's attention
+        sees exactly the keys the whole prefix would show it, and `start_ring` ends with the cache the
+        whole prompt would give.
+        """
+        assert request.admission is not None and request.admitted is not None
+        admitted = torch.stack([torch.cat(chunks, dim=-1) for chunks in request.admitted]).cpu()  # [L, H, n]
+        self.cache.drop_unadmitted(request.request_id, request.admission.window, admitted)
 
     def _start_ring(self, request: Request) -> None:
         """Admission at prefill completion: last W tokens into the ring, older ones kept only if admitted."""
