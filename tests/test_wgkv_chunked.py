@@ -11,9 +11,13 @@ import torch
 from model_utils import write_suite_model
 
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
+from vllm_kvpress_ext.engine.layerwise import prefill_reservation
 from vllm_kvpress_ext.engine.model_runner import ModelRunner
+from vllm_kvpress_ext.engine.request import RequestStatus
 from vllm_kvpress_ext.models import load_config
 from vllm_kvpress_ext.models.write_gate import WriteGates
+from vllm_kvpress_ext.policies import WGKVPolicy, load_policy
+from vllm_kvpress_ext.policies.base import full_prompt_pages
 
 PAGE = 8
 WINDOW = 16
@@ -95,3 +99,85 @@ def test_chunkwise_admission_gives_exactly_the_prefill_completion_cache(
         assert chunked["peak"] < whole["peak"]  # the saving happens during the prefill, not after it
     else:
         assert chunked["peak"] == whole["peak"]  # one chunk (or a last chunk reaching into the window)
+
+
+def capped(gates: Path, cap: int = 8) -> dict[str, Any]:
+    return {"name": "wgkv", "gates": str(gates), "tau": 0.5, "cap": cap, "local_window": WINDOW}
+
+
+@pytest.mark.parametrize("chunk", [8, 24, 40, 64])
+def test_capped_admission_never_holds_more_pages_than_it_declared(model_dir: Path, gates: Path, chunk: int) -> None:
+    config = load_config(model_dir)
+    layers, heads, length = config.num_hidden_layers, config.num_key_value_heads, 200
+    policy = load_policy(capped(gates))
+    declared = policy.chunked_prefill_peak_pages(length, layers, heads, PAGE, chunk)
+    assert declared < full_prompt_pages(length, layers, heads, PAGE)
+    engine = LLMEngine(model_dir, num_pages=512, page_size=PAGE, max_num_batched_tokens=chunk)
+    request_id = engine.add_request(
+        prompt(chunk, length), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), policy=capped(gates)
+    )
+    request = engine.requests[request_id]
+    peak_between_steps = 0
+    while request.status is not RequestStatus.RUNNING:
+        engine.step()
+        assert request.reserved_pages == declared  # what the scheduler set aside
+        peak_between_steps = max(peak_between_steps, int(engine.cache.pages_per_head(request_id).sum()))
+    peak = engine.cache.peak_pages(request_id)  # exact: the cache notes it at every allocation
+    assert 0 < peak_between_steps <= peak <= declared
+    # The cap holds after the prefill too (these gates admit about half of every head, far over it).
+    positions, _ = engine.cache.entry_positions(request_id)
+    assert int((positions >= 0).sum(dim=(1, 2)).max()) <= 8 * heads
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_without_cap_the_declared_chunked_peak_is_the_full_prompt(gates: Path) -> None:
+    policy = load_policy({"name": "wgkv", "gates": str(gates), "local_window": WINDOW})
+    assert policy.admits_during_prefill and not policy.wants_gate_values
+    assert policy.chunked_prefill_peak_pages(200, 2, 2, PAGE, 16) == full_prompt_pages(200, 2, 2, PAGE)
+    # A cap without an explicit window: the window comes from the gate file, unknown here.
+    assert load_policy(capped(gates) | {"local_window": None}).chunked_prefill_peak_pages(200, 2, 2, PAGE, 16) == (
+        full_prompt_pages(200, 2, 2, PAGE)
+    )
+    # With both: (cap * H + H * (W + chunk) + H * (page - 1)) // page pages per layer.
+    assert load_policy(capped(gates)).chunked_prefill_peak_pages(200, 2, 2, PAGE, 16) == 2 * (
+        (8 * 2 + 2 * (WINDOW + 16) + 2 * (PAGE - 1)) // PAGE
+    )
+    # One chunk holding the whole prompt: nothing below the full prompt can be promised.
+    assert load_policy(capped(gates)).chunked_prefill_peak_pages(200, 2, 2, PAGE, 200) == full_prompt_pages(
+        200, 2, 2, PAGE
+    )
+
+
+def test_limit_prefill_admission_keeps_the_highest_gated_older_entries_across_heads() -> None:
+    policy = WGKVPolicy(cap=2)
+    admitted = torch.tensor([[[True, True, False, True, True, True], [True, False, True, True, False, True]]])
+    values = torch.tensor([[[0.9, 0.2, 0.0, 0.5, 0.3, 0.3], [0.6, 0.0, 0.95, 0.1, 0.0, 0.3]]])
+    kept = policy.limit_prefill_admission(admitted, values, window_start=4)
+    # Older than the window (positions 0..3): admitted 0, 1, 3 in head 0 and 0, 2, 3 in head 1; the best
+    # cap * H = 4 by gate value are 0.95, 0.9, 0.6, 0.5. The window's entries (4, 5) are untouched.
+    assert kept.tolist() == [[[True, False, False, True, True, True], [True, False, True, False, False, True]]]
+    assert WGKVPolicy().limit_prefill_admission(admitted, None, 4) is admitted
+    # Without gate values the first admitted entries in (head, position) order stay.
+    oldest = policy.limit_prefill_admission(admitted, None, 4)
+    assert oldest.tolist() == [[[True, True, False, True, True, True], [True, False, False, False, False, True]]]
+
+
+def test_both_schedulers_reserve_the_declared_chunked_peak(gates: Path) -> None:
+    from vllm_kvpress_ext.vllm_plugin.report import PoolReport
+
+    layers, heads = 2, 2
+    report = PoolReport(
+        pages_total=1000,
+        pages_free=1000,
+        page_size=PAGE,
+        pages_per_token_block=layers * heads,
+        page_bytes=1,
+        num_layers=layers,
+        num_kv_heads=heads,
+    )
+    policy = load_policy(capped(gates))
+    declared = policy.chunked_prefill_peak_pages(300, layers, heads, PAGE, 32)
+    assert report.prefill_pages(300, policy, False, 32) == declared < report.peak_pages(300)
+    assert report.prefill_pages(300, policy, False) == report.peak_pages(300)  # chunk size unknown: full prompt
+    assert prefill_reservation(policy, 300, False, layers, heads, PAGE, True, 32) == declared

@@ -56,6 +56,7 @@ class PrefillSegment:
     admission: Admission | None = None
     admitted: list[list[torch.Tensor]] | None = None  # the request's flags so far, per layer [H, n] chunks
     layerwise: LayerwisePrefill | None = None
+    gate_values: list[list[torch.Tensor]] | None = None  # the request's gate values, when its policy ranks by them
 
     @property
     def length(self) -> int:
@@ -141,7 +142,13 @@ class PrefillContext:
         """
         assert seg.admission is not None and seg.admitted is not None
         window = seg.admission.window
-        seg.admitted[layer_idx].append(seg.admission.flags(layer_idx, k_pre_rope, k).transpose(0, 1))
+        if seg.gate_values is not None:
+            values = seg.admission.values(layer_idx, k_pre_rope, k)  # type: ignore[attr-defined]
+            seg.gate_values[layer_idx].append(values.transpose(0, 1))
+            flags = values >= seg.admission.tau  # type: ignore[attr-defined]
+        else:
+            flags = seg.admission.flags(layer_idx, k_pre_rope, k)
+        seg.admitted[layer_idx].append(flags.transpose(0, 1))
         admitted = torch.cat(seg.admitted[layer_idx], dim=-1)  # [H, end]: prompt entries are still in order
         if seg.end <= window or bool(admitted.all()):
             return False

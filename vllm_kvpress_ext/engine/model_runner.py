@@ -174,12 +174,15 @@ class ModelRunner:
         request.policy_state = None
         request.capture = None
         request.admitted = None
+        request.gate_values = None
 
-    def prefill_reservation(self, request: Request, first_chunk_end: int) -> int:
+    def prefill_reservation(self, request: Request, first_chunk_end: int, chunk_tokens: int | None = None) -> int:
         """Pages to reserve for the request's prefill if its first chunk ends at `first_chunk_end`.
 
-        The full prompt, or the policy's declared peak when the whole prefill is one layer-wise chunk
-        (`layerwise.prefill_reservation`); the layer-wise prefill holds the request to the same figure.
+        The full prompt, or the policy's declared peak when the whole prefill is one layer-wise chunk,
+        or, for a write-gated request whose chunks are at most `chunk_tokens`, its chunked prefill peak
+        (`layerwise.prefill_reservation`); the layer-wise prefill and the chunk-boundary admission
+        limit (`_drop_unadmitted`) hold the request to the same figure.
         """
         return prefill_reservation(
             request.policy,
@@ -189,6 +192,7 @@ class ModelRunner:
             self.config.num_key_value_heads,
             self.cache.page_size,
             request.admission is not None,
+            chunk_tokens if request.admission is not None else None,
         )
 
     # ------------------------------------------------------------------ stepping
@@ -233,6 +237,8 @@ class ModelRunner:
                 layerwise[req.request_id] = compression
             if req.admission is not None and chunk.start == 0:
                 req.admitted = [[] for _ in range(self.config.num_hidden_layers)]
+                ranked = req.policy is not None and req.policy.wants_gate_values and hasattr(req.admission, "values")
+                req.gate_values = [[] for _ in range(self.config.num_hidden_layers)] if ranked else None
             segments.append(
                 PrefillSegment(
                     req.row,
@@ -244,6 +250,7 @@ class ModelRunner:
                     req.admission,
                     req.admitted,
                     compression,
+                    req.gate_values,
                 )
             )
             running.append(chunk)
@@ -429,9 +436,23 @@ class ModelRunner:
         sees exactly the keys the whole prefix would show it, and `start_ring` ends with the cache the
         whole prompt would give.
         """
-        assert request.admission is not None and request.admitted is not None
+        assert request.admission is not None and request.admitted is not None and request.policy is not None
+        device = request.admitted[0][0].device
         admitted = torch.stack([torch.cat(chunks, dim=-1) for chunks in request.admitted]).cpu()  # [L, H, n]
-        self.cache.drop_unadmitted(request.request_id, request.admission.window, admitted)
+        values = None
+        if request.gate_values is not None:
+            values = torch.stack([torch.cat(chunks, dim=-1) for chunks in request.gate_values]).cpu()
+        window = request.admission.window
+        limited = request.policy.limit_prefill_admission(admitted, values, admitted.shape[-1] - window)
+        if limited is not admitted:
+            if limited.shape != admitted.shape or bool((limited & ~admitted).any()):
+                raise ValueError("limit_prefill_admission may only drop admitted entries")
+            # Later chunks' masks and `start_ring` must not see a dropped entry as admitted.
+            admitted = limited
+            request.admitted = [[flags.to(device)] for flags in admitted]
+            if values is not None:
+                request.gate_values = [[layer.to(device)] for layer in values]
+        self.cache.drop_unadmitted(request.request_id, window, admitted)
 
     def _start_ring(self, request: Request) -> None:
         """Admission at prefill completion: last W tokens into the ring, older ones kept only if admitted."""
@@ -439,6 +460,7 @@ class ModelRunner:
         admitted = torch.stack([torch.cat(chunks, dim=-1) for chunks in request.admitted]).cpu()  # [L, H, n]
         self.cache.start_ring(request.request_id, request.admission.window, admitted)
         request.admitted = None
+        request.gate_values = None
 
     def _on_decode_step(self, request: Request, batch_index: int, context: DecodeContext) -> None:
         """Let the request's policy evict after a decode step (e.g. H2O, bounded StreamingLLM)."""
