@@ -181,3 +181,33 @@ def test_both_schedulers_reserve_the_declared_chunked_peak(gates: Path) -> None:
     assert report.prefill_pages(300, policy, False, 32) == declared < report.peak_pages(300)
     assert report.prefill_pages(300, policy, False) == report.peak_pages(300)  # chunk size unknown: full prompt
     assert prefill_reservation(policy, 300, False, layers, heads, PAGE, True, 32) == declared
+
+
+def test_prefill_peak_bench_admission_rows(model_dir: Path, gates: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_kvpress_ext.bench.prefill_peak import PrefillPeakConfig, run_prefill_peak_bench
+
+    config = PrefillPeakConfig(
+        model=str(model_dir),
+        context_len=160,
+        ratio=0.25,
+        max_batched_tokens=32,
+        rows="admission",
+        gates=str(gates),
+        local_window=WINDOW,
+        waiting=6,
+        decode_tokens=2,
+    )
+    rows = {r["policy"]: r for r in run_prefill_peak_bench(config)}
+    assert list(rows) == ["full", "snapkv", "wgkv", "wgkv + cap 40"]
+    full, snapkv, wgkv, capped_row = rows.values()
+    assert snapkv["prefill_peak_bytes"] == full["prefill_peak_bytes"]  # end of prefill: the whole prompt first
+    assert wgkv["prefill_peak_bytes"] < full["prefill_peak_bytes"]  # admission after each chunk
+    assert capped_row["prefill_peak_bytes"] <= capped_row["reserved_bytes"] < full["reserved_bytes"]
+    assert wgkv["reserved_bytes"] == snapkv["reserved_bytes"] == full["reserved_bytes"]
+    # A pool of four uncompressed prompts: the declared peak lets more requests in at once.
+    assert full["held_at_once"] <= 4 < capped_row["held_at_once"]
+    assert "held at once (pool of 4 prompts, 6 waiting)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="rows must be"):
+        run_prefill_peak_bench(PrefillPeakConfig(model=str(model_dir), rows="other"))
+    with pytest.raises(ValueError, match="local_window must be a positive multiple"):
+        run_prefill_peak_bench(PrefillPeakConfig(model=str(model_dir), rows="admission", local_window=20))

@@ -48,6 +48,34 @@ def default_gate_path(model_dir: str | Path) -> Path:
     return model_dir.parent / f"{model_dir.name}{GATE_SUFFIX}"
 
 
+def shipped_gates() -> dict[str, Path]:
+    """Gate files shipped in the package for catalog models (`assets/gates/NAME.wgkv.safetensors`), by NAME."""
+    from vllm_kvpress_ext.assets import ASSETS_DIR
+
+    folder = ASSETS_DIR / "gates"
+    return {p.name[: -len(GATE_SUFFIX)]: p for p in sorted(folder.glob(f"*{GATE_SUFFIX}"))}
+
+
+def find_gates(model_path: str | Path) -> Path:
+    """The gates a model uses by default: beside it if there are some, else those shipped for its catalog entry.
+
+    A pulled catalog model is recognised by its file name (e.g. SmolLM2-135M-Instruct.Q4_1.gguf); its
+    shipped default is `assets/gates/<catalog name>.wgkv.safetensors`. Returns the path beside the
+    model (which may not exist) when neither is there.
+    """
+    beside = default_gate_path(model_path)
+    if beside.is_file():
+        return beside
+    from vllm_kvpress_ext.hub.catalog import CATALOG
+
+    name = Path(model_path).name
+    for model in CATALOG.values():
+        shipped = shipped_gates().get(model.name)
+        if name == model.file_name and shipped is not None:
+            return shipped
+    return beside
+
+
 def _rms_normalise(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS)
@@ -208,7 +236,9 @@ __all__ = [
     "GATE_SUFFIX",
     "WriteGates",
     "default_gate_path",
+    "find_gates",
     "gate_metadata",
     "load_gates",
+    "shipped_gates",
     "write_gated_attention",
 ]

@@ -44,7 +44,14 @@ from typing import Any
 import torch
 
 from vllm_kvpress_ext.cache import KeepPlan
-from vllm_kvpress_ext.models.write_gate import GateStore, WriteGates, default_gate_path, gate_metadata, load_gates
+from vllm_kvpress_ext.models.write_gate import (
+    GateStore,
+    WriteGates,
+    find_gates,
+    gate_metadata,
+    load_gates,
+    shipped_gates,
+)
 from vllm_kvpress_ext.policies.base import (
     GQA_REDUCTIONS,
     DecodeEviction,
@@ -122,7 +129,13 @@ class WGKVPolicy(KVPolicy):
         check_flag("count_include_pad", self.count_include_pad)
 
     def gate_path(self, model_dir: str | Path) -> Path:
-        return Path(self.gates) if self.gates is not None else default_gate_path(model_dir)
+        """`gates` as a path, or as the name of gates shipped in the package; by default `find_gates(model_dir)`."""
+        if self.gates is None:
+            return find_gates(model_dir)
+        shipped = shipped_gates().get(self.gates)
+        if shipped is not None and not Path(self.gates).exists():
+            return shipped
+        return Path(self.gates)
 
     def admission(
         self, model_dir: str | Path, device: torch.device, gate_store: GateStore | None = None
