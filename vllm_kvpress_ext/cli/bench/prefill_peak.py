@@ -35,7 +35,10 @@ def register(bench_sub: Subparsers) -> None:
         "--local-window", type=int, default=64, help="admission rows: W of the capped wgkv row (default: 64)"
     )
     pp.add_argument(
-        "--waiting", type=int, default=8, help="admission rows: requests run for 'held at once' (default: 8)"
+        "--waiting",
+        type=int,
+        default=8,
+        help="admission rows: requests run for 'held at once'; 0 skips that column (default: 8)",
     )
     pp.add_argument(
         "--decode-tokens", type=int, default=8, help="admission rows: tokens each of them generates (default: 8)"
