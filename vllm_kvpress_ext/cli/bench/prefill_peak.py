@@ -17,7 +17,9 @@ def register(bench_sub: Subparsers) -> None:
         "lava cascading), all at one ratio budget: the request's exact high-water mark of KV pages during prefill, "
         "what it holds after compression, what admission reserves, and how many requests a pool of four "
         "uncompressed prompts admits at once. Without --model, the random-weight bench "
-        "model is used; without --profile, an XKV profile is measured first on two other prompts.",
+        "model is used; without --profile, an XKV profile is measured first on two other prompts. "
+        "--rows admission compares admission during a chunked prefill instead (full, snapkv, wgkv, wgkv with "
+        "a cap): peak, reservation, the most requests held at once, and each prefill's wall and CPU time.",
     )
     pp.add_argument(
         "--model", default=None, help="model directory, .gguf file or catalog name (default: random bench model)"
