@@ -158,3 +158,64 @@ def test_train_gate_rejects_bad_text_configs(tmp_path: Path) -> None:
     gguf.write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         train_gates(GateTrainConfig(model_dir=str(gguf), out=out), progress=False)
+
+
+def test_gates_shipped_for_smollm2_are_found_for_the_pulled_file(tmp_path: Path) -> None:
+    from vllm_kvpress_ext.hub.catalog import CATALOG
+    from vllm_kvpress_ext.models.write_gate import default_gate_path, find_gates, shipped_gates
+    from vllm_kvpress_ext.policies import WGKVPolicy
+
+    shipped = shipped_gates()
+    assert {"smollm2-135m", "smollm2-135m-lambda0.02", "smollm2-135m-lambda0.3"} <= set(shipped)
+    pulled = tmp_path / CATALOG["smollm2-135m"].file_name  # where `kvpress models pull` puts it (no need to exist)
+    assert find_gates(pulled) == shipped["smollm2-135m"]
+    assert WGKVPolicy().gate_path(pulled) == shipped["smollm2-135m"]
+    assert WGKVPolicy(gates="smollm2-135m-lambda0.3").gate_path(pulled) == shipped["smollm2-135m-lambda0.3"]
+    # Gates beside the file win over the shipped ones; another model gets no shipped gates.
+    WriteGates(30, 3, 64, hidden=8).save(default_gate_path(pulled))
+    assert find_gates(pulled) == default_gate_path(pulled)
+    other = tmp_path / "other.gguf"
+    assert find_gates(other) == default_gate_path(other) and not find_gates(other).exists()
+    # Every shipped file is SmolLM2's shape, fp16, and records its training and held-out figures.
+    for name, path in shipped.items():
+        gates = load_gates(path)
+        assert (gates.num_layers, gates.num_kv_heads, gates.head_dim) == (30, 3, 64), name
+        info = gate_metadata(path)
+        assert info["data"]["data"] == "text" and info["local_window"] == 64
+        assert len(info["admitted_per_layer_head"]) == 30 and len(info["admitted_per_layer_head"][0]) == 3
+        assert {"cross_entropy_full", "cross_entropy_gated", "top1_agreement"} <= set(info["held_out"])
+
+
+def test_clients_may_name_shipped_gates_but_never_paths() -> None:
+    from vllm_kvpress_ext.models.write_gate import shipped_gates
+    from vllm_kvpress_ext.policies import PolicyConfigError
+    from vllm_kvpress_ext.policies.files import PolicyFiles
+
+    files = PolicyFiles()
+    assert files.resolve("wgkv", "gates", "smollm2-135m-lambda0.02") == str(shipped_gates()["smollm2-135m-lambda0.02"])
+    for value in (str(shipped_gates()["smollm2-135m"]), "../smollm2-135m", "nope", 3):
+        with pytest.raises(PolicyConfigError, match="paths are not accepted"):
+            files.resolve("wgkv", "gates", value)
+    with pytest.raises(PolicyConfigError):
+        files.resolve("xkv", "profile", "smollm2-135m")
+
+
+def test_train_gate_command_on_text(
+    tmp_path: Path, doc_root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm_kvpress_ext.cli import main
+
+    model_dir = write_suite_model(tmp_path / "model", hidden=64, max_positions=256)
+    monkeypatch.setattr("vllm_kvpress_ext.models.tokenizer.load_tokenizer", lambda path: _bounded(WordTokenizer()))
+    out = tmp_path / "g.wgkv.safetensors"
+    args = ["train-gate", str(model_dir), "--out", str(out), "--data", "text", "--text-sources", "debian"]
+    args += ["--steps", "2", "--batch-size", "2", "--context-len", "32", "--eval-samples", "2", "--warmup", "1"]
+    args += ["--local-window", "8", "--hidden", "16", "--save-dtype", "float16"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "held-out (2 samples, 64 tokens): next-token cross-entropy" in printed
+    info = gate_metadata(out)
+    assert info["config"]["hidden"] == 16 and info["data"]["sources"] == ["debian"]
+    assert load_gates(out).hidden == 16
+    assert main([*args[:6], "--text-sources", "debian,web", *args[8:]]) == 2
+    assert "unknown text source(s) web" in capsys.readouterr().err
