@@ -202,8 +202,8 @@ class WGKVPolicy(KVPolicy):
         full = super().chunked_prefill_peak_pages(length, num_layers, num_kv_heads, page_size, chunk_tokens)
         if self.cap is None or self.local_window is None:
             return full
-        window = min(self.local_window, length)
-        entries = self.cap * num_kv_heads + num_kv_heads * (window + min(chunk_tokens, length))
+        # The whole window, even past a short prompt: the ring is allocated as W / page pages per head.
+        entries = self.cap * num_kv_heads + num_kv_heads * (self.local_window + min(chunk_tokens, length))
         per_layer = (entries + num_kv_heads * (page_size - 1)) // page_size
         return min(full, num_layers * per_layer)
 
