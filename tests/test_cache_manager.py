@@ -626,10 +626,10 @@ def test_start_ring_refuses_bad_requests() -> None:
         )
         assert unchanged(before, cache)
     prefill(cache, "c", 4)
-    cache.evict([1], [1], [0], [0])
+    cache.evict([1], [1], [0], [3])  # the last prompt token of one head, which the ring needs
     with pytest.raises(InvalidPlanError) as info:
         cache.start_ring("c", 2, torch.zeros(2, 1, 4, dtype=torch.bool))
-    assert str(info.value) == "start_ring needs an uncompressed request (equal lengths in every head)"
+    assert str(info.value) == "start_ring needs the last 2 prompt tokens, in order, at the end of every head"
     cache.start_ring("r", 2, torch.zeros(2, 1, 4, dtype=torch.bool))
     with pytest.raises(ValueError) as info:
         cache.start_ring("r", 2, torch.zeros(2, 1, 4, dtype=torch.bool))

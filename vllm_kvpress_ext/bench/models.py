@@ -128,13 +128,13 @@ def write_untrained_gates(model_dir: str | Path) -> Path:
 
 
 def runnable_policies(names: Iterable[str], model_dir: str | Path) -> list[str]:
-    """`names` less WG-KV when the model has no write gates beside it (a line says why it is skipped)."""
-    from vllm_kvpress_ext.models.write_gate import default_gate_path
+    """`names` less WG-KV when the model has no write gates, beside it or shipped (a line says why it is skipped)."""
+    from vllm_kvpress_ext.models.write_gate import find_gates
 
     kept = []
     for name in names:
-        if name == "wgkv" and not default_gate_path(model_dir).exists():
-            print(f"wgkv: skipped, no write gates at {default_gate_path(model_dir)} (train them: kvpress train-gate)")
+        if name == "wgkv" and not find_gates(model_dir).exists():
+            print(f"wgkv: skipped, no write gates at {find_gates(model_dir)} (train them: kvpress train-gate)")
             continue
         kept.append(name)
     return kept

@@ -524,8 +524,10 @@ class PagedKVCache:
     def start_ring(self, request_id: Hashable, window: int, admitted: torch.Tensor) -> int:
         """Turn a freshly prefilled request into local ring + global cache; return pages freed (net).
 
-        `admitted[L, H, n]` flags every prompt token (n = prompt length, all heads uncompressed).
-        The last min(n, W) tokens move into the ring (token t at ring slot t % W) with their flags;
+        `admitted[L, H, n]` flags every prompt token (n = prompt length). Each head's global region
+        holds prompt entries in position order: the whole prompt, or (after a chunked prefill that
+        dropped what its gates did not admit, `drop_unadmitted`) any subset of it that ends with the
+        last min(n, W) tokens. Those move into the ring (token t at ring slot t % W) with their flags;
         older tokens stay in the global region only if admitted. From then on each decode token
         enters the ring, and the token it overwrites is promoted to the global region only if its
         flag is set (lazy promotion).
@@ -536,19 +538,26 @@ class PagedKVCache:
             raise ValueError(f"ring window must be a positive multiple of page_size {ps}, got {window}")
         if int(self.ring_window[row]):
             raise ValueError(f"request {request_id!r} already has a ring")
-        lens = self.seq_lens[:, row].to(torch.int64)
-        n = int(lens[0, 0])
-        if bool((lens != n).any()):
-            raise InvalidPlanError("start_ring needs an uncompressed request (equal lengths in every head)")
+        positions, lens = self.entry_positions(request_id)  # [L, H, N], [L, H]
+        n = int(positions.max()) + 1 if positions.numel() else 0
         if admitted.shape != (self.num_layers, self.num_kv_heads, n) or admitted.dtype != torch.bool:
             raise InvalidPlanError(
                 f"admitted must be bool [L, H, n] = {(self.num_layers, self.num_kv_heads, n)}, "
                 f"got {admitted.dtype} {tuple(admitted.shape)}"
             )
         in_ring = min(n, window)
+        # The ring's tokens are each head's last `in_ring` entries: positions n - in_ring .. n - 1.
+        tail = lens.unsqueeze(-1) - in_ring + torch.arange(in_ring)  # [L, H, m] entry indices
+        if bool((tail < 0).any()) or not bool(
+            (positions.gather(-1, tail.clamp(min=0)) == torch.arange(n - in_ring, n)).all()
+        ):
+            raise InvalidPlanError(
+                f"start_ring needs the last {in_ring} prompt tokens, in order, at the end of every head"
+            )
         ring_pages_per_head = window // ps
-        keep = admitted.cpu().clone()
-        keep[..., n - in_ring :] = False
+        valid = positions >= 0
+        older = valid & (positions < n - in_ring)
+        keep = older & admitted.cpu().gather(-1, positions.clamp(min=0))
         pages_after_compaction = int(_ceil_div(keep.sum(-1), ps).sum())
         pages_needed = self.num_layers * self.num_kv_heads * ring_pages_per_head
         available = self.pool.num_free + int(_ceil_div(lens, ps).sum()) - pages_after_compaction
@@ -557,11 +566,11 @@ class PagedKVCache:
 
         # Read the ring's tokens before compaction can overwrite them.
         layers, heads = self.num_layers, self.num_kv_heads
-        e = torch.arange(n - in_ring, n)
+        e = torch.arange(n - in_ring, n)  # the ring's positions
         l_idx = torch.arange(layers).view(-1, 1, 1).expand(layers, heads, in_ring)
         h_idx = torch.arange(heads).view(1, -1, 1).expand(layers, heads, in_ring)
         e_idx = e.view(1, 1, -1).expand(layers, heads, in_ring)
-        src = self._slot(l_idx, torch.full_like(l_idx, row), h_idx, e_idx).reshape(-1).to(self.device)
+        src = self._slot(l_idx, torch.full_like(l_idx, row), h_idx, tail).reshape(-1).to(self.device)
         src_page, src_off = torch.div(src, ps, rounding_mode="floor"), src % ps
         ring_kv = self.pool.kv[src_page, :, src_off].clone()
         ring_pos = self.pool.positions[src_page, src_off].clone()
@@ -588,6 +597,28 @@ class PagedKVCache:
         self.ring_count[row] = n
         self._note_peak(torch.tensor([row]))
         return int(_ceil_div(lens, ps).sum()) - pages_after_compaction - pages_needed
+
+    def drop_unadmitted(self, request_id: Hashable, window: int, admitted: torch.Tensor) -> int:
+        """Between prefill chunks: keep the admitted entries and the last `window` tokens; return pages freed.
+
+        `admitted[L, H, n]` flags prompt positions 0..n-1, the prefix prefilled so far. An entry at
+        position p stays iff `admitted[l, h, p]` or `p >= n - window`: what the rest of the prompt can
+        still attend to under the vertical-slash mask (the band reaches back `window - 1` tokens from
+        the next query, n), and everything `start_ring` will keep. Order is preserved.
+        """
+        positions, _ = self.entry_positions(request_id)
+        n = admitted.shape[-1]
+        if admitted.dtype != torch.bool or admitted.shape[:2] != (self.num_layers, self.num_kv_heads):
+            raise InvalidPlanError(f"admitted must be bool [L, H, n], got {admitted.dtype} {tuple(admitted.shape)}")
+        if positions.numel() and int(positions.max()) >= n:
+            raise InvalidPlanError(
+                f"admitted covers {n} positions, but the request holds position {int(positions.max())}"
+            )
+        valid = positions >= 0
+        keep = valid & ((positions >= n - window) | admitted.cpu().gather(-1, positions.clamp(min=0)))
+        if bool((keep == valid).all()):
+            return 0
+        return self.apply_keep_plan(request_id, KeepPlan.from_mask(keep))
 
     def ring_lens(self, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         """Valid ring entries per row: min(tokens seen, W); valid ring slots are [0, ring_len)."""

@@ -85,11 +85,15 @@ def register(sub: Subparsers) -> None:
         description="Trains one write gate per (layer, KV head) of MODEL_DIR, the model frozen: the loss is the L2 "
         "distance of the final hidden states under write-gated attention to those under full attention, plus "
         "lambda * mean(g + g(1 - g)). Gates are saved as safetensors beside the model directory (default "
-        "MODEL_DIR.wgkv.safetensors, which policy wgkv loads by default); the admitted fraction per layer and head "
-        "on held-out samples is printed and drawn as a heatmap.",
+        "MODEL.wgkv.safetensors, which policy wgkv loads by default); on held-out samples the admitted fraction per "
+        "layer and head is printed and drawn as a heatmap, with the next-token cross-entropy and top-1 agreement "
+        "of the admission mask against full attention. --data text trains on natural text already installed "
+        "on the machine (Python's docstrings, pip packages' READMEs, /usr/share/doc).",
     )
-    tg.add_argument("model_dir", metavar="MODEL_DIR", help="HF-format model directory")
-    tg.add_argument("--out", default=None, help="gate file (default: MODEL_DIR.wgkv.safetensors beside the model)")
+    tg.add_argument(
+        "model_dir", metavar="MODEL", help="HF-format model directory, .gguf file or catalog name (smollm2-135m)"
+    )
+    tg.add_argument("--out", default=None, help="gate file (default: MODEL.wgkv.safetensors beside the model)")
     tg.add_argument(
         "--lambda", dest="lam", type=float, default=0.05, help="sparsity weight: higher admits less (default: 0.05)"
     )
@@ -97,12 +101,36 @@ def register(sub: Subparsers) -> None:
     tg.add_argument("--tau", type=float, default=0.1, help="admission threshold for reporting (default: 0.1)")
     tg.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
     tg.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
-    tg.add_argument("--context-len", type=int, default=512, help="suite sample length in tokens (default: 512)")
+    tg.add_argument("--context-len", type=int, default=512, help="training sequence length in tokens (default: 512)")
+    tg.add_argument(
+        "--data",
+        choices=("suite", "text"),
+        default="suite",
+        help="training text: the synthetic suite (for the bundled model), or natural text installed on this "
+        "machine: Python's docstrings, pip packages' READMEs, /usr/share/doc (default: suite)",
+    )
+    tg.add_argument(
+        "--text-sources",
+        default="python,pip,debian",
+        help="with --data text: which of python, pip, debian (default: all three)",
+    )
+    tg.add_argument(
+        "--hidden", type=int, default=None, help="gate MLP width (default: 4 x head_dim, the paper's share)"
+    )
+    tg.add_argument(
+        "--save-dtype", choices=("float32", "float16"), default="float32", help="gate file precision (default: float32)"
+    )
     tg.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default: 1e-3)")
+    tg.add_argument("--warmup", type=int, default=30, help="linear warm-up steps, then cosine decay (default: 30)")
     tg.add_argument(
         "--init-bias", type=float, default=1.0, help="gates' initial output bias: sigmoid(1) = 0.73 open (default: 1)"
     )
-    tg.add_argument("--eval-samples", type=int, default=16, help="held-out samples for the admitted fraction")
+    tg.add_argument(
+        "--eval-samples",
+        type=int,
+        default=16,
+        help="held-out samples for the admitted fraction and the gated-vs-full evaluation (default: 16)",
+    )
     tg.add_argument("--seed", type=int, default=0, help="default: 0")
     tg.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     tg.add_argument("--tasks", type=task_weights, default=None, help="task mixture as name:weight,... (default: all)")
@@ -154,9 +182,14 @@ def run_train_model(args: argparse.Namespace) -> int:
 
 def run_train_gate(args: argparse.Namespace) -> int:
     from vllm_kvpress_ext.bench.report import format_table
+    from vllm_kvpress_ext.cli.models import resolve_model_arg
     from vllm_kvpress_ext.models.write_gate import default_gate_path
     from vllm_kvpress_ext.train.gate import GateTrainConfig, admitted_heatmap, train_gates
 
+    model, ok = resolve_model_arg(args.model_dir, "kvpress train-gate")
+    if not ok or model is None:
+        return 1
+    args.model_dir = model
     out = args.out if args.out is not None else str(default_gate_path(args.model_dir))
     config = GateTrainConfig(
         model_dir=args.model_dir,
@@ -168,7 +201,12 @@ def run_train_gate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         context_len=args.context_len,
         lr=args.lr,
+        warmup=args.warmup,
         init_bias=args.init_bias,
+        hidden=args.hidden,
+        data=args.data,
+        text_sources=tuple(s.strip() for s in args.text_sources.split(",") if s.strip()),
+        save_dtype=args.save_dtype,
         eval_samples=args.eval_samples,
         seed=args.seed,
         threads=args.threads,
@@ -185,6 +223,12 @@ def run_train_gate(args: argparse.Namespace) -> int:
         [str(layer), *(f"{x:.3f}" for x in row), f"{sum(row) / len(row):.3f}"] for layer, row in enumerate(fractions)
     ]
     print(format_table(headers, rows))
+    held = summary["held_out"]
+    print(
+        f"held-out ({held['samples']} samples, {held['tokens']} tokens): next-token cross-entropy "
+        f"{held['cross_entropy_full']:.4f} full vs {held['cross_entropy_gated']:.4f} admitted at tau {config.tau}, "
+        f"top-1 agreement {held['top1_agreement']:.1%}"
+    )
     print(
         f"gates written to {path}: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
         f"admitted {summary['admitted_fraction']:.1%} at tau {config.tau} (held-out samples), "

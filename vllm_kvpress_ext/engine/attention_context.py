@@ -56,6 +56,7 @@ class PrefillSegment:
     admission: Admission | None = None
     admitted: list[list[torch.Tensor]] | None = None  # the request's flags so far, per layer [H, n] chunks
     layerwise: LayerwisePrefill | None = None
+    gate_values: list[list[torch.Tensor]] | None = None  # the request's gate values, when its policy ranks by them
 
     @property
     def length(self) -> int:
@@ -141,7 +142,13 @@ class PrefillContext:
         """
         assert seg.admission is not None and seg.admitted is not None
         window = seg.admission.window
-        seg.admitted[layer_idx].append(seg.admission.flags(layer_idx, k_pre_rope, k).transpose(0, 1))
+        if seg.gate_values is not None:
+            values = seg.admission.values(layer_idx, k_pre_rope, k)  # type: ignore[attr-defined]
+            seg.gate_values[layer_idx].append(values.transpose(0, 1))
+            flags = values >= seg.admission.tau  # type: ignore[attr-defined]
+        else:
+            flags = seg.admission.flags(layer_idx, k_pre_rope, k)
+        seg.admitted[layer_idx].append(flags.transpose(0, 1))
         admitted = torch.cat(seg.admitted[layer_idx], dim=-1)  # [H, end]: prompt entries are still in order
         if seg.end <= window or bool(admitted.all()):
             return False
@@ -149,16 +156,24 @@ class PrefillContext:
             out.copy_(vertical_slash_attention(q, k, v, admitted, window, self.scale))
             return True
         cache = self.cache
-        keys, values, _, _ = gather_paged(
+        keys, values, positions, valid = gather_paged(
             cache.pool.kv,
             cache.pool.positions,
             cache.device_block_tables[layer_idx, seg.row],
             cache.device_seq_lens[layer_idx, seg.row],
-        )
+        )  # [H, N, d]: earlier chunks left each head only its admitted entries and the last window
+        # Back to one row per position: the entries earlier chunks dropped are exactly the ones this
+        # chunk's mask hides, so the zeros standing in for them are never attended to, and the result
+        # is bit for bit what the whole prefix gives.
+        heads, _, dim = keys.shape
+        dense_keys = keys.new_zeros(seg.end, heads, dim)
+        dense_values = values.new_zeros(seg.end, heads, dim)
+        head_index = torch.arange(heads, device=keys.device).view(-1, 1).expand_as(positions)[valid]
+        position_index = positions[valid].to(torch.int64)
+        dense_keys[position_index, head_index] = keys[valid]
+        dense_values[position_index, head_index] = values[valid]
         out.copy_(
-            vertical_slash_attention(
-                q, keys.transpose(0, 1), values.transpose(0, 1), admitted, window, self.scale, query_start=seg.start
-            )
+            vertical_slash_attention(q, dense_keys, dense_values, admitted, window, self.scale, query_start=seg.start)
         )
         return True
 

@@ -31,15 +31,25 @@ def prefill_reservation(
     num_kv_heads: int,
     page_size: int,
     gated: bool = False,
+    chunk_tokens: int | None = None,
 ) -> int:
     """Pages a scheduler reserves for a prefill of `length` entries; the engine holds the request to it.
 
-    The full prompt in every layer and head, unless the prefill compresses layer by layer in one chunk
-    (`whole_prompt`: the first chunk is the whole prefill; a write-gated request never does): then the
-    policy's declared peak, capped at the full prompt. A declaration that raises counts as the full
-    prompt, and the request's own prefill will report the error.
+    The full prompt in every layer and head, unless
+    - the policy admits during a chunked prefill (WG-KV) and the scheduler's chunks are at most
+      `chunk_tokens` tokens: then the policy's `chunked_prefill_peak_pages`;
+    - the prefill compresses layer by layer in one chunk (`whole_prompt`: the first chunk is the whole
+      prefill; a write-gated request never does): then the policy's declared `prefill_peak_pages`.
+    Either is capped at the full prompt. A declaration that raises counts as the full prompt, and the
+    request's own prefill will report the error.
     """
     full = full_prompt_pages(length, num_layers, num_kv_heads, page_size)
+    if policy is not None and policy.admits_during_prefill and chunk_tokens is not None:
+        try:
+            declared = int(policy.chunked_prefill_peak_pages(length, num_layers, num_kv_heads, page_size, chunk_tokens))
+        except Exception:
+            return full
+        return max(0, min(full, declared))
     if policy is None or gated or not whole_prompt or not policy.compresses_layerwise:
         return full
     try:

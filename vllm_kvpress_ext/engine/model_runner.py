@@ -178,12 +178,15 @@ class ModelRunner:
         request.policy_state = None
         request.capture = None
         request.admitted = None
+        request.gate_values = None
 
-    def prefill_reservation(self, request: Request, first_chunk_end: int) -> int:
+    def prefill_reservation(self, request: Request, first_chunk_end: int, chunk_tokens: int | None = None) -> int:
         """Pages to reserve for the request's prefill if its first chunk ends at `first_chunk_end`.
 
-        The full prompt, or the policy's declared peak when the whole prefill is one layer-wise chunk
-        (`layerwise.prefill_reservation`); the layer-wise prefill holds the request to the same figure.
+        The full prompt, or the policy's declared peak when the whole prefill is one layer-wise chunk,
+        or, for a write-gated request whose chunks are at most `chunk_tokens`, its chunked prefill peak
+        (`layerwise.prefill_reservation`); the layer-wise prefill and the chunk-boundary admission
+        limit (`_drop_unadmitted`) hold the request to the same figure.
         """
         return prefill_reservation(
             request.policy,
@@ -193,6 +196,7 @@ class ModelRunner:
             self.config.num_key_value_heads,
             self.cache.page_size,
             request.admission is not None,
+            chunk_tokens if request.admission is not None else None,
         )
 
     # ------------------------------------------------------------------ stepping
@@ -237,6 +241,8 @@ class ModelRunner:
                 layerwise[req.request_id] = compression
             if req.admission is not None and chunk.start == 0:
                 req.admitted = [[] for _ in range(self.config.num_hidden_layers)]
+                ranked = req.policy is not None and req.policy.wants_gate_values and hasattr(req.admission, "values")
+                req.gate_values = [[] for _ in range(self.config.num_hidden_layers)] if ranked else None
             segments.append(
                 PrefillSegment(
                     req.row,
@@ -248,6 +254,7 @@ class ModelRunner:
                     req.admission,
                     req.admitted,
                     compression,
+                    req.gate_values,
                 )
             )
             running.append(chunk)
@@ -268,6 +275,8 @@ class ModelRunner:
                     raise compression.error
                 if chunk.end == req.prefill_target:
                     self.complete_prefill(req, compression)
+                elif req.admission is not None:
+                    self._drop_unadmitted(req)
             except Exception as exc:
                 failed.append(RequestFailure(req, exc))
                 continue
@@ -445,12 +454,40 @@ class ModelRunner:
         if policy is not None and request.params.return_kept:  # before any later token enters the cache
             request.kv.kept_at_compression = kept_entries(self.cache, request.request_id)
 
+    def _drop_unadmitted(self, request: Request) -> None:
+        """Admission during a chunked prefill: what the gates did not admit leaves the cache with its chunk.
+
+        After each chunk but the last, every head keeps only its admitted entries and the last W
+        tokens (which the next chunk's band still reaches), so the prefill peak is about the admitted
+        tokens plus one chunk and the window rather than the whole prompt. The next chunk's attention
+        sees exactly the keys the whole prefix would show it, and `start_ring` ends with the cache the
+        whole prompt would give.
+        """
+        assert request.admission is not None and request.admitted is not None and request.policy is not None
+        device = request.admitted[0][0].device
+        admitted = torch.stack([torch.cat(chunks, dim=-1) for chunks in request.admitted]).cpu()  # [L, H, n]
+        values = None
+        if request.gate_values is not None:
+            values = torch.stack([torch.cat(chunks, dim=-1) for chunks in request.gate_values]).cpu()
+        window = request.admission.window
+        limited = request.policy.limit_prefill_admission(admitted, values, admitted.shape[-1] - window)
+        if limited is not admitted:
+            if limited.shape != admitted.shape or bool((limited & ~admitted).any()):
+                raise ValueError("limit_prefill_admission may only drop admitted entries")
+            # Later chunks' masks and `start_ring` must not see a dropped entry as admitted.
+            admitted = limited
+            request.admitted = [[flags.to(device)] for flags in admitted]
+            if values is not None:
+                request.gate_values = [[layer.to(device)] for layer in values]
+        self.cache.drop_unadmitted(request.request_id, window, admitted)
+
     def _start_ring(self, request: Request) -> None:
         """Admission at prefill completion: last W tokens into the ring, older ones kept only if admitted."""
         assert request.admission is not None and request.admitted is not None
         admitted = torch.stack([torch.cat(chunks, dim=-1) for chunks in request.admitted]).cpu()  # [L, H, n]
         self.cache.start_ring(request.request_id, request.admission.window, admitted)
         request.admitted = None
+        request.gate_values = None
 
     def _on_decode_step(self, request: Request, batch_index: int, context: DecodeContext) -> None:
         """Let the request's policy evict after a decode step (e.g. H2O, bounded StreamingLLM)."""

@@ -66,6 +66,7 @@ class Request:
     capture: Any = None  # PrefillCapture while a compressing policy's prefill runs
     admission: Any = None  # the policy's `Admission` (WG-KV write gate) bound to the model, if any
     admitted: list[list[torch.Tensor]] | None = None  # per layer, admission flags [H, n] of each prefill chunk
+    gate_values: list[list[torch.Tensor]] | None = None  # per layer, gate values [H, n], when the policy ranks by them
     first_token_time: float | None = None
     error: str | None = None  # why the runner failed this request alone (finish_reason "error")
     # SamplingParams.logprobs / prompt_logprobs: one entry per output token; one per prompt token

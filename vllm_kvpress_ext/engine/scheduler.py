@@ -7,7 +7,9 @@ Each step is either a prefill step or a decode step:
   what is free after the pages already promised to unfinished prefills. The peak is the whole
   prompt in every layer and head, except for a prefill that compresses layer by layer in one chunk:
   then it is what the policy declares (`KVPolicy.prefill_peak_pages`), and the engine fails the
-  request alone if it ever needs more, so a wrong declaration cannot take another request's pages.
+  request alone if it ever needs more, so a wrong declaration cannot take another request's pages;
+  and except for an admission policy (WG-KV) that keeps only admitted tokens past each chunk of at
+  most `max_num_batched_tokens`: then its `chunked_prefill_peak_pages`.
 - Decode: one token for every running request. If the pool cannot take the step, the most
   recently admitted request is preempted: its pages are freed and it goes back to the front of
   the queue to be recomputed later (prompt and generated tokens alike), never dropped.
@@ -88,7 +90,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.active) < self.max_num_seqs:
             req = self.waiting[0]
             end = min(req.prefill_target, budget)
-            peak = self.runner.prefill_reservation(req, end)
+            peak = self.runner.prefill_reservation(req, end, self.max_num_batched_tokens)
             if peak > available:
                 break
             self.waiting.popleft()

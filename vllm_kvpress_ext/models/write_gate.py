@@ -48,6 +48,34 @@ def default_gate_path(model_dir: str | Path) -> Path:
     return model_dir.parent / f"{model_dir.name}{GATE_SUFFIX}"
 
 
+def shipped_gates() -> dict[str, Path]:
+    """Gate files shipped in the package for catalog models (`assets/gates/NAME.wgkv.safetensors`), by NAME."""
+    from vllm_kvpress_ext.assets import ASSETS_DIR
+
+    folder = ASSETS_DIR / "gates"
+    return {p.name[: -len(GATE_SUFFIX)]: p for p in sorted(folder.glob(f"*{GATE_SUFFIX}"))}
+
+
+def find_gates(model_path: str | Path) -> Path:
+    """The gates a model uses by default: beside it if there are some, else those shipped for its catalog entry.
+
+    A pulled catalog model is recognised by its file name (e.g. SmolLM2-135M-Instruct.Q4_1.gguf); its
+    shipped default is `assets/gates/<catalog name>.wgkv.safetensors`. Returns the path beside the
+    model (which may not exist) when neither is there.
+    """
+    beside = default_gate_path(model_path)
+    if beside.is_file():
+        return beside
+    from vllm_kvpress_ext.hub.catalog import CATALOG
+
+    name = Path(model_path).name
+    for model in CATALOG.values():
+        shipped = shipped_gates().get(model.name)
+        if name == model.file_name and shipped is not None:
+            return shipped
+    return beside
+
+
 def _rms_normalise(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS)
@@ -91,7 +119,10 @@ class WriteGates(nn.Module):
                 f"{where} are for a model with (layers, KV heads, head_dim) = {have}, but the model has {want}"
             )
 
-    def save(self, path: str | Path, metadata: dict[str, Any] | None = None) -> Path:
+    def save(
+        self, path: str | Path, metadata: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32
+    ) -> Path:
+        """Write the gates as safetensors in `dtype` (they are always loaded back as fp32)."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -104,7 +135,7 @@ class WriteGates(nn.Module):
             "parameters": sum(p.numel() for p in self.parameters()),
         }
         meta = {"format": "wgkv-gates-v1", "shape": json.dumps(shape), "info": json.dumps(metadata or {})}
-        tensors = {name: p.detach().float().contiguous().cpu() for name, p in self.named_parameters()}
+        tensors = {name: p.detach().to(dtype).contiguous().cpu() for name, p in self.named_parameters()}
         save_file(tensors, str(path), metadata=meta)
         return path
 
@@ -133,7 +164,8 @@ def load_gates(path: str | Path, device: torch.device | str = "cpu") -> WriteGat
             raise ValueError(f"{path} is not a write-gate file (format {meta.get('format')!r})")
         shape = json.loads(meta["shape"])
         gates = WriteGates(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], shape["hidden"])
-        state = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - safe_open is not a dict
+        # Shipped gates may be fp16: the gates always run in fp32.
+        state = {name: handle.get_tensor(name).float() for name in handle.keys()}  # noqa: SIM118 - not a dict
     gates.load_state_dict(state)
     return gates.to(device).eval()
 
@@ -204,7 +236,9 @@ __all__ = [
     "GATE_SUFFIX",
     "WriteGates",
     "default_gate_path",
+    "find_gates",
     "gate_metadata",
     "load_gates",
+    "shipped_gates",
     "write_gated_attention",
 ]

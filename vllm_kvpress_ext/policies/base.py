@@ -319,6 +319,39 @@ class KVPolicy:
         return full_prompt_pages(length, num_layers, num_kv_heads, page_size)
 
     @property
+    def admits_during_prefill(self) -> bool:
+        """True for an admission policy whose chunked prefill keeps only what its gates admit (WG-KV)."""
+        return False
+
+    def chunked_prefill_peak_pages(
+        self, length: int, num_layers: int, num_kv_heads: int, page_size: int, chunk_tokens: int
+    ) -> int:
+        """Most pages a request holds during a prefill in chunks of at most `chunk_tokens` tokens.
+
+        Consulted only when `admits_during_prefill` is True; schedulers reserve it at admission (capped
+        at the full prompt). Default: the full prompt. The bound must hold for every prompt of this
+        length, whatever the gates decide.
+        """
+        return full_prompt_pages(length, num_layers, num_kv_heads, page_size)
+
+    @property
+    def wants_gate_values(self) -> bool:
+        """True when `limit_prefill_admission` ranks by the gate values, which the engine then keeps per chunk."""
+        return False
+
+    def limit_prefill_admission(
+        self, admitted: torch.Tensor, values: torch.Tensor | None, window_start: int
+    ) -> torch.Tensor:
+        """At a prefill chunk boundary: which admitted entries stay, bool `[L, H, n]` (a subset of `admitted`).
+
+        `admitted[L, H, n]` flags the prompt so far, `values` are the gate values (when
+        `wants_gate_values`), and tokens at `window_start` or later are still inside the local window.
+        An admission policy with a hard cap drops admitted entries here, which is what makes its
+        `chunked_prefill_peak_pages` a bound below the full prompt. Default: all stay.
+        """
+        return admitted
+
+    @property
     def wants_decode_steps(self) -> bool:
         return False
 

@@ -61,6 +61,13 @@ class PolicyFiles:
         allowed = self._files.get((policy, field), {})
         if isinstance(value, str) and value in allowed:
             return str(allowed[value])
+        if (policy, field) == ("wgkv", "gates") and isinstance(value, str):
+            from vllm_kvpress_ext.models.write_gate import shipped_gates
+
+            # Gates shipped inside the package are a fixed set of files, not a path of the client's choosing.
+            shipped = shipped_gates().get(value)
+            if shipped is not None:
+                return str(shipped)
         choices = ", ".join(sorted(allowed)) or "none are configured on this server"
         raise PolicyConfigError(
             f"{policy}.{field} must be the name of a file the server's operator allowed ({choices}); "

@@ -44,7 +44,14 @@ from typing import Any
 import torch
 
 from vllm_kvpress_ext.cache import KeepPlan
-from vllm_kvpress_ext.models.write_gate import GateStore, WriteGates, default_gate_path, gate_metadata, load_gates
+from vllm_kvpress_ext.models.write_gate import (
+    GateStore,
+    WriteGates,
+    find_gates,
+    gate_metadata,
+    load_gates,
+    shipped_gates,
+)
 from vllm_kvpress_ext.policies.base import (
     GQA_REDUCTIONS,
     DecodeEviction,
@@ -74,9 +81,14 @@ class GateAdmission:
     window: int
 
     @torch.no_grad()
+    def values(self, layer: int, k_pre_rope: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Gate values g `[n, H]` in [0, 1] for the keys `[n, H, d]` just written in `layer`."""
+        return self.gates(layer, k_pre_rope, k)
+
+    @torch.no_grad()
     def flags(self, layer: int, k_pre_rope: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Admission flags `[n, H]` (g >= tau) for the keys `[n, H, d]` just written in `layer`."""
-        return self.gates(layer, k_pre_rope, k) >= self.tau
+        return self.values(layer, k_pre_rope, k) >= self.tau
 
 
 @dataclass
@@ -117,7 +129,13 @@ class WGKVPolicy(KVPolicy):
         check_flag("count_include_pad", self.count_include_pad)
 
     def gate_path(self, model_dir: str | Path) -> Path:
-        return Path(self.gates) if self.gates is not None else default_gate_path(model_dir)
+        """`gates` as a path, or as the name of gates shipped in the package; by default `find_gates(model_dir)`."""
+        if self.gates is None:
+            return find_gates(model_dir)
+        shipped = shipped_gates().get(self.gates)
+        if shipped is not None and not Path(self.gates).exists():
+            return shipped
+        return Path(self.gates)
 
     def admission(
         self, model_dir: str | Path, device: torch.device, gate_store: GateStore | None = None
@@ -135,6 +153,59 @@ class WGKVPolicy(KVPolicy):
         if window is None:
             window = int(gate_metadata(path).get("local_window", DEFAULT_WINDOW))
         return GateAdmission(gates=gates, tau=self.tau, window=window)
+
+    # ------------------------------------------------------------------ prefill peak
+
+    @property
+    def admits_during_prefill(self) -> bool:
+        return True
+
+    @property
+    def wants_gate_values(self) -> bool:
+        return self.cap is not None
+
+    def limit_prefill_admission(
+        self, admitted: torch.Tensor, values: torch.Tensor | None, window_start: int
+    ) -> torch.Tensor:
+        """With `cap`: a layer keeps at most `cap * H` admitted entries older than the window, the highest-gated.
+
+        Ranked across the layer's heads, as the composition's eviction ranks; the SnapKV-like score
+        needs the prompt's last queries, which do not exist yet in the middle of a prefill. An admission
+        rule without gate values (`values` None) keeps the first admitted entries in (head, position) order.
+        """
+        if self.cap is None:
+            return admitted
+        if values is None:
+            values = admitted.float()
+        heads = admitted.shape[1]
+        old = torch.arange(admitted.shape[-1], device=admitted.device) < window_start
+        candidates = admitted & old
+        kept = admitted.clone()
+        for layer in range(admitted.shape[0]):
+            if int(candidates[layer].sum()) > self.cap * heads:
+                best = _top_across_heads(values[layer], candidates[layer], self.cap * heads)
+                kept[layer] = admitted[layer] & (best | ~old)
+        return kept
+
+    def chunked_prefill_peak_pages(
+        self, length: int, num_layers: int, num_kv_heads: int, page_size: int, chunk_tokens: int
+    ) -> int:
+        """With `cap` and `local_window` set: per layer, the capped admitted entries, each head's window and chunk.
+
+        Between chunks a layer holds at most `cap * H` admitted entries older than the window (the
+        engine drops the lowest-gated ones past it) plus the last W tokens of each head; a chunk adds
+        at most `chunk_tokens` per head; `start_ring` never holds more (the ring takes W per head, the
+        global region the capped entries plus the last chunk's admitted ones). Each head rounds its
+        last page up. Without both fields the window (from the gate file) or the admitted count is
+        unknown here, so the bound is the full prompt.
+        """
+        full = super().chunked_prefill_peak_pages(length, num_layers, num_kv_heads, page_size, chunk_tokens)
+        if self.cap is None or self.local_window is None:
+            return full
+        # The whole window, even past a short prompt: the ring is allocated as W / page pages per head.
+        entries = self.cap * num_kv_heads + num_kv_heads * (self.local_window + min(chunk_tokens, length))
+        per_layer = (entries + num_kv_heads * (page_size - 1)) // page_size
+        return min(full, num_layers * per_layer)
 
     # ------------------------------------------------------------------ composition with eviction
 

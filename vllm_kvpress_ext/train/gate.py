@@ -10,11 +10,15 @@ The base model is frozen; only the gates (`models/write_gate.py`) learn. Per bat
 (h = final hidden states after the final norm, D = hidden size, so the distillation term is a
 per-element MSE; the penalty's g term pushes gates down, its g(1 - g) term pushes them to 0 or 1,
 so a threshold tau loses little.) AdamW (lr 1e-3, weight decay 0.01), linear warm-up then cosine
-decay. Data: the synthetic suite's task mixture (any token stream works; these are the sequences
-the bundled model serves).
+decay. Data (`data`): the synthetic suite's task mixture (`suite`, the sequences the bundled model
+serves), or natural text already installed on the machine (`text`, `train/text_corpus.py`: Python's
+docstrings, pip packages' READMEs, Debian's docs) for a pretrained model such as SmolLM2.
 
-After training, the admitted fraction (g >= tau) per (layer, KV head) is measured on held-out
-samples, printed, stored in the gate file's metadata and, with matplotlib, drawn as a heatmap.
+After training, held-out samples (other seeds, or held-out documents) measure the admitted fraction
+(g >= tau) per (layer, KV head) and what admission costs: next-token cross-entropy and top-1
+agreement with hard gates (the mask the engine serves: admitted iff g >= tau) against full
+attention. All of it is printed, stored in the gate file's metadata and, with matplotlib, the
+admitted fraction is drawn as a heatmap.
 """
 
 from __future__ import annotations
@@ -33,11 +37,15 @@ from tqdm import tqdm
 from vllm_kvpress_ext.bench.tasks import TASKS, generate, training_example
 from vllm_kvpress_ext.bench.tokenizer import PAD, VOCABULARY
 from vllm_kvpress_ext.models import load_model
+from vllm_kvpress_ext.models.gguf_file import is_gguf_path
 from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.models.write_gate import WriteGates, write_gated_attention
 from vllm_kvpress_ext.train.model import HELD_OUT_SEED, BatchedCausalContext
+from vllm_kvpress_ext.train.text_corpus import TEXT_SOURCES, text_windows
 
 GATE_TRAIN_SEED_BASE = 500_000  # sample seeds for gate training: apart from the model's and the held-out ones
+DATA_KINDS = ("suite", "text")
+SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass
@@ -58,7 +66,10 @@ class GateTrainConfig:
     hidden: int | None = None
     init_bias: float = 1.0  # gates start at sigmoid(1) = 0.73: mostly open, quick to move either way
     tasks: dict[str, float] = field(default_factory=lambda: {name: 1.0 for name in TASKS})
+    data: str = "suite"  # "suite": the synthetic task mixture; "text": natural text on this machine
+    text_sources: tuple[str, ...] = TEXT_SOURCES
     eval_samples: int = 16
+    save_dtype: str = "float32"  # float16 halves the file (what the package ships)
     seed: int = 0
     threads: int = 0
 
@@ -74,10 +85,20 @@ class GateTrainConfig:
         unknown = sorted(set(self.tasks) - set(TASKS))
         if unknown or not self.tasks:
             raise ValueError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(sorted(TASKS))}")
-        if not Path(self.model_dir).is_dir():
-            raise FileNotFoundError(f"model directory {self.model_dir} does not exist")
+        if self.data not in DATA_KINDS:
+            raise ValueError(f"data must be one of {', '.join(DATA_KINDS)}, got {self.data!r}")
+        unknown_sources = sorted(set(self.text_sources) - set(TEXT_SOURCES))
+        if unknown_sources or not self.text_sources:
+            raise ValueError(f"unknown text source(s) {', '.join(unknown_sources)}; known: {', '.join(TEXT_SOURCES)}")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ValueError(f"save dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
+        if self.eval_samples < 1:
+            raise ValueError(f"eval samples must be >= 1, got {self.eval_samples}")
+        model = Path(self.model_dir)
+        if not (model.is_dir() or (model.is_file() and is_gguf_path(model))):
+            raise FileNotFoundError(f"model {self.model_dir} does not exist (as a model directory or a .gguf file)")
         out = Path(self.out)
-        if out.resolve().parent == Path(self.model_dir).resolve() or out.is_dir():
+        if out.resolve().parent == model.resolve() or out.is_dir():
             raise ValueError(f"--out must be a file beside the model directory, not inside it: {out}")
 
     def lr_at(self, step: int) -> float:
@@ -121,7 +142,7 @@ class GatedTrainingContext:
 def sample_batch(
     config: GateTrainConfig, seeds: list[int], rng: random.Random, pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids `[B, T]` and a validity mask `[B, T]` (False on padding)."""
+    """Token ids `[B, T]` and a validity mask `[B, T]` (False on padding) from the synthetic suite."""
     names = list(config.tasks)
     weights = [config.tasks[n] for n in names]
     rows = []
@@ -136,6 +157,66 @@ def sample_batch(
         ids[b, : len(row)] = torch.tensor(row)
         valid[b, : len(row)] = True
     return ids, valid
+
+
+class SuiteBatches:
+    """Batches of the synthetic suite: training seeds apart from the model's, held-out seeds from HELD_OUT_SEED."""
+
+    def __init__(self, config: GateTrainConfig) -> None:
+        self.config = config
+        self.pad_id = list(VOCABULARY).index(PAD)
+        self.rng = random.Random(config.seed)
+        self.facts: dict[str, Any] = {"data": "suite", "tasks": config.tasks}
+
+    def train(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        seeds = [GATE_TRAIN_SEED_BASE + c.seed * 100_000 + step * c.batch_size + i for i in range(c.batch_size)]
+        return sample_batch(c, seeds, self.rng, self.pad_id)
+
+    def held_out(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.config
+        rng = random.Random(c.seed + 1)
+        batches = []
+        for start in range(0, c.eval_samples, c.batch_size):
+            seeds = [HELD_OUT_SEED + start + i for i in range(min(c.batch_size, c.eval_samples - start))]
+            batches.append(sample_batch(c, seeds, rng, self.pad_id))
+        return batches
+
+
+class TextBatches:
+    """Windows of natural text on this machine (`text_corpus.py`): random training windows, fixed held-out ones."""
+
+    def __init__(self, config: GateTrainConfig) -> None:
+        from vllm_kvpress_ext.models.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(config.model_dir)
+        if tokenizer is None:
+            raise ValueError(f"{config.model_dir} has no tokenizer: --data text needs one (use --data suite)")
+        self.config = config
+        self.windows = text_windows(tokenizer, config.context_len, config.text_sources)
+        if len(self.windows.held_out) < config.eval_samples:
+            raise ValueError(
+                f"only {len(self.windows.held_out)} held-out windows of {config.context_len} tokens; "
+                f"lower --eval-samples"
+            )
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.facts: dict[str, Any] = {"data": "text", **self.windows.facts}
+
+    def train(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        del step  # windows are drawn at random, each step from the same generator
+        index = torch.randint(0, len(self.windows.train), (self.config.batch_size,), generator=self.generator)
+        ids = self.windows.train[index]
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+
+    def held_out(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.config
+        # Spread over the held-out documents rather than the first few.
+        index = torch.linspace(0, len(self.windows.held_out) - 1, c.eval_samples).round().long()
+        windows = self.windows.held_out[index]
+        return [
+            (windows[i : i + c.batch_size], torch.ones_like(windows[i : i + c.batch_size], dtype=torch.bool))
+            for i in range(0, c.eval_samples, c.batch_size)
+        ]
 
 
 def _forward(model: LlamaFamilyForCausalLM, ids: torch.Tensor, context: Any) -> torch.Tensor:
@@ -167,25 +248,93 @@ def distillation_loss(
     return loss, parts
 
 
+class HardGatedContext(GatedTrainingContext):
+    """The engine's mask: a key outside the window is visible iff its gate is >= tau (log 0 = -inf)."""
+
+    def __init__(self, gates: WriteGates, batch: int, length: int, window: int, tau: float) -> None:
+        super().__init__(gates, batch, length, window, 0.0)
+        self.tau = tau
+
+    def attend(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pre_rope: torch.Tensor,
+    ) -> torch.Tensor:
+        b, t = self.batch, self.length
+        g = self.gates(layer_idx, k_pre_rope, k).view(b, t, -1)
+        self.values.append(g)
+        out = write_gated_attention(
+            q.view(b, t, *q.shape[1:]),
+            k.view(b, t, *k.shape[1:]),
+            v.view(b, t, *v.shape[1:]),
+            (g >= self.tau).float(),
+            self.window,
+            q.shape[-1] ** -0.5,
+            0.0,
+        )
+        return out.reshape(q.shape).to(q.dtype)
+
+
+@torch.no_grad()
+def evaluate_held_out(
+    model: LlamaFamilyForCausalLM,
+    gates: WriteGates,
+    config: GateTrainConfig,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, Any]:
+    """On held-out batches: admitted share per (layer, KV head) `[L, H]`, and hard-gated vs full attention.
+
+    Next-token cross-entropy (nats) under full attention and under the hard admission mask, and the
+    share of positions whose greedy next token is the same under both (padding and each sequence's
+    last position left out).
+    """
+    counts = torch.zeros(gates.num_layers, gates.num_kv_heads)
+    total = 0
+    ce_full = ce_gated = agree = 0.0
+    predicted = 0
+    for ids, valid in batches:
+        b, t = ids.shape
+        full_hidden = _forward(model, ids, BatchedCausalContext(b, t))
+        context = HardGatedContext(gates, b, t, config.local_window, config.tau)
+        gated_hidden = _forward(model, ids, context)
+        g = torch.stack(context.values)  # [L, B, T, H]
+        counts += ((g >= config.tau) & valid.view(1, b, t, 1)).sum(dim=(1, 2)).float()
+        total += int(valid.sum())
+        scored = (valid[:, :-1] & valid[:, 1:]).reshape(-1)
+        targets = ids[:, 1:].reshape(-1)[scored]
+        for row in range(b):  # one row's logits at a time: [T, vocab] fp32 is 100 MB at SmolLM2's vocabulary
+            keep = (valid[row, :-1] & valid[row, 1:]).nonzero().view(-1)
+            if keep.numel() == 0:
+                continue
+            target = ids[row, 1:][keep]
+            full_logits = model.compute_logits(full_hidden[row, keep])
+            gated_logits = model.compute_logits(gated_hidden[row, keep])
+            ce_full += float(torch.nn.functional.cross_entropy(full_logits, target, reduction="sum"))
+            ce_gated += float(torch.nn.functional.cross_entropy(gated_logits, target, reduction="sum"))
+            agree += float((full_logits.argmax(-1) == gated_logits.argmax(-1)).sum())
+        predicted += int(targets.numel())
+    fraction = counts / max(1, total)
+    return {
+        "admitted_per_layer_head": fraction,
+        "tokens": total,
+        "cross_entropy_full": ce_full / max(1, predicted),
+        "cross_entropy_gated": ce_gated / max(1, predicted),
+        "top1_agreement": agree / max(1, predicted),
+    }
+
+
 @torch.no_grad()
 def admitted_fraction(
     model: LlamaFamilyForCausalLM, gates: WriteGates, config: GateTrainConfig, pad_id: int
 ) -> torch.Tensor:
-    """Share of held-out tokens admitted (g >= tau), per (layer, KV head): `[L, H]`."""
-    counts = torch.zeros(gates.num_layers, gates.num_kv_heads)
-    total = 0
-    rng = random.Random(config.seed + 1)
-    for start in range(0, config.eval_samples, config.batch_size):
-        seeds = [HELD_OUT_SEED + start + i for i in range(min(config.batch_size, config.eval_samples - start))]
-        ids, valid = sample_batch(config, seeds, rng, pad_id)
-        b, t = ids.shape
-        context = GatedTrainingContext(gates, b, t, config.local_window, config.eps)
-        _forward(model, ids, context)
-        g = torch.stack(context.values)  # [L, B, T, H]
-        admitted = (g >= config.tau) & valid.view(1, b, t, 1)
-        counts += admitted.sum(dim=(1, 2)).float()
-        total += int(valid.sum())
-    return counts / max(1, total)
+    """Share of held-out suite tokens admitted (g >= tau), per (layer, KV head): `[L, H]`."""
+    del pad_id  # the suite's own
+    evaluation = evaluate_held_out(model, gates, config, SuiteBatches(config).held_out())
+    return torch.as_tensor(evaluation["admitted_per_layer_head"])
 
 
 def train_gates(config: GateTrainConfig, progress: bool = True) -> tuple[Path, dict[str, Any]]:
@@ -199,8 +348,7 @@ def train_gates(config: GateTrainConfig, progress: bool = True) -> tuple[Path, d
     mc = model.config
     gates = WriteGates(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.hidden, config.init_bias)
     optimizer = torch.optim.AdamW(gates.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    pad_id = list(VOCABULARY).index(PAD)
-    rng = random.Random(config.seed)
+    batches: SuiteBatches | TextBatches = SuiteBatches(config) if config.data == "suite" else TextBatches(config)
     log_path = Path(config.out).with_suffix(".log.jsonl")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -208,11 +356,7 @@ def train_gates(config: GateTrainConfig, progress: bool = True) -> tuple[Path, d
     bar = tqdm(range(config.steps), disable=not progress, desc="train-gate", unit="step")
     with log_path.open("w") as log:
         for step in bar:
-            seeds = [
-                GATE_TRAIN_SEED_BASE + config.seed * 100_000 + step * config.batch_size + i
-                for i in range(config.batch_size)
-            ]
-            ids, valid = sample_batch(config, seeds, rng, pad_id)
+            ids, valid = batches.train(step)
             for group in optimizer.param_groups:
                 group["lr"] = config.lr_at(step)
             loss, parts = distillation_loss(model, gates, ids, valid, config)
@@ -222,9 +366,12 @@ def train_gates(config: GateTrainConfig, progress: bool = True) -> tuple[Path, d
             record = {"step": step + 1, "loss": float(loss.detach()), **parts, "lr": config.lr_at(step)}
             history.append(record)
             log.write(json.dumps(record) + "\n")
+            log.flush()
             bar.set_postfix(loss=f"{record['loss']:.4f}", admitted=f"{parts['admitted']:.2f}")
     seconds = time.perf_counter() - start
-    fraction = admitted_fraction(model, gates, config, pad_id)
+    eval_start = time.perf_counter()
+    evaluation = evaluate_held_out(model, gates, config, batches.held_out())
+    fraction = evaluation.pop("admitted_per_layer_head")
     summary = {
         "model": Path(config.model_dir).name,
         "local_window": config.local_window,
@@ -232,15 +379,21 @@ def train_gates(config: GateTrainConfig, progress: bool = True) -> tuple[Path, d
         "tau": config.tau,
         "steps": config.steps,
         "train_seconds": round(seconds, 1),
+        "eval_seconds": round(time.perf_counter() - eval_start, 1),
         "first_loss": history[0]["loss"],
         "final_loss": history[-1]["loss"],
         "admitted_fraction": round(float(fraction.mean()), 4),
         "admitted_per_layer_head": [[round(float(x), 4) for x in row] for row in fraction],
+        "held_out": {
+            "samples": config.eval_samples,
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in evaluation.items()},
+        },
+        "data": batches.facts,
         "parameters": sum(p.numel() for p in gates.parameters()),
         "model_parameters": sum(p.numel() for p in model.parameters()),
         "config": {k: v for k, v in asdict(config).items() if k not in ("model_dir", "out")},
     }
-    path = gates.save(config.out, summary)
+    path = gates.save(config.out, summary, dtype=SAVE_DTYPES[config.save_dtype])
     return path, summary
 
 
@@ -271,4 +424,12 @@ def admitted_heatmap(fraction: list[list[float]], path: str | Path, title: str) 
     return path
 
 
-__all__ = ["GateTrainConfig", "GatedTrainingContext", "admitted_heatmap", "distillation_loss", "train_gates"]
+__all__ = [
+    "GateTrainConfig",
+    "GatedTrainingContext",
+    "HardGatedContext",
+    "admitted_heatmap",
+    "distillation_loss",
+    "evaluate_held_out",
+    "train_gates",
+]

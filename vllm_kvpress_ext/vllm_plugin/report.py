@@ -35,12 +35,23 @@ class PoolReport:
         """Pages a request needs to prefill `num_tokens` tokens uncompressed."""
         return self.pages_per_token_block * -(-num_tokens // self.page_size)
 
-    def prefill_pages(self, num_tokens: int, policy: KVPolicy | None, whole_prompt: bool) -> int:
+    def prefill_pages(
+        self, num_tokens: int, policy: KVPolicy | None, whole_prompt: bool, chunk_tokens: int | None = None
+    ) -> int:
         """Pages to reserve for a prefill of `num_tokens` tokens under `policy`: the embedded scheduler's rule.
 
         The uncompressed peak, or the policy's declared peak when the prefill compresses layer by layer in
-        one chunk (`whole_prompt`); the worker's runner fails a request that needs more, alone.
+        one chunk (`whole_prompt`; the worker's runner fails a request that needs more, alone), or, for an
+        admission policy whose chunks are at most `chunk_tokens` tokens, its chunked prefill peak.
         """
         if not self.num_layers or not self.num_kv_heads:
             return self.peak_pages(num_tokens)
-        return prefill_reservation(policy, num_tokens, whole_prompt, self.num_layers, self.num_kv_heads, self.page_size)
+        return prefill_reservation(
+            policy,
+            num_tokens,
+            whole_prompt,
+            self.num_layers,
+            self.num_kv_heads,
+            self.page_size,
+            chunk_tokens=chunk_tokens,
+        )

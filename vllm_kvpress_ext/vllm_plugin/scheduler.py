@@ -8,7 +8,9 @@ changed. `kv_cache_manager.allocate_slots` is gated by a page budget taken from 
 - a request starting (or restarting after preemption) its prefill reserves its prefill peak, by the
   embedded scheduler's rule: the uncompressed prompt, or, when its policy compresses layer by layer
   and vLLM schedules the whole prompt as one chunk, the peak the policy declares
-  (`KVPolicy.prefill_peak_pages`; the worker's runner fails a request that needs more, alone);
+  (`KVPolicy.prefill_peak_pages`; the worker's runner fails a request that needs more, alone), or,
+  for an admission policy (WG-KV), the chunked prefill peak it declares for chunks of at most
+  vLLM's `max_num_batched_tokens` (`KVPolicy.chunked_prefill_peak_pages`);
 - a later prefill chunk costs nothing more (its pages were reserved);
 - a decoding request costs exactly the pages its next token allocates (ragged after compression).
 
@@ -139,7 +141,9 @@ class KVPressScheduler(Scheduler):
         if request.num_computed_tokens == 0:
             # The worker compresses layer by layer only when this first chunk is the whole prefill.
             whole = num_new_tokens is not None and num_new_tokens >= request.num_tokens
-            need = report.prefill_pages(request.num_tokens, self._policy_of(request), whole)
+            # vLLM never schedules more than this many tokens of one request in a step.
+            chunk = getattr(self, "max_num_scheduled_tokens", None)
+            need = report.prefill_pages(request.num_tokens, self._policy_of(request), whole, chunk)
             starting = True
         else:
             need = report.decode_pages.get(request_id, 0)  # 0: a later prefill chunk, reserved at admission
