@@ -11,6 +11,7 @@ import torch
 from model_utils import TINY, budget_per_head, check_kept, run_recording
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from vllm_kvpress_ext.bench.attention_recall import RecordingContext
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.engine.prefix import capture_prefix
 from vllm_kvpress_ext.models.config import ModelConfig
@@ -163,32 +164,13 @@ def test_captured_query_moments_are_the_models_queries_in_any_chunking(model_dir
         engine = LLMEngine(model_dir, dtype=torch.float32, num_pages=512, page_size=PAGE, max_num_batched_tokens=chunk)
         captured.append(capture_prefix(engine, prompt, spec, f"p{chunk}").layers)
     engine_model = engine.model
-    hidden_by_layer: dict[int, torch.Tensor] = {}
-
-    class Hidden:
-        def attend(
-            self,
-            layer: int,
-            hidden: torch.Tensor,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            k_pre: torch.Tensor,
-        ) -> torch.Tensor:
-            hidden_by_layer[layer] = hidden
-            group = q.shape[1] // k.shape[1]
-            return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1),
-                k.repeat_interleave(group, 1).transpose(0, 1),
-                v.repeat_interleave(group, 1).transpose(0, 1),
-                is_causal=True,
-            ).transpose(0, 1)
+    recorder = RecordingContext()
 
     with torch.no_grad():
-        engine_model(torch.tensor(prompt), torch.arange(70), Hidden())
+        engine_model(torch.tensor(prompt), torch.arange(70), recorder)
         for layer, (whole, chunked) in enumerate(zip(*captured, strict=True)):
             attn = engine_model.layers[layer].self_attn
-            q = attn.project_queries(hidden_by_layer[layer], torch.zeros(70, dtype=torch.long)).double()  # before RoPE
+            q = attn.project_queries(recorder.hidden[layer], torch.zeros(70, dtype=torch.long)).double()  # before RoPE
             for skip in (0, 4):
                 mean, cov = whole.query_mean_cov(skip)
                 rest = q[skip:]

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from vllm_kvpress_ext.attention import causal_attention
 from vllm_kvpress_ext.bench.accuracy import budgets_for, make_policy, policy_label
 from vllm_kvpress_ext.bench.natural import HELD_OUT_SEED, NATURAL_TASKS, NaturalPrompt, render
 from vllm_kvpress_ext.bench.report import format_table, markdown_table
@@ -77,9 +77,10 @@ class RecallRun:
 
 
 class RecordingContext:
-    """A dense causal attention context for one sequence that keeps each layer's q, k and v."""
+    """A dense causal attention context for one sequence that keeps each layer's attention input, q, k and v."""
 
     def __init__(self) -> None:
+        self.hidden: dict[int, torch.Tensor] = {}
         self.queries: dict[int, torch.Tensor] = {}
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
@@ -93,15 +94,9 @@ class RecordingContext:
         v: torch.Tensor,
         k_pre_rope: torch.Tensor,
     ) -> torch.Tensor:
+        self.hidden[layer_idx] = hidden
         self.queries[layer_idx], self.keys[layer_idx], self.values[layer_idx] = q.float(), k.float(), v.float()
-        group = q.shape[1] // k.shape[1]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.repeat_interleave(group, dim=1).transpose(0, 1),
-            v.repeat_interleave(group, dim=1).transpose(0, 1),
-            is_causal=True,
-        )
-        return out.transpose(0, 1)
+        return causal_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), q.shape[-1] ** -0.5)[0]
 
 
 @dataclass
