@@ -77,7 +77,7 @@ def parity_llm() -> LLM:
 
 def test_every_policy_matches_the_embedded_engine(parity_llm: LLM) -> None:
     names = policy_names()
-    assert len(names) == 11
+    assert len(names) == 12  # every registered policy, expected_attention included
     prompts = [spec.token_ids for spec in retrieval_prompts(len(names))]
     ours = vllm_greedy(parity_llm, prompts, names, NEW_TOKENS)
     reference = embedded_greedy(prompts, names, NEW_TOKENS, PARITY_POOL)
@@ -88,7 +88,13 @@ def test_every_policy_matches_the_embedded_engine(parity_llm: LLM) -> None:
         assert figures["policy"] == name, name
         assert figures["kv_retention"] == pytest.approx(want.kv.retention, abs=1e-6), name
         assert figures["kv_bytes"] == want.kv.kv_bytes, name
-        assert figures["kv_bytes_peak"] == want.kv.kv_bytes_peak, name
+        if name == "wgkv":
+            # WG-KV drops what it did not admit between prefill chunks, so its peak follows where vLLM's
+            # scheduler cut the prompt (other requests' decodes share the token budget): at most the
+            # uncompressed prefill's, at least what it holds at the end.
+            assert want.kv.kv_bytes <= figures["kv_bytes_peak"] <= want.kv.kv_bytes_peak, name
+        else:
+            assert figures["kv_bytes_peak"] == want.kv.kv_bytes_peak, name
     compressed = [
         n for n, got in zip(names, ours, strict=True) if got.kv_transfer_params["kvpress"]["kv_retention"] < 1
     ]
