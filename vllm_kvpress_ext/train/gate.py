@@ -131,12 +131,16 @@ class GatedTrainingContext:
             q.view(b, t, *q.shape[1:]),
             k.view(b, t, *k.shape[1:]),
             v.view(b, t, *v.shape[1:]),
-            g,
+            self.admission(g),
             self.window,
             q.shape[-1] ** -0.5,
             self.eps,
         )
         return out.reshape(q.shape).to(q.dtype)
+
+    def admission(self, g: torch.Tensor) -> torch.Tensor:
+        """What the attention weighs keys outside the window by: the soft gates themselves while training."""
+        return g
 
 
 def sample_batch(
@@ -255,28 +259,8 @@ class HardGatedContext(GatedTrainingContext):
         super().__init__(gates, batch, length, window, 0.0)
         self.tau = tau
 
-    def attend(
-        self,
-        layer_idx: int,
-        hidden: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_pre_rope: torch.Tensor,
-    ) -> torch.Tensor:
-        b, t = self.batch, self.length
-        g = self.gates(layer_idx, k_pre_rope, k).view(b, t, -1)
-        self.values.append(g)
-        out = write_gated_attention(
-            q.view(b, t, *q.shape[1:]),
-            k.view(b, t, *k.shape[1:]),
-            v.view(b, t, *v.shape[1:]),
-            (g >= self.tau).float(),
-            self.window,
-            q.shape[-1] ** -0.5,
-            0.0,
-        )
-        return out.reshape(q.shape).to(q.dtype)
+    def admission(self, g: torch.Tensor) -> torch.Tensor:
+        return (g >= self.tau).float()
 
 
 @torch.no_grad()
