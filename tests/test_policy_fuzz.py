@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from vllm_kvpress_ext.api.errors import APIError
+from vllm_kvpress_ext.api.policy_spec import resolve_policy
 from vllm_kvpress_ext.assets import DEFAULT_MODEL_DIR
 from vllm_kvpress_ext.engine import LLMEngine, RequestRejectedError, SamplingParams
 from vllm_kvpress_ext.policies import FIELD_LIMITS, PolicyConfigError, policy_class, policy_names
-from vllm_kvpress_ext.server.errors import APIError
-from vllm_kvpress_ext.server.policy import resolve_policy
 
 PROMPT = "key trout 65 . key clam 62 . key lion 17 . key bear 43 . key wolf 88 . what is key wolf ? answer :"
 

@@ -158,6 +158,28 @@ def test_seeded_sampling_matches_the_embedded_engine(parity_llm: LLM) -> None:
     assert list(ours.outputs[0].token_ids) == finished[0].output_token_ids
 
 
+def test_penalties_min_p_and_min_tokens_match_the_embedded_engine(parity_llm: LLM) -> None:
+    """The sampling features the shared sampler implements give the same tokens through vLLM."""
+    prompt = retrieval_prompts(1, seed=9450)[0].token_ids
+    shared = dict(
+        max_tokens=10,
+        temperature=0.8,
+        min_p=0.05,
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        frequency_penalty=0.3,
+        min_tokens=6,
+        seed=5,
+    )
+    vllm_params = VllmSamplingParams(**shared, extra_args={"kv_policy": "snapkv"})  # type: ignore[arg-type]
+    ours = parity_llm.generate([{"prompt_token_ids": prompt}], vllm_params, use_tqdm=False)[0]
+    engine = LLMEngine(MODEL_DIR, dtype=torch.float32, num_pages=PARITY_POOL, page_size=16)
+    request_id = engine.add_request(prompt, SamplingParams(**shared), policy="snapkv")  # type: ignore[arg-type]
+    want = next(o for _ in range(100) for o in engine.step() if o.finished and o.request_id == request_id)
+    assert list(ours.outputs[0].token_ids) == want.output_token_ids
+    assert len(want.output_token_ids) >= 6
+
+
 def test_logprobs_equal_the_embedded_engines(parity_llm: LLM) -> None:
     """Sampled-token and prompt log-probabilities through vLLM's engine core, scheduler and output
     processor are the embedded engine's (the same runner and sampler compute them)."""

@@ -13,10 +13,11 @@ from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm_utils import MODEL_DIR
 
+from vllm_kvpress_ext.api.errors import APIError
+from vllm_kvpress_ext.api.policy_spec import parse_operator_policy
 from vllm_kvpress_ext.policies import PolicyConfigError
-from vllm_kvpress_ext.server.errors import APIError
 from vllm_kvpress_ext.vllm_plugin import activation
-from vllm_kvpress_ext.vllm_plugin.cli_args import fold_into_additional_config, install_kv_policy_flag, parse_policy_arg
+from vllm_kvpress_ext.vllm_plugin.cli_args import fold_into_additional_config, install_kv_policy_flag
 from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics, SnapshotCollector
 from vllm_kvpress_ext.vllm_plugin.middleware import KVPressMiddleware, rewrite_request, rewrite_response
 from vllm_kvpress_ext.vllm_plugin.platform import validate_kvpress_request
@@ -72,11 +73,11 @@ def test_a_bad_activation_setting_is_an_error(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_kv_policy_flag_accepts_names_presets_and_json(tmp_path: Path) -> None:
-    assert parse_policy_arg("gvote") == "gvote"
-    assert parse_policy_arg('{"name": "snapkv", "ratio": 0.25}') == {"name": "snapkv", "ratio": 0.25}
+    assert parse_operator_policy("gvote") == "gvote"
+    assert parse_operator_policy('{"name": "snapkv", "ratio": 0.25}') == {"name": "snapkv", "ratio": 0.25}
     preset = tmp_path / "mine.yaml"
     preset.write_text("name: h2o\nratio: 0.3\n")
-    assert parse_policy_arg(str(preset)) == {"name": "h2o", "ratio": 0.3}
+    assert parse_operator_policy(str(preset)) == {"name": "h2o", "ratio": 0.3}
     assert fold_into_additional_config("snapkv", {"kv_num_pages": 9}) == {"kv_num_pages": 9, "kv_policy": "snapkv"}
 
 
@@ -129,10 +130,7 @@ def test_bad_request_policies_are_validation_errors(extra_args: dict[str, Any], 
     [
         {"logprobs": 21},
         {"prompt_logprobs": 21},
-        {"presence_penalty": 0.5},
-        {"repetition_penalty": 1.2},
-        {"min_p": 0.1},
-        {"min_tokens": 3},
+        {"repetition_penalty": 150.0},
         {"logit_bias": {3: 1.0}},
         {"allowed_token_ids": [1, 2]},
     ],
@@ -148,6 +146,25 @@ def test_supported_sampling_maps_onto_the_runner() -> None:
     params = runner_sampling_params(VllmSamplingParams(temperature=0.7, top_p=0.9, top_k=-1, seed=3))
     assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.7, 0.9, 0, 3)
     assert params.ignore_eos  # vLLM alone decides when a request stops
+
+
+def test_penalties_min_p_and_min_tokens_reach_the_runners_sampler() -> None:
+    vllm_params = VllmSamplingParams(
+        max_tokens=8,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        min_tokens=3,
+        stop_token_ids=[7, 5],
+    )
+    validate_kvpress_request(vllm_params)
+    params = runner_sampling_params(vllm_params)
+    assert (params.min_p, params.repetition_penalty, params.presence_penalty) == (0.1, 1.2, 0.5)
+    assert (params.frequency_penalty, params.min_tokens) == (-0.25, 3)
+    # What vLLM would stop on is what the sampler holds back until min_tokens are out.
+    assert set(params.stop_token_ids) == vllm_params.all_stop_token_ids == {5, 7}
+    assert runner_sampling_params(VllmSamplingParams(stop_token_ids=[5])).stop_token_ids == ()
 
 
 def test_the_body_kv_policy_moves_into_vllm_xargs() -> None:
@@ -189,7 +206,7 @@ def test_engine_metrics_reach_the_collector(tmp_path: Path) -> None:
     metrics.request_finished({"policy": "full", "kv_retention": 1.0, "compression_seconds": 0.0})
     families = {f.name: f for f in SnapshotCollector(path).collect()}
     value = {f.name: f.samples[0].value for f in families.values() if f.samples and not f.samples[0].labels}
-    assert value["kvpress_kv_pages_free"] == 60 and value["kvpress_kv_pages_held"] == 40
+    assert value["kvpress_kv_pages_free"] == 60 and value["kvpress_kv_pages_used"] == 40
     assert value["kvpress_requests_running_peak"] == 3 and value["kvpress_pool_preemptions"] == 1
     retention = {
         (s.name, s.labels.get("policy"), s.labels.get("le")): s.value
@@ -299,9 +316,9 @@ def test_the_running_gauge_returns_to_zero_when_the_last_request_finishes(tmp_pa
     metrics.pool(report, running=1, waiting=0)
     metrics.request_finished({"policy": "full", "kv_retention": 1.0, "compression_seconds": 0.0})
     metrics.pool(report, running=0, waiting=0)  # within the write interval of the finish's forced write
-    assert json.loads(path.read_text())["gauges"]["requests_running"] == 0
+    assert json.loads(path.read_text())["gauges"]["kvpress_requests_running"] == 0
     metrics.requests(running=0, waiting=1)  # an abort outside a step
-    assert json.loads(path.read_text())["gauges"]["requests_waiting"] == 1
+    assert json.loads(path.read_text())["gauges"]["kvpress_requests_waiting"] == 1
 
 
 def test_a_catalog_name_survives_hf_hub_offline(monkeypatch: pytest.MonkeyPatch) -> None:

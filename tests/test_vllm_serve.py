@@ -123,7 +123,7 @@ def test_metrics_carry_kvpress_series_beside_vllms(server: str, client: openai.O
     for series in (
         "kvpress_kv_pages_total 2000.0",
         "kvpress_kv_pages_free",
-        "kvpress_kv_pages_held",
+        "kvpress_kv_pages_used",
         "kvpress_pool_preemptions_total",
         'kvpress_kv_retention_ratio_bucket{le="1.0",policy="snapkv"}',
         'kvpress_compression_seconds_count{policy="snapkv"}',

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from vllm_kvpress_ext.api import OPERATOR_POLICY_HELP
 from vllm_kvpress_ext.cli.common import Subparsers, at_least, port, seconds, size
 from vllm_kvpress_ext.cli.models import resolve_model_arg
 
@@ -39,9 +40,8 @@ def register(sub: Subparsers) -> None:
     serve.add_argument(
         "--kv-policy",
         default=None,
-        metavar="NAME|PATH",
-        help="default policy for requests that do not choose one: a name (kvpress policies) or a YAML preset "
-        "path (default: none, i.e. full)",
+        metavar="POLICY",
+        help="default policy for requests that do not choose one: " + OPERATOR_POLICY_HELP + " (default: full)",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=port, default=8000, help="port to bind (default: 8000)")
@@ -144,10 +144,11 @@ def run(args: argparse.Namespace) -> int:
     except ModelDirError as exc:
         print(f"kvpress serve: {exc}", file=sys.stderr)
         return 2
-    from vllm_kvpress_ext.policies import PolicyConfigError, load_policy
+    from vllm_kvpress_ext.api.policy_spec import parse_operator_policy
+    from vllm_kvpress_ext.policies import PolicyConfigError
 
-    try:
-        load_policy(args.kv_policy)  # fail before loading the model
+    try:  # fail before loading the model
+        kv_policy = None if args.kv_policy is None else parse_operator_policy(args.kv_policy)
     except PolicyConfigError as exc:
         print(f"kvpress serve: --kv-policy: {exc}", file=sys.stderr)
         return 2
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(
         model_dir=model_dir,
         served_model_name=args.served_model_name,
-        kv_policy=args.kv_policy,
+        kv_policy=kv_policy,
         host=args.host,
         port=args.port,
         num_pages=args.num_pages,

@@ -17,8 +17,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from vllm_kvpress_ext.api.errors import bad_request, error_body, unsupported
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
-from vllm_kvpress_ext.server.errors import bad_request, error_body, unsupported
 from vllm_kvpress_ext.server.logprobs import StreamedLogprobs, completion_logprobs, vllm_prompt_logprobs
 from vllm_kvpress_ext.server.prompts import check_text, encode_bounded
 from vllm_kvpress_ext.server.protocol import CompletionRequest

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vllm_kvpress_ext.assets import DEFAULT_MODEL_DIR
 
@@ -87,7 +88,7 @@ class ServerConfig:
 
     model_dir: Path
     served_model_name: str | None = None
-    kv_policy: str | None = None
+    kv_policy: str | dict[str, Any] | None = None  # a name or an object (`parse_operator_policy`)
     host: str = "127.0.0.1"
     port: int = 8000
     num_pages: int | None = None

@@ -38,11 +38,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_kvpress_ext.api.policy_spec import policy_label
 from vllm_kvpress_ext.engine import LLMEngine, RequestOutput, SamplingParams
 from vllm_kvpress_ext.engine.request import KVStats
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.server.metrics import ServerMetrics
-from vllm_kvpress_ext.server.policy import policy_label
 
 logger = logging.getLogger(__name__)
 
@@ -376,6 +376,7 @@ class EngineLoop:
         kv = KVSummary.of(tracked.kv, handle.policy)
         status = reason if reason in ("stop", "length") else "aborted"
         self.metrics.requests.labels(status=status).inc()
+        self.metrics.finished.labels(policy=handle.policy).inc()
         if tracked.kv is not None:
             self.metrics.retention.labels(policy=handle.policy).observe(kv.retention)
             if handle.policy != "full":

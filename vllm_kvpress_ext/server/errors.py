@@ -18,45 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vllm_kvpress_ext.api.errors import APIError, error_body
+
 logger = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    """A failure with an HTTP status and OpenAI's error fields; raised anywhere in a handler."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
-def error_body(
-    message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def unsupported(param: str, what: str) -> APIError:
-    """A parameter OpenAI defines that this server deliberately does not implement."""
-    return APIError(400, f"{param}: {what}", param=param, code="unsupported_parameter")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

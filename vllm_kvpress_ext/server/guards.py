@@ -26,7 +26,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vllm_kvpress_ext.server.errors import APIError, error_body
+from vllm_kvpress_ext.api.errors import APIError, error_body
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_kvpress_ext.server.errors import bad_request
+from vllm_kvpress_ext.api.errors import bad_request
 
 #: Characters tokenized up front to tell an over-long prompt early: a prompt whose first
 #: `max_model_len * PROBE_CHARS_PER_TOKEN` characters already reach the limit is refused without

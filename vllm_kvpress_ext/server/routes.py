@@ -9,10 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from vllm_kvpress_ext.api.errors import error_body
 from vllm_kvpress_ext.policies import policy_names
 from vllm_kvpress_ext.server.chat import create_chat_completion
 from vllm_kvpress_ext.server.completions import create_completion
-from vllm_kvpress_ext.server.errors import error_body
 from vllm_kvpress_ext.server.guards import GuardedRoute
 from vllm_kvpress_ext.server.openapi import GENERATION_RESPONSES, HEALTH_RESPONSES
 from vllm_kvpress_ext.server.serving import ServerState

@@ -18,6 +18,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from vllm_kvpress_ext.api.errors import APIError, bad_request, unsupported
+from vllm_kvpress_ext.api.policy_spec import policy_spec, resolve_policy
+from vllm_kvpress_ext.api.usage import combine_figures, kv_figures, usage_fields
 from vllm_kvpress_ext.engine import LLMEngine, RequestRejectedError, SamplingParams
 from vllm_kvpress_ext.policies import PolicyConfigError
 from vllm_kvpress_ext.server.config import ServerConfig
@@ -31,9 +34,7 @@ from vllm_kvpress_ext.server.engine_loop import (
     RequestHandle,
     Update,
 )
-from vllm_kvpress_ext.server.errors import APIError, bad_request, unsupported
 from vllm_kvpress_ext.server.metrics import ServerMetrics
-from vllm_kvpress_ext.server.policy import policy_spec, resolve_policy
 from vllm_kvpress_ext.server.protocol import (
     CHANGES_THE_RESULT,
     IGNORED,
@@ -335,30 +336,17 @@ async def final_response(
 
 
 def usage(prompt_tokens: int, finals: list[Update]) -> dict[str, Any]:
-    """OpenAI's usage block plus the KV figures the page pool reported, summed over the request's choices.
-
-    Bytes, peaks and kept tokens add up (a response's engine requests run side by side, so the summed
-    peak bounds what they held at once); retention is kept over full tokens.
-    """
+    """OpenAI's usage block plus the KV figures the page pool reported, summed over the request's choices
+    (`api.usage.combine_figures`: the plugin's rule too)."""
     completion = sum(len(final.token_ids) for final in finals)
     block: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
     }
-    kvs = [final.kv for final in finals if final.kv is not None]
-    if kvs:
-        kept = sum(kv.tokens_kept for kv in kvs)
-        full = sum(kv.tokens_full for kv in kvs)
-        retention = kvs[0].retention if len(kvs) == 1 else (kept / full if full else 1.0)
-        block.update(
-            kv_tokens_kept=kept,
-            kv_tokens_full=full,
-            kv_retention=round(retention, 6),
-            kv_bytes=sum(kv.kv_bytes for kv in kvs),
-            kv_bytes_peak=sum(kv.kv_bytes_peak for kv in kvs),
-            kv_policy=kvs[0].policy,
-        )
+    figures = [kv_figures(final.kv.policy, final.kv) for final in finals if final.kv is not None]
+    if figures:
+        block.update(usage_fields(combine_figures(figures)))
     return block
 
 

@@ -10,55 +10,23 @@ registry's message instead of in a worker minutes later.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from vllm_kvpress_ext.policies import PolicyConfigError, load_policy
+from vllm_kvpress_ext.api import OPERATOR_POLICY_HELP
+from vllm_kvpress_ext.api.policy_spec import check_policy_spec, parse_operator_policy
+from vllm_kvpress_ext.policies import PolicyConfigError
 
 HELP = (
-    "KV-cache compression policy (vllm-kvpress-ext): a policy name (snapkv, gvote, full, ...), a YAML preset "
-    'path, or JSON such as \'{"name": "snapkv", "ratio": 0.25}\'. Same as --additional-config '
+    f"KV-cache compression policy (vllm-kvpress-ext): {OPERATOR_POLICY_HELP}. Same as --additional-config "
     "'{\"kv_policy\": ...}'. Requests may override it with vllm_xargs.kv_policy."
 )
-
-
-def parse_policy_arg(text: str) -> str | dict[str, Any]:
-    """A JSON-serialisable policy spec from the flag's text; raises `PolicyConfigError` if it is not valid."""
-    stripped = text.strip()
-    spec: str | dict[str, Any]
-    if stripped.startswith("{"):
-        try:
-            spec = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise PolicyConfigError(f"--kv-policy is not valid JSON: {exc}") from None
-    elif stripped.endswith((".yaml", ".yml")):
-        path = Path(stripped)
-        if not path.is_file():
-            raise PolicyConfigError(f"policy preset {stripped} does not exist")
-        spec = yaml.safe_load(path.read_text())  # sent as a dict: workers need not see the file
-    else:
-        spec = stripped
-    check_policy_spec(spec)
-    return spec
-
-
-def check_policy_spec(spec: Any) -> None:
-    if not isinstance(spec, str | dict):
-        raise PolicyConfigError(f"kv_policy must be a policy name or an object with a `name`, got {spec!r}")
-    try:
-        load_policy(spec)
-    except (TypeError, ValueError) as exc:
-        raise PolicyConfigError(f"invalid kv_policy: {exc}") from None
 
 
 def fold_into_additional_config(policy_arg: str | None, additional_config: dict[str, Any]) -> dict[str, Any]:
     """`additional_config` with the flag's policy in it; both given and different is an error."""
     config = dict(additional_config or {})
     if policy_arg is not None:
-        spec = parse_policy_arg(policy_arg)
+        spec = parse_operator_policy(policy_arg)
         if "kv_policy" in config and config["kv_policy"] != spec:
             raise PolicyConfigError("--kv-policy and --additional-config kv_policy disagree; give one")
         config["kv_policy"] = spec

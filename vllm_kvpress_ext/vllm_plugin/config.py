@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_kvpress_ext.vllm_plugin.cli_args import check_policy_spec
+from vllm_kvpress_ext.api.policy_spec import check_policy_spec
 
 # Under the `vllm.` namespace: vLLM only prints its own loggers' records.
 logger = logging.getLogger("vllm.kvpress")

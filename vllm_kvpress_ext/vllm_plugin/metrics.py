@@ -21,12 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from vllm_kvpress_ext.api.metrics import PLUGIN, SERIES, Series
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 
 ENV = "KVPRESS_METRICS_FILE"
 _CHOSEN_BY = "KVPRESS_METRICS_FILE_PID"
-RETENTION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-COMPRESSION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+RETENTION = SERIES["kvpress_kv_retention_ratio"]
+COMPRESSION = SERIES["kvpress_compression_seconds"]
 _WRITE_INTERVAL_S = 0.25
 
 
@@ -92,27 +93,36 @@ class EngineMetrics:
     def request_finished(self, figures: dict[str, Any]) -> None:
         policy = str(figures.get("policy", "full"))
         self.finished[policy] = self.finished.get(policy, 0) + 1
-        self.retention.setdefault(policy, _Histogram(RETENTION_BUCKETS)).observe(float(figures["kv_retention"]))
+        self.retention.setdefault(policy, _Histogram(RETENTION.buckets)).observe(float(figures["kv_retention"]))
         if policy != "full":
-            self.compression.setdefault(policy, _Histogram(COMPRESSION_BUCKETS)).observe(
+            self.compression.setdefault(policy, _Histogram(COMPRESSION.buckets)).observe(
                 float(figures["compression_seconds"])
             )
         self.write(force=True)
 
     def pool(self, report: PoolReport, running: int, waiting: int) -> None:
         self.gauges.update(
-            pages_total=report.pages_total,
-            pages_free=report.pages_free,
-            pages_held=report.pages_total - report.pages_free,
-            page_bytes=report.page_bytes,
+            {
+                "kvpress_kv_pages_total": report.pages_total,
+                "kvpress_kv_pages_free": report.pages_free,
+                "kvpress_kv_pages_used": report.pages_total - report.pages_free,
+                "kvpress_kv_page_bytes": report.page_bytes,
+            }
         )
         self.requests(running, waiting)
 
     def requests(self, running: int, waiting: int) -> None:
         """The request gauges; written at once when they change, so the last value of a burst is never
         lost to the write interval (an idle engine runs no further step that would write it)."""
-        changed = (self.gauges.get("requests_running"), self.gauges.get("requests_waiting")) != (running, waiting)
-        self.gauges.update(requests_running=running, requests_waiting=waiting, requests_running_peak=self.running_peak)
+        before = (self.gauges.get("kvpress_requests_running"), self.gauges.get("kvpress_requests_waiting"))
+        changed = before != (running, waiting)
+        self.gauges.update(
+            {
+                "kvpress_requests_running": running,
+                "kvpress_requests_waiting": waiting,
+                "kvpress_requests_running_peak": self.running_peak,
+            }
+        )
         self.write(force=changed)
 
     def snapshot(self) -> dict[str, Any]:
@@ -137,15 +147,19 @@ class EngineMetrics:
             pass
 
 
-_GAUGES = {
-    "pages_total": "KV pool size in pages (one page: page_size tokens of one layer and KV head)",
-    "pages_free": "KV pool pages free",
-    "pages_held": "KV pool pages held by requests",
-    "page_bytes": "Bytes of K and V in one page",
-    "requests_running": "Requests scheduled by vLLM and holding KV pages",
-    "requests_waiting": "Requests waiting for admission",
-    "requests_running_peak": "Most requests scheduled in one step since start",
-}
+#: The gauges the snapshot carries, by series name.
+_GAUGES = tuple(name for name, series in SERIES.items() if series.kind == "gauge" and PLUGIN in series.servers)
+
+
+def _histogram_families(series: Series, per_policy: dict[str, Any]) -> Any:
+    from prometheus_client.core import HistogramMetricFamily
+
+    family = HistogramMetricFamily(series.name, series.help, labels=list(series.labels))
+    for policy, h in sorted(per_policy.items()):
+        cumulative = [(str(b), float(c)) for b, c in zip(h["buckets"], h["counts"], strict=True)]
+        cumulative.append(("+Inf", float(h["count"])))
+        family.add_metric([policy], cumulative, sum_value=float(h["sum"]))
+    return family
 
 
 class SnapshotCollector:
@@ -165,37 +179,25 @@ class SnapshotCollector:
         return []  # metric names depend on the snapshot; skip registration-time collection
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         data = self._read()
         gauges = data.get("gauges", {})
-        for name, doc in _GAUGES.items():
-            family = GaugeMetricFamily(f"kvpress_kv_{name}" if name.startswith("page") else f"kvpress_{name}", doc)
-            family.add_metric([], float(gauges.get(name, 0)))
-            yield family
-        preempt = CounterMetricFamily(
-            "kvpress_pool_preemptions", "Requests preempted (recomputed later) because the KV pool was full"
-        )
+        for name in _GAUGES:
+            gauge = GaugeMetricFamily(name, SERIES[name].help)
+            gauge.add_metric([], float(gauges.get(name, 0)))
+            yield gauge
+        preemptions = SERIES["kvpress_pool_preemptions"]
+        preempt = CounterMetricFamily(preemptions.name, preemptions.help)
         preempt.add_metric([], float(data.get("preemptions", 0)))
         yield preempt
-        finished = CounterMetricFamily("kvpress_requests_finished", "Finished requests by KV policy", labels=["policy"])
+        finished_series = SERIES["kvpress_requests_finished"]
+        finished = CounterMetricFamily(finished_series.name, finished_series.help, labels=list(finished_series.labels))
         for policy, count in sorted(data.get("finished", {}).items()):
             finished.add_metric([policy], float(count))
         yield finished
-        for key, name, doc in (
-            (
-                "retention",
-                "kvpress_kv_retention_ratio",
-                "KV entries kept / entries of a full cache, per finished request",
-            ),
-            ("compression", "kvpress_compression_seconds", "Time spent in the policy's hooks per finished request"),
-        ):
-            histogram = HistogramMetricFamily(name, doc, labels=["policy"])
-            for policy, h in sorted(data.get(key, {}).items()):
-                cumulative = [(str(b), float(c)) for b, c in zip(h["buckets"], h["counts"], strict=True)]
-                cumulative.append(("+Inf", float(h["count"])))
-                histogram.add_metric([policy], cumulative, sum_value=float(h["sum"]))
-            yield histogram
+        yield _histogram_families(RETENTION, data.get("retention", {}))
+        yield _histogram_families(COMPRESSION, data.get("compression", {}))
 
 
 _registered = False

@@ -23,8 +23,8 @@ import multiprocessing
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from vllm_kvpress_ext.server.errors import APIError
-from vllm_kvpress_ext.server.policy import policy_spec
+from vllm_kvpress_ext.api.errors import APIError
+from vllm_kvpress_ext.api.policy_spec import policy_spec
 from vllm_kvpress_ext.vllm_plugin.metrics import choose_metrics_file, register_collector
 from vllm_kvpress_ext.vllm_plugin.usage import install_usage_hooks, usage_fields
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_kvpress_ext.engine.sampling_params import MAX_LOGPROBS
+from vllm_kvpress_ext.api.errors import APIError
+from vllm_kvpress_ext.api.policy_spec import policy_spec, resolve_policy
+from vllm_kvpress_ext.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
-from vllm_kvpress_ext.server.errors import APIError
-from vllm_kvpress_ext.server.policy import policy_spec, resolve_policy
 
 # vLLM itself puts `kv_transfer_params` into extra_args (disaggregated prefill); it is not a policy field.
 _VLLM_OWN_KEYS = ("kv_transfer_params",)
@@ -48,17 +48,22 @@ def default_policy(additional_config: dict[str, Any] | None) -> KVPolicy | None:
 
 
 def unsupported_sampling(params: Any) -> tuple[str, str] | None:
-    """(parameter, reason) for the first sampling feature the plugin's worker does not implement."""
+    """(parameter, reason) for the first sampling feature the plugin's worker does not implement, or for a
+    value outside the bounds its sampler (the embedded server's) accepts."""
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             return name, f"{name} must be in [0, {MAX_LOGPROBS}] with the vllm-kvpress-ext worker, got {value}"
+    try:  # the bounds the runner's sampler enforces (penalties up to MAX_PENALTY, min_p in [0, 1], ...)
+        SamplingParams(
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+        )
+    except ValueError as exc:
+        return str(exc).split(" ", 1)[0], f"{exc} with the vllm-kvpress-ext worker"
     checks: list[tuple[str, bool]] = [
-        ("presence_penalty", params.presence_penalty != 0.0),
-        ("frequency_penalty", params.frequency_penalty != 0.0),
-        ("repetition_penalty", params.repetition_penalty != 1.0),
-        ("min_p", params.min_p != 0.0),
-        ("min_tokens", params.min_tokens > 0),
         ("logit_bias", bool(params.logit_bias)),
         ("allowed_token_ids", bool(params.allowed_token_ids)),
         ("bad_words", bool(params.bad_words)),

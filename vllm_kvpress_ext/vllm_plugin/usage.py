@@ -22,38 +22,9 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from vllm_kvpress_ext.api.usage import combine_figures, usage_fields
+
 KEY = "kvpress"
-#: Figures added to `usage`, besides `kv_policy`.
-USAGE_FIELDS = ("kv_bytes", "kv_bytes_peak", "kv_retention", "kv_tokens_kept", "kv_tokens_full")
-_SUMMED = ("kv_bytes", "kv_bytes_peak", "kv_tokens_kept", "kv_tokens_full", "compression_seconds", "preemptions")
-
-
-def combine_figures(figures: list[dict[str, Any]]) -> dict[str, Any]:
-    """One request's worth of KV figures for several engine requests answered together.
-
-    Bytes, tokens and times add up; `kv_bytes_peak` is the sum of the peaks (the requests of one answer
-    run side by side, so this bounds what they held at once); retention is kept over full tokens.
-    """
-    if len(figures) == 1:
-        return dict(figures[0])
-    combined: dict[str, Any] = {}
-    policies = sorted({str(f.get("policy", "full")) for f in figures})
-    combined["policy"] = policies[0] if len(policies) == 1 else ",".join(policies)
-    for name in _SUMMED:
-        values = [f[name] for f in figures if name in f]
-        if values:
-            combined[name] = round(sum(values), 6) if isinstance(values[0], float) else sum(values)
-    full = combined.get("kv_tokens_full", 0)
-    if full:
-        combined["kv_retention"] = round(combined.get("kv_tokens_kept", 0) / full, 6)
-    return combined
-
-
-def usage_fields(figures: dict[str, Any]) -> dict[str, Any]:
-    """The `usage` entries for one answer's figures (the same names `kvpress serve` uses)."""
-    fields: dict[str, Any] = {"kv_policy": figures.get("policy", "full")}
-    fields.update({k: figures[k] for k in USAGE_FIELDS if k in figures})
-    return fields
 
 
 def _figures_of(output: Any) -> dict[str, Any] | None:

@@ -23,12 +23,13 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm.v1.outputs import LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from vllm_kvpress_ext.api.policy_spec import policy_label
+from vllm_kvpress_ext.api.usage import kv_figures
 from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY, ModelRunner, Schedule, ScheduledChunk
 from vllm_kvpress_ext.engine.request import Request, RequestStatus
 from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy
-from vllm_kvpress_ext.server.policy import policy_label
 from vllm_kvpress_ext.vllm_plugin.gguf_model import gguf_source
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, request_policy
@@ -41,14 +42,25 @@ _UNBOUNDED = 1 << 30
 
 
 def runner_sampling_params(params: Any) -> SamplingParams:
-    """vLLM's sampling parameters as the runner's sampler takes them (unsupported ones were refused earlier)."""
+    """vLLM's sampling parameters as the runner's sampler takes them (unsupported ones were refused earlier).
+
+    The runner never stops a request (`ignore_eos`, unbounded length): vLLM does. `min_tokens` still needs
+    the tokens vLLM would stop on, which its input processor gathered in `all_stop_token_ids` (EOS unless
+    ignored, and `stop_token_ids`): the sampler holds exactly those back until `min_tokens` are out.
+    """
     return SamplingParams(
         max_tokens=_UNBOUNDED,
         temperature=float(params.temperature),
         top_p=float(params.top_p),
         top_k=max(int(params.top_k or 0), 0),
+        min_p=float(params.min_p),
         seed=params.seed,
+        stop_token_ids=tuple(sorted(params.all_stop_token_ids)) if params.min_tokens else (),
         ignore_eos=True,
+        repetition_penalty=float(params.repetition_penalty),
+        presence_penalty=float(params.presence_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        min_tokens=int(params.min_tokens),
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
     )
@@ -335,15 +347,5 @@ class KVPressWorker(WorkerBase):
                 report.decode_pages[request_id] = cache.pages_needed_to_append(torch.tensor([request.row]), 1)
             if request_id in sampled:
                 runner.update_kv_stats(request)
-                kv = request.kv
-                report.kv[request_id] = {
-                    "policy": policy_label(request.policy),
-                    "kv_bytes": kv.kv_bytes,
-                    "kv_bytes_peak": kv.kv_bytes_peak,
-                    "kv_tokens_kept": kv.tokens_kept,
-                    "kv_tokens_full": kv.tokens_full,
-                    "kv_retention": round(kv.retention, 6),
-                    "compression_seconds": round(kv.compression_seconds, 6),
-                    "preemptions": request.num_preemptions,
-                }
+                report.kv[request_id] = kv_figures(policy_label(request.policy), request.kv, request.num_preemptions)
         return report

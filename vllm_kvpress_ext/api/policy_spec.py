@@ -1,4 +1,9 @@
-"""The per-request KV policy: from the body's `kv_policy` or vLLM's `vllm_xargs`, validated up front.
+"""KV policy specs as both servers take them: the operator's `--kv-policy` and each client's `kv_policy`.
+
+The operator's flag (`kvpress serve --kv-policy`, `vllm serve --kv-policy`) takes a policy name, a JSON
+object such as `{"name": "snapkv", "ratio": 0.25}`, or a YAML preset path (`parse_operator_policy`).
+
+The per-request policy comes from the body's `kv_policy` or vLLM's `vllm_xargs`, validated up front.
 
 Policies are resolved in the HTTP handler, before the request reaches the engine, so a bad name or
 parameter is a 400 naming the valid choices (the registry's `PolicyConfigError` message) and never
@@ -7,8 +12,8 @@ costs the engine loop anything.
 `vllm_xargs` is how vLLM clients pass extra arguments; its values are often strings, so there
 `"snapkv"`, `'{"name": "snapkv", "ratio": 0.1}'` and `{"name": "snapkv", "ratio": "0.1"}` all work.
 vLLM only forwards flat scalar values, so a policy's parameters may also come as `kv_<param>`
-fields beside `kv_policy`: `{"kv_policy": "snapkv", "kv_ratio": 0.25}`. The vLLM plugin parses its
-requests with this same function.
+fields beside `kv_policy`: `{"kv_policy": "snapkv", "kv_ratio": 0.25}`. Both servers parse their
+requests with these same functions, so they accept the same fields and give the same messages.
 Presets by file path are refused over HTTP: a path would let any client make the server read
 files of its choosing. Presets by name (`configs/NAME.yaml`) still apply. Fields that name a file
 (XKV's `profile`, WG-KV's `gates`) take a name from the operator's allow-list (`policies/files.py`),
@@ -18,10 +23,20 @@ never a path.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
-from vllm_kvpress_ext.policies import KVPolicy, PolicyConfigError, PolicyFiles, allowed_files, load_client_policy
-from vllm_kvpress_ext.server.errors import APIError, bad_request
+import yaml
+
+from vllm_kvpress_ext.api.errors import APIError, bad_request
+from vllm_kvpress_ext.policies import (
+    KVPolicy,
+    PolicyConfigError,
+    PolicyFiles,
+    allowed_files,
+    load_client_policy,
+    load_policy,
+)
 
 _XARGS_KEYS = ("kv_policy",)
 _XARGS_PARAM_PREFIX = "kv_"  # vllm_xargs.kv_ratio -> the policy's `ratio`
@@ -139,3 +154,37 @@ def policy_label(policy: KVPolicy | None) -> str:
     if policy is None or not policy.compresses:
         return "full"
     return policy.name
+
+
+def parse_operator_policy(text: str, flag: str = "--kv-policy") -> str | dict[str, Any]:
+    """The operator's policy as a JSON-serialisable spec (a name or an object), validated.
+
+    A YAML preset is read here and passed on as its mapping, so processes started later (vLLM's engine
+    core and workers) need not see the file. Raises `PolicyConfigError` naming `flag`.
+    """
+    stripped = text.strip()
+    spec: Any
+    if stripped.startswith("{"):
+        try:
+            spec = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise PolicyConfigError(f"{flag} is not valid JSON: {exc}") from None
+    elif stripped.endswith((".yaml", ".yml")):
+        path = Path(stripped)
+        if not path.is_file():
+            raise PolicyConfigError(f"policy preset {stripped} does not exist")
+        spec = yaml.safe_load(path.read_text())
+    else:
+        spec = stripped
+    check_policy_spec(spec)
+    return spec
+
+
+def check_policy_spec(spec: Any) -> None:
+    """Raise `PolicyConfigError` unless `spec` (a name or an object with a `name`) builds a valid policy."""
+    if not isinstance(spec, str | dict):
+        raise PolicyConfigError(f"kv_policy must be a policy name or an object with a `name`, got {spec!r}")
+    try:
+        load_policy(spec)
+    except (TypeError, ValueError) as exc:
+        raise PolicyConfigError(f"invalid kv_policy: {exc}") from None

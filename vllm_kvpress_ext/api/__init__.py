@@ -1,0 +1,16 @@
+"""What both OpenAI-compatible servers share, so `kvpress serve` and `vllm serve` with the plugin agree.
+
+- `errors`: the OpenAI-shaped error every failure becomes;
+- `policy_spec`: the operator's `--kv-policy` and each client's `kv_policy` / `vllm_xargs`, parsed and
+  validated once, and the label (`usage.kv_policy`, metrics) a policy is reported under;
+- `usage`: the KV figures a response's `usage` carries, and how several engine requests' figures add up;
+- `metrics`: the `kvpress_*` series both servers export on `/metrics` (names, help, buckets).
+
+This module itself imports nothing heavy: command-line parsers read `OPERATOR_POLICY_HELP` from it.
+"""
+
+#: What `--kv-policy` takes, in both servers' `--help`.
+OPERATOR_POLICY_HELP = (
+    "a policy name (snapkv, gvote, full, ...; see `kvpress policies`), a YAML preset path, or JSON such as "
+    '\'{"name": "snapkv", "ratio": 0.25}\''
+)
