@@ -140,8 +140,8 @@ def write_suite_model(
     path: Path, *, hidden: int = 32, seed: int = 1, std: float = 0.3, max_positions: int = 512
 ) -> Path:
     """A random-weight GQA Llama over the synthetic suite's vocabulary, with its tokenizer, in `path`."""
-    from vllm_kvpress_ext.bench.tokenizer import VOCABULARY, save_tokenizer
     from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
+    from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY, save_tokenizer
 
     save_tokenizer(path)
     config = llama_config(

@@ -11,11 +11,11 @@ import torch
 from model_utils import write_suite_model
 
 from vllm_kvpress_ext.bench.accuracy import prompt_coverage
-from vllm_kvpress_ext.bench.tasks import build_prompt, generate
 from vllm_kvpress_ext.cache import KeepPlan, PagedKVCache
 from vllm_kvpress_ext.cli import main
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.engine.kept import kept_entries
+from vllm_kvpress_ext.tasks.synthetic import build_prompt, generate
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,11 @@ def test_every_series_is_exported_by_the_servers_the_schema_names(tmp_path: Path
             assert family is not None, f"{server} does not export {series.name}"
             assert (family.type, family.documentation) == (series.kind, series.help)
     both = [s for s in SERIES.values() if s.servers == BOTH]
-    assert {s.name for s in both} >= {"kvpress_kv_pages_used", "kvpress_kv_retention_ratio", "kvpress_requests_finished"}
+    assert {s.name for s in both} >= {
+        "kvpress_kv_pages_used",
+        "kvpress_kv_retention_ratio",
+        "kvpress_requests_finished",
+    }
 
 
 def test_histograms_use_the_schemas_buckets(tmp_path: Path) -> None:
@@ -54,9 +58,7 @@ def test_histograms_use_the_schemas_buckets(tmp_path: Path) -> None:
     embedded = ServerMetrics()
     embedded.retention.labels(policy="snapkv").observe(0.5)
     family = {f.name: f for f in text_string_to_metric_families(embedded.render().decode())}[retention.name]
-    assert [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")][:-1] == list(
-        retention.buckets
-    )
+    assert [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")][:-1] == list(retention.buckets)
 
 
 def test_usage_figures_add_up_the_same_way_for_both_servers() -> None:

@@ -14,9 +14,9 @@ import torch
 
 from vllm_kvpress_ext.assets import default_model_dir
 from vllm_kvpress_ext.bench.accuracy import HELD_OUT_SEED
-from vllm_kvpress_ext.bench.tasks import build_prompt, generate
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.policies import policy_names
+from vllm_kvpress_ext.tasks.synthetic import build_prompt, generate
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

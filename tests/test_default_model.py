@@ -14,13 +14,13 @@ from transformers import AutoModelForCausalLM
 
 from vllm_kvpress_ext.assets import DEFAULT_MODEL_DIR, default_model_dir
 from vllm_kvpress_ext.bench.accuracy import HELD_OUT_SEED, make_policy
-from vllm_kvpress_ext.bench.tasks import build_prompt, generate, score
-from vllm_kvpress_ext.bench.tasks.prompt import Protocol
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.models import load_config
 from vllm_kvpress_ext.models.write_gate import default_gate_path, gate_metadata, load_gates
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.server.config import resolve_model_dir
+from vllm_kvpress_ext.tasks.synthetic import build_prompt, generate, score
+from vllm_kvpress_ext.tasks.synthetic.prompt import Protocol
 
 # Held-out exact match with the full cache, strict protocol: (task, generator parameters, samples, floor).
 # Measured on 48 samples at 1024 tokens (docs/model.md); the floors leave room for the smaller sample.

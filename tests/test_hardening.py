@@ -464,8 +464,8 @@ def test_chat_template_is_the_training_rendering() -> None:
     """The server's chat prompt is token for token what the bundled model was trained on."""
     from transformers import AutoTokenizer
 
-    from vllm_kvpress_ext.bench.tasks import generate, training_example
-    from vllm_kvpress_ext.bench.tasks.training import chat_conversation
+    from vllm_kvpress_ext.tasks.synthetic import generate, training_example
+    from vllm_kvpress_ext.tasks.synthetic.training import chat_conversation
 
     tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
     for seed in range(5):
@@ -480,8 +480,8 @@ def test_chat_and_completions_accuracy_on_the_same_prompts() -> None:
     """Full cache, greedy, 40 prompts per row, both forms (docs/server.md prints these figures)."""
     import random
 
-    from vllm_kvpress_ext.bench.tasks import generate
-    from vllm_kvpress_ext.bench.tokenizer import KEY_WORDS, VALUE_WORDS
+    from vllm_kvpress_ext.tasks.synthetic import generate
+    from vllm_kvpress_ext.tasks.tokenizer import KEY_WORDS, VALUE_WORDS
 
     engine = LLMEngine(DEFAULT_MODEL_DIR, dtype="float32")
     tok = engine.tokenizer

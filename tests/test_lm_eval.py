@@ -32,8 +32,8 @@ from test_server import LiveServer, _start
 from transformers import AutoTokenizer
 from vllm_utils import MODEL_DIR, vllm_server
 
-from vllm_kvpress_ext.bench.tasks import generate
-from vllm_kvpress_ext.bench.tasks.prompt import chat_messages
+from vllm_kvpress_ext.tasks.synthetic import generate
+from vllm_kvpress_ext.tasks.synthetic.prompt import chat_messages
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 from gguf_utils import tiny_model, write_gguf
 
-from vllm_kvpress_ext.bench.natural import (
+from vllm_kvpress_ext.hub.catalog import CATALOG, cached_path
+from vllm_kvpress_ext.models import load_tokenizer
+from vllm_kvpress_ext.tasks.natural import (
     NATURAL_TASKS,
     NOISE,
     filler_sentences,
@@ -22,8 +24,6 @@ from vllm_kvpress_ext.bench.natural import (
     render,
     score,
 )
-from vllm_kvpress_ext.hub.catalog import CATALOG, cached_path
-from vllm_kvpress_ext.models import load_tokenizer
 
 
 @pytest.fixture(scope="module")

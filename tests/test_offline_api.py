@@ -13,11 +13,11 @@ import torch
 from gguf_utils import tiny_model, write_gguf
 from model_utils import run_recording, write_suite_model
 
-from vllm_kvpress_ext.bench.tokenizer import VOCABULARY
 from vllm_kvpress_ext.engine import LLM, ContextQuestion, KeptEntries, RequestRejectedError, SamplingParams
 from vllm_kvpress_ext.hub import catalog
 from vllm_kvpress_ext.models import load_config
 from vllm_kvpress_ext.models.write_gate import WriteGates
+from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
 
 CONTEXT, QUESTION = 60, 12
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

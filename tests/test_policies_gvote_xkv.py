@@ -22,7 +22,6 @@ import yaml
 from model_utils import TINY, budget_per_head, check_kept, hf_greedy, run_recording, write_suite_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vllm_kvpress_ext.bench.tasks import TASKS, build_prompt, generate
 from vllm_kvpress_ext.bench.xkv_profile import profile_xkv
 from vllm_kvpress_ext.cache import KeepPlan
 from vllm_kvpress_ext.engine import LLM, LLMEngine, SamplingParams
@@ -39,6 +38,7 @@ from vllm_kvpress_ext.policies.xkv import (
     coverage_ratio,
     greedy_allocation,
 )
+from vllm_kvpress_ext.tasks.synthetic import TASKS, build_prompt, generate
 
 # ----------------------------------------------------------------------------- shared helpers
 

@@ -21,14 +21,14 @@ from model_utils import write_suite_model
 from vllm_kvpress_ext import cli
 from vllm_kvpress_ext.bench import models as bench_models
 from vllm_kvpress_ext.bench.accuracy import HELD_OUT_SEED
-from vllm_kvpress_ext.bench.tasks import build_prompt, generate
-from vllm_kvpress_ext.bench.tokenizer import load_tokenizer
 from vllm_kvpress_ext.cli import main
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.policies import XKVPolicy, load_policy
 from vllm_kvpress_ext.policies.base import LayerPrefill, RequestPrefill
 from vllm_kvpress_ext.policies.capture import LayerCapture
 from vllm_kvpress_ext.policies.xkv import XKVProfile, allocation_from_fractions
+from vllm_kvpress_ext.tasks.synthetic import build_prompt, generate
+from vllm_kvpress_ext.tasks.tokenizer import load_tokenizer
 
 TASKS = ("niah_multikey", "variable_tracking")
 SAMPLES, CONTEXT, TARGET, WINDOW = 2, 128, 0.9, 8

@@ -22,7 +22,6 @@ import openai
 import pytest
 import uvicorn
 
-from vllm_kvpress_ext.bench.tokenizer import BOS, EOS, VOCABULARY, save_tokenizer
 from vllm_kvpress_ext.cli import main
 from vllm_kvpress_ext.engine import LLM, LLMEngine, SamplingParams
 from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
@@ -30,6 +29,7 @@ from vllm_kvpress_ext.server.app import create_app
 from vllm_kvpress_ext.server.config import BUNDLED_MODEL_DIR, ServerConfig, parse_size
 from vllm_kvpress_ext.server.launch import build_engine
 from vllm_kvpress_ext.server.streaming import TextDeltas
+from vllm_kvpress_ext.tasks.tokenizer import BOS, EOS, VOCABULARY, save_tokenizer
 
 MODEL = "tiny-suite"
 PROMPT = "key trout is 65 . what is key trout ? answer :"

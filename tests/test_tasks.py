@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_kvpress_ext.bench.tasks import (
+from vllm_kvpress_ext.tasks.synthetic import (
     PROTOCOLS,
     TASKS,
     PromptSpec,
@@ -31,7 +31,7 @@ from vllm_kvpress_ext.bench.tasks import (
     score,
     training_example,
 )
-from vllm_kvpress_ext.bench.tokenizer import EOS, FILLER_WORDS, ITEM_WORDS, build_tokenizer, save_tokenizer
+from vllm_kvpress_ext.tasks.tokenizer import EOS, FILLER_WORDS, ITEM_WORDS, build_tokenizer, save_tokenizer
 
 TOK = build_tokenizer()
 
@@ -225,7 +225,7 @@ def test_aggregation_length_check_covers_the_largest_draw() -> None:
 def test_samples_do_not_depend_on_the_process() -> None:
     """Another interpreter with a different hash seed draws the same samples (no set-order dependence)."""
     code = (
-        "import json; from vllm_kvpress_ext.bench.tasks import TASKS, generate; "
+        "import json; from vllm_kvpress_ext.tasks.synthetic import TASKS, generate; "
         "print(json.dumps([generate(t, 7, context_length=300, filler='noise').to_dict() for t in TASKS]))"
     )
     out = subprocess.run(
@@ -300,7 +300,7 @@ def test_build_prompt_evidence_holds_the_answer() -> None:
 
 
 def test_build_prompt_matches_hf_chat_template(tmp_path: Any) -> None:
-    from vllm_kvpress_ext.bench.tokenizer import load_tokenizer
+    from vllm_kvpress_ext.tasks.tokenizer import load_tokenizer
 
     hf = load_tokenizer(save_tokenizer(tmp_path))
     for task in TASKS:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from vllm_kvpress_ext.bench import tokenizer as vocab
-from vllm_kvpress_ext.bench.tasks import TASKS, generate
-from vllm_kvpress_ext.bench.tokenizer import (
+from vllm_kvpress_ext.tasks import tokenizer as vocab
+from vllm_kvpress_ext.tasks.synthetic import TASKS, generate
+from vllm_kvpress_ext.tasks.tokenizer import (
     ASSISTANT,
     BOS,
     EOS,

@@ -18,9 +18,9 @@ import pytest
 import torch
 from vllm_utils import MODEL_DIR, retrieval_prompts, retrieval_samples, vllm_server
 
-from vllm_kvpress_ext.bench.tasks import score
-from vllm_kvpress_ext.bench.tasks.prompt import chat_messages
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
+from vllm_kvpress_ext.tasks.synthetic import score
+from vllm_kvpress_ext.tasks.synthetic.prompt import chat_messages
 
 pytestmark = pytest.mark.slow
 

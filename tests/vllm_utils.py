@@ -19,10 +19,10 @@ import torch
 from transformers import AutoTokenizer
 
 from vllm_kvpress_ext.assets import default_model_dir
-from vllm_kvpress_ext.bench.tasks import build_prompt, generate
-from vllm_kvpress_ext.bench.tasks.base import Sample
-from vllm_kvpress_ext.bench.tasks.prompt import PromptSpec
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
+from vllm_kvpress_ext.tasks.synthetic import build_prompt, generate
+from vllm_kvpress_ext.tasks.synthetic.base import Sample
+from vllm_kvpress_ext.tasks.synthetic.prompt import PromptSpec
 
 MODEL_DIR = default_model_dir()
 PAGE_SIZE = 16

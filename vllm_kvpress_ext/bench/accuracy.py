@@ -3,7 +3,7 @@
 Each (policy, budget) runs the same held-out samples of each task through the engine with real
 compression: pages are freed, and the memory figures are the pool's (whole pages held by the
 request when it finished, so partial pages count). The protocol says where compression happens
-(see `bench/tasks/prompt.py`): `served` after the prompt, `strict` before the answer cue so every
+(see `tasks/synthetic/prompt.py`): `served` after the prompt, `strict` before the answer cue so every
 answer token comes from the compressed cache, `agnostic` before the question.
 
 Coverage (K-VEC's Table 6 measure, `policies/kvec.py`): when a request finishes, which prompt
@@ -32,11 +32,11 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from vllm_kvpress_ext.bench.report import format_table, markdown_table
-from vllm_kvpress_ext.bench.tasks import TASKS, PromptSpec, build_prompt, generate, score
-from vllm_kvpress_ext.bench.tasks.prompt import PROTOCOLS, Protocol
 from vllm_kvpress_ext.engine import KeptEntries, LLMEngine, SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy, create_policy, load_policy, policy_class
 from vllm_kvpress_ext.policies.kvec import head_coverage, unique_token_coverage
+from vllm_kvpress_ext.tasks.synthetic import TASKS, PromptSpec, build_prompt, generate, score
+from vllm_kvpress_ext.tasks.synthetic.prompt import PROTOCOLS, Protocol
 
 HELD_OUT_SEED = 1_000_000  # training draws seeds below this; evaluation samples start here
 DEFAULT_POLICIES = ("full", "streaming_llm", "snapkv", "pyramidkv", "adakv", "h2o")

@@ -35,7 +35,6 @@ import torch
 
 from vllm_kvpress_ext.attention import causal_attention
 from vllm_kvpress_ext.bench.accuracy import budgets_for, make_policy, policy_label
-from vllm_kvpress_ext.bench.natural import HELD_OUT_SEED, NATURAL_TASKS, NaturalPrompt, render
 from vllm_kvpress_ext.bench.report import format_table, markdown_table
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.engine.prefix import PrefixSnapshot, add_forked_request, capture_prefix, merged_capture_spec
@@ -43,6 +42,7 @@ from vllm_kvpress_ext.engine.request import RequestOutput
 from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.policies import KVPolicy, create_policy
 from vllm_kvpress_ext.policies.capture import CaptureSpec
+from vllm_kvpress_ext.tasks.natural import HELD_OUT_SEED, NATURAL_TASKS, NaturalPrompt, render
 
 
 @dataclass(frozen=True)

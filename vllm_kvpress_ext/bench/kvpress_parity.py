@@ -269,11 +269,11 @@ def hf_directory(model: str) -> Path:
 def run_parity(config: ParityConfig) -> list[ParityRow]:
     import torch
 
-    from vllm_kvpress_ext.bench.natural import render, score
     from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
     from vllm_kvpress_ext.engine.prefix import add_forked_request, capture_prefix, merged_capture_spec
     from vllm_kvpress_ext.engine.request import RequestOutput
     from vllm_kvpress_ext.policies import load_policy
+    from vllm_kvpress_ext.tasks.natural import render, score
 
     validate_config(config)
     start = time.perf_counter()
@@ -445,7 +445,7 @@ def _fork(
 
 
 def validate_config(config: ParityConfig) -> None:
-    from vllm_kvpress_ext.bench.natural import NATURAL_TASKS
+    from vllm_kvpress_ext.tasks.natural import NATURAL_TASKS
 
     unknown = [p for p in config.policies if p not in PARITY_POLICIES]
     if unknown:

@@ -35,7 +35,7 @@ def suite_bench_model_dir(root: str | Path, seed: int = 0) -> Path:
     Its outputs are noise (the weights are random) but it takes text, chat and the suite's prompts,
     so the server, its API and its KV figures can be exercised before a trained model exists.
     """
-    from vllm_kvpress_ext.bench.tokenizer import BOS, EOS, VOCABULARY, save_tokenizer
+    from vllm_kvpress_ext.tasks.tokenizer import BOS, EOS, VOCABULARY, save_tokenizer
 
     out = Path(root)
     save_tokenizer(out)

@@ -29,7 +29,13 @@ from typing import Any
 from tqdm import tqdm
 
 from vllm_kvpress_ext.bench.accuracy import budgets_for, make_policy, policy_label
-from vllm_kvpress_ext.bench.natural import (
+from vllm_kvpress_ext.bench.report import format_table, markdown_table
+from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
+from vllm_kvpress_ext.engine.prefix import PrefixSnapshot, add_forked_request, capture_prefix, merged_capture_spec
+from vllm_kvpress_ext.engine.request import RequestOutput
+from vllm_kvpress_ext.models import load_config
+from vllm_kvpress_ext.policies import KVPolicy, policy_names
+from vllm_kvpress_ext.tasks.natural import (
     FILLER_KINDS,
     HELD_OUT_SEED,
     NATURAL_PROTOCOLS,
@@ -38,12 +44,6 @@ from vllm_kvpress_ext.bench.natural import (
     render,
     score,
 )
-from vllm_kvpress_ext.bench.report import format_table, markdown_table
-from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
-from vllm_kvpress_ext.engine.prefix import PrefixSnapshot, add_forked_request, capture_prefix, merged_capture_spec
-from vllm_kvpress_ext.engine.request import RequestOutput
-from vllm_kvpress_ext.models import load_config
-from vllm_kvpress_ext.policies import KVPolicy, policy_names
 
 DEFAULT_BUDGETS = (0.5, 0.25, 0.1)
 
@@ -470,7 +470,7 @@ def uses_suite_tokenizer(model: str) -> bool:
         return False
     from tokenizers import Tokenizer
 
-    from vllm_kvpress_ext.bench.tokenizer import default_tokenizer
+    from vllm_kvpress_ext.tasks.tokenizer import default_tokenizer
 
     return bool(Tokenizer.from_file(str(path)).get_vocab() == default_tokenizer().get_vocab())
 

@@ -31,7 +31,7 @@ gates reject after each chunk of `--max-batched-tokens`, default 256 here) again
 (end of prefill) at the same `ratio`: full; SnapKV; WG-KV with the model's gates (its default ones, or
 `--gates`); WG-KV with a cap of `ratio x context_len` global entries per head and an explicit window,
 whose chunked prefill peak is declared and reserved. The prompt is English prose (the language
-reference's sentences, `bench/natural/filler.py`) when the model has a tokenizer, since what a
+reference's sentences, `tasks/natural/filler.py`) when the model has a tokenizer, since what a
 gate admits depends on the text; random token ids otherwise. Instead of the one-step admission
 column, "held at once" runs `waiting` copies of the request (each generating `decode_tokens`
 tokens) through the scheduler with a pool of `ADMISSION_POOL_PROMPTS` uncompressed prompts and
@@ -224,8 +224,8 @@ def _prose_prompt(model_dir: Path, length: int, seed: int) -> list[int] | None:
     """`length` tokens of the language reference's prose, from a seeded starting sentence; None without a tokenizer."""
     import random
 
-    from vllm_kvpress_ext.bench.natural.filler import prose_sentences
     from vllm_kvpress_ext.models.tokenizer import load_tokenizer
+    from vllm_kvpress_ext.tasks.natural.filler import prose_sentences
 
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:

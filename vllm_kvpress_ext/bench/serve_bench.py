@@ -43,7 +43,7 @@ import httpx
 
 from vllm_kvpress_ext.bench.models import suite_bench_model_dir
 from vllm_kvpress_ext.bench.report import format_table
-from vllm_kvpress_ext.bench.tokenizer import FILLER_WORDS
+from vllm_kvpress_ext.tasks.tokenizer import FILLER_WORDS
 
 
 @dataclass(frozen=True)

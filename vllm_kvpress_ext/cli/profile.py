@@ -77,7 +77,7 @@ def run_xkv(args: argparse.Namespace) -> int:
     import tempfile
 
     from vllm_kvpress_ext.bench.accuracy import DEFAULT_TASKS, HELD_OUT_SEED
-    from vllm_kvpress_ext.bench.tasks import TASKS
+    from vllm_kvpress_ext.tasks.synthetic import TASKS
 
     tasks = DEFAULT_TASKS if args.tasks is None else tuple(t.strip() for t in args.tasks.split(",") if t.strip())
     unknown = [t for t in tasks if t not in TASKS]
@@ -115,10 +115,10 @@ def run_xkv(args: argparse.Namespace) -> int:
 
 def _profile_xkv(args: argparse.Namespace, model_dir: Path, tasks: tuple[str, ...], model_label: str) -> int:
     from vllm_kvpress_ext.bench.report import format_table
-    from vllm_kvpress_ext.bench.tasks import build_prompt, generate
-    from vllm_kvpress_ext.bench.tokenizer import load_tokenizer
     from vllm_kvpress_ext.bench.xkv_profile import profile_xkv
     from vllm_kvpress_ext.models.loader import load_config
+    from vllm_kvpress_ext.tasks.synthetic import build_prompt, generate
+    from vllm_kvpress_ext.tasks.tokenizer import load_tokenizer
 
     try:
         config = load_config(model_dir)

@@ -66,7 +66,8 @@ def register(sub: Subparsers) -> None:
         action="append",
         default=None,
         metavar="TASK.PARAM=VALUE",
-        help="a task generator parameter, repeatable, e.g. associative_recall.num_records=8 (see kvpress.bench.tasks)",
+        help="a task generator parameter, repeatable, e.g. associative_recall.num_records=8 "
+        "(see vllm_kvpress_ext/tasks/synthetic)",
     )
     tm.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     tm.add_argument(

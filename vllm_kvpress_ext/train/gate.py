@@ -34,12 +34,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from vllm_kvpress_ext.bench.tasks import TASKS, generate, training_example
-from vllm_kvpress_ext.bench.tokenizer import PAD, VOCABULARY
 from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.gguf_file import is_gguf_path
 from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.models.write_gate import WriteGates, write_gated_attention
+from vllm_kvpress_ext.tasks.synthetic import TASKS, generate, training_example
+from vllm_kvpress_ext.tasks.tokenizer import PAD, VOCABULARY
 from vllm_kvpress_ext.train.model import HELD_OUT_SEED, BatchedCausalContext
 from vllm_kvpress_ext.train.text_corpus import TEXT_SOURCES, text_windows
 

@@ -2,7 +2,7 @@
 
 Training runs the project's own model code (`models/llama.py`) with a batched causal attention
 context, so what is trained is exactly what the engine serves. Sequences are the suite's training
-view (`bench/tasks/training.py`): every record-style question of a sample becomes a chat turn and
+view (`tasks/synthetic/training.py`): every record-style question of a sample becomes a chat turn and
 only answer tokens (and `<eos>`) are targets.
 
 Curriculum: the context length grows in stages (by default 128 -> 256 -> 512 -> final) so that
@@ -34,10 +34,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from vllm_kvpress_ext.attention import causal_attention
-from vllm_kvpress_ext.bench.tasks import TASKS, generate, make, training_example
-from vllm_kvpress_ext.bench.tasks.records import record
-from vllm_kvpress_ext.bench.tasks.training import TrainingExample
-from vllm_kvpress_ext.bench.tokenizer import (
+from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
+from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
+from vllm_kvpress_ext.tasks.synthetic import TASKS, generate, make, training_example
+from vllm_kvpress_ext.tasks.synthetic.records import record
+from vllm_kvpress_ext.tasks.synthetic.training import TrainingExample
+from vllm_kvpress_ext.tasks.tokenizer import (
     BOS,
     EOS,
     FILLER_WORDS,
@@ -47,8 +49,6 @@ from vllm_kvpress_ext.bench.tokenizer import (
     VOCABULARY,
     save_tokenizer,
 )
-from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
-from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
 
 HELD_OUT_SEED = 1_000_000  # evaluation seeds start here; training seeds stay below
 IGNORE = -100

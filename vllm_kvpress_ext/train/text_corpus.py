@@ -9,7 +9,7 @@ model reads. Three sources ship with an ordinary installation and need no downlo
 - `debian`: READMEs, Markdown, reStructuredText and plain-text files under `/usr/share/doc`.
 
 The Python language reference (`pydoc_data.topics`) is left out on purpose: it is the haystack of
-the natural-language accuracy suite (`bench/natural/`), and gates are evaluated there.
+the natural-language accuracy suite (`tasks/natural/`), and gates are evaluated there.
 
 Documents are split into training and held-out sets by a hash of their name (one in ten held out),
 so the split does not depend on which other files a machine has. Each set is tokenised, documents

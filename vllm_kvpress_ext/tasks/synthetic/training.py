@@ -10,7 +10,7 @@ Chat form (default), identical to ``apply_chat_template`` on the turns as user/a
     <bos> <|user|> CONTEXT Q1 <|assistant|> A1 <eos> <|user|> Q2 <|assistant|> A2 <eos> ...
 
 Raw form (``chat=False``): ``<bos> CONTEXT Q1 A1 <eos> Q2 A2 <eos> ...``. The first turn of either form
-is exactly the evaluation prompt of :func:`~vllm_kvpress_ext.bench.tasks.prompt.build_prompt` followed by
+is exactly the evaluation prompt of :func:`~vllm_kvpress_ext.tasks.synthetic.prompt.build_prompt` followed by
 the answer, so what is trained is what is scored.
 """
 

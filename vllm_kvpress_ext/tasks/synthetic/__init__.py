@@ -1,7 +1,7 @@
 """Synthetic long-context tasks (RULER-like) for scoring KV-cache compression on a self-trained model.
 
 No model weights can be downloaded, so the suite ships its own tasks, tokenizer
-(:mod:`vllm_kvpress_ext.bench.tokenizer`) and, later, a small model trained on them. Tasks are:
+(:mod:`vllm_kvpress_ext.tasks.tokenizer`) and, later, a small model trained on them. Tasks are:
 
 - deterministic by seed (``random.Random(seed)``, never global state) with answers correct by
   construction;
@@ -13,7 +13,7 @@ No model weights can be downloaded, so the suite ships its own tasks, tokenizer
 
 Usage::
 
-    from vllm_kvpress_ext.bench.tasks import generate, build_prompt, score
+    from vllm_kvpress_ext.tasks.synthetic import generate, build_prompt, score
     sample = generate("niah_multikey", seed=0, context_length=512, num_records=8)
     spec = build_prompt(sample, protocol="strict")  # token ids + where to compress
     ok = score(spec, generated_ids)

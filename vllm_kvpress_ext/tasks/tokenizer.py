@@ -1,4 +1,4 @@
-"""Word-level tokenizer for the synthetic long-context suite (`vllm_kvpress_ext.bench.tasks`).
+"""Word-level tokenizer for the synthetic long-context suite (`vllm_kvpress_ext.tasks.synthetic`).
 
 The suite's model is trained from scratch on a 2-core CPU, so the vocabulary is small (a few hundred
 words) and every word is exactly one token: sequence lengths are then word counts, and an answer's

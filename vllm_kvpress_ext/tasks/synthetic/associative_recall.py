@@ -7,11 +7,11 @@ project's CPU setup, dense recall with single-token keys is the task a ~1M-param
 learn within minutes, where sparse needles stayed near chance.
 
 Format. ``question``/``answer`` hold the *first* query, so a sample is also a normal single-query item
-for :func:`~vllm_kvpress_ext.bench.tasks.prompt.build_prompt` and
-:func:`~vllm_kvpress_ext.bench.tasks.prompt.score`. ``metadata["turns"]`` holds every query in asking order
+for :func:`~vllm_kvpress_ext.tasks.synthetic.prompt.build_prompt` and
+:func:`~vllm_kvpress_ext.tasks.synthetic.prompt.score`. ``metadata["turns"]`` holds every query in asking order
 as ``{"question", "answer", "evidence"}`` dicts (turn 0 = ``question``/``answer``).
 :meth:`Sample.split_turns` gives one single-query sample per turn (to score every record), and
-:func:`~vllm_kvpress_ext.bench.tasks.training.training_example` renders all turns as one multi-turn
+:func:`~vllm_kvpress_ext.tasks.synthetic.training.training_example` renders all turns as one multi-turn
 training sequence with the answer spans marked.
 
 Example (3 records)::
