@@ -42,3 +42,39 @@ def test_no_policy_module_imports_the_engine_even_lazily() -> None:
                 continue
             offenders += [f"{path.name}:{node.lineno}" for n in names if n.startswith("vllm_kvpress_ext.engine")]
     assert not offenders, f"policies import the engine at {offenders}"
+
+
+def imported_modules(package: str) -> dict[str, list[str]]:
+    """Every `vllm_kvpress_ext` module a package's source imports (lazily too), with where."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "vllm_kvpress_ext" / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:  # relative: resolve against the file's package
+                parts = list(path.relative_to(ROOT).with_suffix("").parts)[: -node.level]
+                names = [".".join(parts + ([node.module] if node.module else []))]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name.startswith("vllm_kvpress_ext."):
+                    found.setdefault(name, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def _offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    imports = imported_modules(package)
+    assert imports, f"no imports found under {package}: the check would see nothing"
+    return [f"{m} at {where}" for m, where in imports.items() if m.split(".")[1] in forbidden]
+
+
+def test_the_servers_share_the_api_package_not_each_other() -> None:
+    """The plugin reaches the embedded server's rules through `api/`, never through `server/`."""
+    assert not _offenders("vllm_plugin", ("server",))
+    assert not _offenders("api", ("server", "vllm_plugin", "engine", "cli"))
+
+
+def test_the_task_suite_imports_no_bench_training_or_cli() -> None:
+    assert not _offenders("tasks", ("bench", "train", "cli", "server", "vllm_plugin"))

@@ -327,7 +327,7 @@ def test_short_training_lowers_loss_and_admission(tmp_path: Path, model_dir: Pat
     assert gate_metadata(out)["local_window"] == 16
     # The trained gates serve: the engine loads them from beside the model by default.
     engine = LLMEngine(model_dir, num_pages=256, page_size=PAGE)
-    admission = engine._admission_for(WGKVPolicy(gates=str(out)))
+    admission = engine.runner.admission_for(WGKVPolicy(gates=str(out)))
     assert isinstance(admission, GateAdmission) and admission.window == 16
 
 

@@ -19,23 +19,19 @@ import torch
 
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY, ModelRunner, RequestFailure
-from vllm_kvpress_ext.engine.request import Request, RequestOutput
+from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestRejectedError
 from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_kvpress_ext.models import load_tokenizer
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
-from vllm_kvpress_ext.policies.base import Admission, LayerPrefill
+from vllm_kvpress_ext.policies.base import LayerPrefill
 
 __all__ = ["DEFAULT_KV_MEMORY", "LLMEngine", "RequestRejectedError"]
 
 logger = logging.getLogger(__name__)
 
 PolicySpec = str | Path | dict[str, Any] | KVPolicy
-
-
-class RequestRejectedError(ValueError):
-    """The request can never run on this engine (too long for the model or for the whole pool)."""
 
 
 class LLMEngine:
@@ -107,46 +103,15 @@ class LLMEngine:
         if resolved is not None and not resolved.compresses:
             resolved = None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not token_ids:
-            raise RequestRejectedError("the prompt is empty")
-        vocab = self.config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise RequestRejectedError(f"prompt token ids must lie in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise RequestRejectedError(
-                f"prompt has {len(token_ids)} tokens; the model's limit is {self.max_model_len} (prompt + output)"
-            )
-        if compress_after is not None and (not isinstance(compress_after, int) or isinstance(compress_after, bool)):
-            raise TypeError(f"compress_after must be an integer or None, got {compress_after!r}")
-        if compress_after is not None and not 0 < compress_after <= len(token_ids):
-            raise RequestRejectedError(f"compress_after must lie in [1, {len(token_ids)}], got {compress_after}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params, compress_after=compress_after, policy=resolved)
-        # The last sampled token is never written to the cache: prompt + max_tokens - 1 entries at most.
-        request.admission = self._admission_for(resolved, len(token_ids) + params.max_tokens - 1)
-        peak = self.cache.pages_for_prompt(request.prefill_target)
-        if peak > self.cache.pool.num_pages:
-            raise RequestRejectedError(
-                f"prompt needs {peak} KV pages before compression but the whole pool has {self.cache.pool.num_pages}"
-            )
+        request = self.runner.new_request(
+            request_id, token_ids, params, resolved, max_model_len=self.max_model_len, compress_after=compress_after
+        )
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
-
-    def _admission_for(self, policy: KVPolicy | None, max_entries: int | None = None) -> Admission | None:
-        admission = self.runner.admission_for(policy, min(max_entries or self.max_model_len, self.max_model_len))
-        if admission is None:
-            return None
-        ring_pages = self.config.num_hidden_layers * self.config.num_key_value_heads * admission.window
-        ring_pages //= self.cache.page_size
-        if ring_pages > self.cache.pool.num_pages:
-            raise RequestRejectedError(
-                f"the local window ({admission.window} tokens) needs {ring_pages} KV pages but the whole pool has "
-                f"{self.cache.pool.num_pages}"
-            )
-        return admission
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens=False` for text that continues a prompt (no BOS)."""

@@ -30,8 +30,9 @@ from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
-from vllm_kvpress_ext.engine.request import Request, RequestStatus
+from vllm_kvpress_ext.engine.request import Request, RequestRejectedError, RequestStatus
 from vllm_kvpress_ext.engine.sampler import token_logprobs
+from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.hub.pull import resolve_model
 from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.loader import resolve_dtype
@@ -132,6 +133,62 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def new_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        policy: KVPolicy | None,
+        *,
+        max_model_len: int,
+        max_new_tokens: int | None = None,
+        compress_after: int | None = None,
+    ) -> Request:
+        """A request that can run on this runner, or `RequestRejectedError` saying why it never can.
+
+        The one way in for the embedded engine and the vLLM worker alike, so both hold every request to
+        the same checks: token ids in the vocabulary, the model's length, `compress_after` in the prompt,
+        a write gate that fits the model and a ring that fits the pool, and a prefill peak that fits the
+        whole pool. `max_new_tokens` (default: `params.max_tokens`) bounds what the request can write.
+        """
+        if not token_ids:
+            raise RequestRejectedError("the prompt is empty")
+        vocab = self.config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise RequestRejectedError(f"prompt token ids must lie in [0, {vocab})")
+        if len(token_ids) >= max_model_len:
+            raise RequestRejectedError(
+                f"prompt has {len(token_ids)} tokens; the model's limit is {max_model_len} (prompt + output)"
+            )
+        if compress_after is not None and (not isinstance(compress_after, int) or isinstance(compress_after, bool)):
+            raise TypeError(f"compress_after must be an integer or None, got {compress_after!r}")
+        if compress_after is not None and not 0 < compress_after <= len(token_ids):
+            raise RequestRejectedError(f"compress_after must lie in [1, {len(token_ids)}], got {compress_after}")
+        request = Request(request_id, token_ids, params, compress_after=compress_after, policy=policy)
+        # The last sampled token is never written to the cache: prompt + new tokens - 1 entries at most.
+        new_tokens = params.max_tokens if max_new_tokens is None else max_new_tokens
+        request.admission = self._admission_within_pool(policy, min(len(token_ids) + new_tokens - 1, max_model_len))
+        pool_pages = self.cache.pool.num_pages
+        peak = self.cache.pages_for_prompt(request.prefill_target)
+        if peak > pool_pages:
+            raise RequestRejectedError(
+                f"prompt needs {peak} KV pages before compression but the whole pool has {pool_pages}"
+            )
+        return request
+
+    def _admission_within_pool(self, policy: KVPolicy | None, max_entries: int) -> Admission | None:
+        admission = self.admission_for(policy, max_entries)
+        if admission is None:
+            return None
+        ring_pages = self.config.num_hidden_layers * self.config.num_key_value_heads * admission.window
+        ring_pages //= self.cache.page_size
+        if ring_pages > self.cache.pool.num_pages:
+            raise RequestRejectedError(
+                f"the local window ({admission.window} tokens) needs {ring_pages} KV pages but the whole pool has "
+                f"{self.cache.pool.num_pages}"
+            )
+        return admission
 
     def admission_for(self, policy: KVPolicy | None, max_entries: int | None = None) -> Admission | None:
         """The policy's write gate bound to this model (checked against it), or None.

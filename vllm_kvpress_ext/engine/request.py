@@ -20,6 +20,10 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class RequestRejectedError(ValueError):
+    """The request can never run on this engine (bad tokens, too long for the model or for the whole pool)."""
+
+
 @dataclass
 class KVStats:
     """What the request held in the cache, from the pool's own accounting."""

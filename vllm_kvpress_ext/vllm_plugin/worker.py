@@ -304,10 +304,14 @@ class KVPressWorker(WorkerBase):
                 if new.num_computed_tokens:
                     raise RuntimeError("prefix caching must be off; a new request arrived half computed")
                 policy = request_policy(new.sampling_params.extra_args, self.default_policy)
-                request = Request(
-                    new.req_id, list(new.prompt_token_ids), runner_sampling_params(new.sampling_params), policy=policy
+                request = runner.new_request(
+                    new.req_id,
+                    list(new.prompt_token_ids),
+                    runner_sampling_params(new.sampling_params),
+                    policy,
+                    max_model_len=self.model_config.max_model_len,
+                    max_new_tokens=new.sampling_params.max_tokens,
                 )
-                request.admission = runner.admission_for(policy)
                 runner.add(request)
             except Exception as exc:
                 failed[new.req_id] = f"{type(exc).__name__}: {exc}"
