@@ -55,7 +55,20 @@ def _median_ms(samples: list[float]) -> float:
 def run_cache_bench(config: CacheBenchConfig) -> dict[str, float]:
     """Run the benchmark, print its tables, and return the figures."""
     torch.manual_seed(config.seed)
-    c = config
+    cache, rows = _filled_cache(config)
+    fast_ms, naive_ms = _time_decode_bookkeeping(cache, rows, config)
+    compaction_tokens_per_s = _time_compaction(cache, rows, config)
+    evict_ms = _time_eviction(cache, rows, config)
+    return {
+        "decode_bookkeeping_ms": fast_ms,
+        "naive_bookkeeping_ms": naive_ms,
+        "compaction_tokens_per_s": compaction_tokens_per_s,
+        "evict_ms": evict_ms,
+    }
+
+
+def _filled_cache(c: CacheBenchConfig) -> tuple[PagedKVCache, torch.Tensor]:
+    """A cache sized for the whole run, every request's prompt appended; (cache, request rows)."""
     pages_per_head = -(-(c.prompt_len + c.decode_steps) // c.page_size) + 1
     num_pages = c.num_layers * c.num_requests * c.num_kv_heads * pages_per_head
     cache = PagedKVCache(
@@ -71,21 +84,21 @@ def run_cache_bench(config: CacheBenchConfig) -> dict[str, float]:
     print(f"config: {asdict(c)}")
     pool_mib = num_pages * cache.pool.bytes_per_page / 2**20
     print(f"pool: {num_pages} pages x {cache.pool.bytes_per_page} B = {pool_mib:,.1f} MiB")
-
     rows = torch.tensor([cache.add_request(i) for i in range(c.num_requests)])
     prefill_positions = torch.arange(c.prompt_len).view(1, -1)
     for row in rows.tolist():
         cache.append_slots([row], prefill_positions)
+    return cache, rows
 
-    # Vectorised decode bookkeeping.
+
+def _time_decode_bookkeeping(cache: PagedKVCache, rows: torch.Tensor, c: CacheBenchConfig) -> tuple[float, float]:
+    """Median ms per decode step of the vectorised append and of the naive loop over the same shapes."""
     fast: list[float] = []
     for step in range(c.decode_steps):
         positions = torch.full((c.num_requests, 1), c.prompt_len + step)
         start = time.perf_counter()
         cache.append_slots(rows, positions)
         fast.append(time.perf_counter() - start)
-
-    # Naive loop over the same shapes (fewer steps: it is slow).
     tables = [
         [[[0] * (-(-c.prompt_len // c.page_size)) for _ in range(c.num_kv_heads)] for _ in range(c.num_requests)]
         for _ in range(c.num_layers)
@@ -93,11 +106,10 @@ def run_cache_bench(config: CacheBenchConfig) -> dict[str, float]:
     lens = [[[c.prompt_len] * c.num_kv_heads for _ in range(c.num_requests)] for _ in range(c.num_layers)]
     free = list(range(c.num_layers * c.num_requests * c.num_kv_heads * (c.decode_steps // c.page_size + 2)))
     naive: list[float] = []
-    for _ in range(min(c.decode_steps, 16)):
+    for _ in range(min(c.decode_steps, 16)):  # fewer steps: it is slow
         start = time.perf_counter()
         _naive_decode_bookkeeping(tables, lens, free, c.page_size)
         naive.append(time.perf_counter() - start)
-
     fast_ms, naive_ms = _median_ms(fast), _median_ms(naive)
     triples = c.num_layers * c.num_requests * c.num_kv_heads
     print()
@@ -105,22 +117,21 @@ def run_cache_bench(config: CacheBenchConfig) -> dict[str, float]:
         f"decode-step bookkeeping ({c.num_requests} requests x {c.num_layers} layers x {c.num_kv_heads} KV heads "
         f"= {triples} (layer, request, head) appends per step), median over steps"
     )
+    per_1k = lambda ms: f"{1000 * ms / triples * 1000:.2f}"  # noqa: E731
     print(
         format_table(
             ["implementation", "ms / step", "us / 1k appends", "vs naive"],
             [
-                [
-                    "vectorised cache",
-                    f"{fast_ms:.3f}",
-                    f"{1000 * fast_ms / triples * 1000:.2f}",
-                    f"{naive_ms / fast_ms:.1f}x",
-                ],
-                ["naive per-head loop", f"{naive_ms:.3f}", f"{1000 * naive_ms / triples * 1000:.2f}", "1.0x"],
+                ["vectorised cache", f"{fast_ms:.3f}", per_1k(fast_ms), f"{naive_ms / fast_ms:.1f}x"],
+                ["naive per-head loop", f"{naive_ms:.3f}", per_1k(naive_ms), "1.0x"],
             ],
         )
     )
+    return fast_ms, naive_ms
 
-    # Compaction: a different random keep mask per (layer, head) at `keep_ratio`.
+
+def _time_compaction(cache: PagedKVCache, rows: torch.Tensor, c: CacheBenchConfig) -> float:
+    """Tokens examined per second applying a different random keep mask per (layer, head) at `keep_ratio`."""
     compaction: list[float] = []
     examined = moved_pages = 0
     for row_id in range(c.num_requests):
@@ -147,8 +158,11 @@ def run_cache_bench(config: CacheBenchConfig) -> dict[str, float]:
             ],
         )
     )
+    return examined / total_s
 
-    # Decode-time eviction: one entry per (layer, request, head), H2O style.
+
+def _time_eviction(cache: PagedKVCache, rows: torch.Tensor, c: CacheBenchConfig) -> float:
+    """Median ms of a decode-time eviction of one entry per (layer, request, head), H2O style."""
     evict_times: list[float] = []
     for _ in range(8):
         lens_now = cache.seq_lens[:, rows].to(torch.int64)
@@ -166,9 +180,4 @@ def run_cache_bench(config: CacheBenchConfig) -> dict[str, float]:
             [["vectorised cache", f"{_median_ms(evict_times):.3f}"]],
         )
     )
-    return {
-        "decode_bookkeeping_ms": fast_ms,
-        "naive_bookkeeping_ms": naive_ms,
-        "compaction_tokens_per_s": examined / total_s,
-        "evict_ms": _median_ms(evict_times),
-    }
+    return _median_ms(evict_times)

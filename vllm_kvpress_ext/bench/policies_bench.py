@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,11 +57,51 @@ def _run(config: PoliciesBenchConfig, model_dir: Path) -> list[dict[str, object]
         raise ValueError(f"repeats must be >= 1, got {config.repeats}")
     requested = [name for name in config.policies or policy_names() if name != BASELINE]
     policies = [BASELINE, *runnable_policies(requested, model_dir)]
+    engine = _engine_for(config, model_dir)
+    g = torch.Generator().manual_seed(config.seed)
+    params = SamplingParams(max_tokens=config.decode_steps + 1, temperature=0.0, ignore_eos=True)
+    for name in policies:  # warm-up: first calls, lazily built kernels
+        _timed_request(engine, [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0), name)
+    results: list[dict[str, object]] = []
+    for prompt_len in config.prompt_lens:
+        prompt = torch.randint(0, engine.config.vocab_size, (prompt_len,), generator=g).tolist()
+        baseline_prefill_s = 0.0
+        for name in policies:
+            prefill_s, compression_s, decode_hook_s, kv = min(
+                (_timed_request(engine, prompt, params, name) for _ in range(config.repeats)),
+                key=lambda run: run[0] + run[1],
+            )
+            if name == BASELINE:
+                baseline_prefill_s = prefill_s
+            results.append(
+                {
+                    "prompt_len": prompt_len,
+                    "policy": name,
+                    "prefill_s": prefill_s,
+                    "compression_s": compression_s,
+                    "share": compression_s / prefill_s,
+                    "cost_over_full": (prefill_s + compression_s - baseline_prefill_s) / baseline_prefill_s,
+                    "decode_hook_ms_per_step": 1000 * decode_hook_s / max(1, config.decode_steps),
+                    "retention": kv.retention,
+                    "kv_bytes": kv.kv_bytes,
+                }
+            )
+    _print_table(results)
+    return results
+
+
+def _engine_for(config: PoliciesBenchConfig, model_dir: Path) -> LLMEngine:
+    """One request at a time, with a pool that holds the longest prompt uncompressed."""
     longest = max(config.prompt_lens) + config.decode_steps + 2
     model_config = load_config(model_dir)
     page_size = 16
     num_pages = model_config.num_hidden_layers * model_config.num_key_value_heads * (-(-longest // page_size) + 1)
-    engine = LLMEngine(
+    print(f"config: {asdict(config)}")
+    print(
+        f"model: {model_dir} ({model_config.num_hidden_layers} layers, {model_config.num_attention_heads} heads, "
+        f"{model_config.num_key_value_heads} KV heads), pool {num_pages} pages"
+    )
+    return LLMEngine(
         model_dir,
         dtype=config.dtype,
         device=config.device,
@@ -70,77 +111,30 @@ def _run(config: PoliciesBenchConfig, model_dir: Path) -> list[dict[str, object]
         max_num_batched_tokens=max(config.prompt_lens),
         max_model_len=longest + 1,
     )
-    print(f"config: {asdict(config)}")
-    print(
-        f"model: {model_dir} ({model_config.num_hidden_layers} layers, {model_config.num_attention_heads} heads, "
-        f"{model_config.num_key_value_heads} KV heads), pool {num_pages} pages"
-    )
-    g = torch.Generator().manual_seed(config.seed)
-    vocab = model_config.vocab_size
-    rows: list[list[object]] = []
-    results: list[dict[str, object]] = []
-    params = SamplingParams(max_tokens=config.decode_steps + 1, temperature=0.0, ignore_eos=True)
-    for name in policies:  # warm-up: first calls, lazily built kernels
-        _timed_request(engine, [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0), name)
-    for prompt_len in config.prompt_lens:
-        prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
-        baseline_prefill_s = 0.0
-        for name in policies:
-            prefill_s, compression_s, decode_hook_s, kv = min(
-                (_timed_request(engine, prompt, params, name) for _ in range(config.repeats)),
-                key=lambda run: run[0] + run[1],
-            )
-            if name == BASELINE:
-                baseline_prefill_s = prefill_s
-            share = compression_s / prefill_s
-            cost = (prefill_s + compression_s - baseline_prefill_s) / baseline_prefill_s
-            rows.append(
-                [
-                    prompt_len,
-                    name,
-                    f"{1000 * prefill_s:.0f}",
-                    f"{1000 * compression_s:.1f}",
-                    f"{100 * share:.1f}%",
-                    f"{100 * cost:+.1f}%",
-                    f"{1000 * decode_hook_s / max(1, config.decode_steps):.2f}",
-                    f"{kv.retention:.3f}",
-                    f"{kv.kv_bytes / 2**20:.2f}",
-                ]
-            )
-            results.append(
-                {
-                    "prompt_len": prompt_len,
-                    "policy": name,
-                    "prefill_s": prefill_s,
-                    "compression_s": compression_s,
-                    "share": share,
-                    "cost_over_full": cost,
-                    "retention": kv.retention,
-                    "kv_bytes": kv.kv_bytes,
-                }
-            )
-    print(
-        format_table(
-            [
-                "prompt",
-                "policy",
-                "prefill ms",
-                "compress ms",
-                "share",
-                "cost vs full",
-                "decode hook ms/step",
-                "retention",
-                "KV MiB",
-            ],
-            rows,
-        )
-    )
+
+
+def _print_table(results: list[dict[str, Any]]) -> None:
+    headers = ["prompt", "policy", "prefill ms", "compress ms", "share", "cost vs full", "decode hook ms/step"]
+    rows = [
+        [
+            r["prompt_len"],
+            r["policy"],
+            f"{1000 * r['prefill_s']:.0f}",
+            f"{1000 * r['compression_s']:.1f}",
+            f"{100 * r['share']:.1f}%",
+            f"{100 * r['cost_over_full']:+.1f}%",
+            f"{r['decode_hook_ms_per_step']:.2f}",
+            f"{r['retention']:.3f}",
+            f"{r['kv_bytes'] / 2**20:.2f}",
+        ]
+        for r in results
+    ]
+    print(format_table([*headers, "retention", "KV MiB"], rows))
     print(
         "share: compression / the row's own prefill; cost vs full: (prefill + compression - full's prefill) / "
         "full's prefill"
     )
     print("retention and KV MiB are measured at the end of the request (prompt + decoded tokens), from the pool")
-    return results
 
 
 def _timed_request(
