@@ -358,8 +358,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> P
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out / "checkpoint.pt"
-    hf = config.hf_config()
-    model = random_model(hf, seed=config.seed, std=config.init_std)
+    model = random_model(config.hf_config(), seed=config.seed, std=config.init_std)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -370,80 +369,96 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> P
     rng = random.Random(config.seed)
     step = 0
     if config.init_from is not None and not (resume and checkpoint_path.exists()):
-        source = torch.load(config.init_from, weights_only=False)
-        try:
-            model.load_state_dict(source["model"])
-        except RuntimeError as err:
-            raise ValueError(
-                f"--init-from {config.init_from}: the checkpoint's model has another shape ({err})"
-            ) from err
-        # Carry the Adam moments over too: stages started with fresh moments (and a lighter copy
-        # share) undid a learned circuit within 400 steps; carried over, it survived (docs/model.md).
-        optimizer.load_state_dict(source["optimizer"])
+        _init_from(config.init_from, model, optimizer)
     if resume and checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=False)
-        saved = {
-            k: v
-            for k, v in state["config"].items()
-            if k not in ("out", "steps", "stop_after", "eval_every", "checkpoint_every", "threads")
-        }
-        mismatched = [k for k, v in saved.items() if _as_json(getattr(config, k)) != _as_json(v)]
-        if mismatched:
-            raise ValueError(f"cannot resume: the checkpoint was trained with different {', '.join(mismatched)}")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = int(state["step"])
-        rng.setstate(state["rng"])
-        torch.set_rng_state(state["torch_rng"])
+        step = _resume(checkpoint_path, config, model, optimizer, rng)
     (out / "config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
+    _train_steps(config, model, optimizer, rng, step, progress)
+    return _export(model, config, out)
+
+
+def _init_from(path: str, model: Any, optimizer: torch.optim.Optimizer) -> None:
+    source = torch.load(path, weights_only=False)
+    try:
+        model.load_state_dict(source["model"])
+    except RuntimeError as err:
+        raise ValueError(f"--init-from {path}: the checkpoint's model has another shape ({err})") from err
+    # Carry the Adam moments over too: stages started with fresh moments (and a lighter copy
+    # share) undid a learned circuit within 400 steps; carried over, it survived (docs/model.md).
+    optimizer.load_state_dict(source["optimizer"])
+
+
+def _resume(
+    checkpoint_path: Path, config: TrainConfig, model: Any, optimizer: torch.optim.Optimizer, rng: random.Random
+) -> int:
+    """Load the checkpoint (refusing one trained with other settings) and return its step."""
+    state = torch.load(checkpoint_path, weights_only=False)
+    saved = {
+        k: v
+        for k, v in state["config"].items()
+        if k not in ("out", "steps", "stop_after", "eval_every", "checkpoint_every", "threads")
+    }
+    mismatched = [k for k, v in saved.items() if _as_json(getattr(config, k)) != _as_json(v)]
+    if mismatched:
+        raise ValueError(f"cannot resume: the checkpoint was trained with different {', '.join(mismatched)}")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    rng.setstate(state["rng"])
+    torch.set_rng_state(state["torch_rng"])
+    return int(state["step"])
+
+
+def _train_steps(
+    config: TrainConfig, model: Any, optimizer: torch.optim.Optimizer, rng: random.Random, step: int, progress: bool
+) -> None:
+    """Steps from `step` to the last one, logging evaluations and saving checkpoints as configured."""
+    out = Path(config.out)
     pad_id = list(VOCABULARY).index(PAD)
-    log = (out / "log.jsonl").open("a")
     model.train()
     bar = tqdm(total=config.last_step, initial=step, disable=not progress, desc="train", unit="step")
     window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
-    while step < config.last_step:
-        context_len = config.context_at(step)
-        ids, labels = make_batch(config, step, context_len, config.seed * 10_000_000, pad_id, rng)
-        lr = config.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss = forward_loss(model, ids, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        step += 1
-        window_loss += float(loss.detach())
-        window_steps += 1
-        window_tokens += ids.numel()
-        bar.update(1)
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", ctx=context_len, lr=f"{lr:.1e}")
-        if step % config.eval_every == 0 or step == config.last_step:
-            elapsed = time.perf_counter() - window_start
-            record: dict[str, Any] = {
-                "step": step,
-                "time": time.time(),
-                "context_len": context_len,
-                "lr": lr,
-                "loss": window_loss / window_steps,
-                "tokens_per_s": window_tokens / elapsed,
-                "eval": evaluate(model, config, context_len, pad_id),
-            }
-            if context_len != config.context_len:
-                record["eval_final_context"] = evaluate(model, config, config.context_len, pad_id)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            bar.write(
-                f"step {step}: loss {record['loss']:.3f}, eval@{context_len} "
-                + ", ".join(f"{k} {v:.0%}" for k, v in record["eval"].items())
-            )
-            window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
-        if step % config.checkpoint_every == 0 or step == config.last_step:
-            _save_checkpoint(checkpoint_path, model, optimizer, step, config, rng)
-            _export(model, config, out)
+    with (out / "log.jsonl").open("a") as log:
+        while step < config.last_step:
+            context_len = config.context_at(step)
+            ids, labels = make_batch(config, step, context_len, config.seed * 10_000_000, pad_id, rng)
+            lr = config.lr_at(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = forward_loss(model, ids, labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+            step += 1
+            window_loss += float(loss.detach())
+            window_steps += 1
+            window_tokens += ids.numel()
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", ctx=context_len, lr=f"{lr:.1e}")
+            if step % config.eval_every == 0 or step == config.last_step:
+                elapsed = time.perf_counter() - window_start
+                record: dict[str, Any] = {
+                    "step": step,
+                    "time": time.time(),
+                    "context_len": context_len,
+                    "lr": lr,
+                    "loss": window_loss / window_steps,
+                    "tokens_per_s": window_tokens / elapsed,
+                    "eval": evaluate(model, config, context_len, pad_id),
+                }
+                if context_len != config.context_len:
+                    record["eval_final_context"] = evaluate(model, config, config.context_len, pad_id)
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                bar.write(
+                    f"step {step}: loss {record['loss']:.3f}, eval@{context_len} "
+                    + ", ".join(f"{k} {v:.0%}" for k, v in record["eval"].items())
+                )
+                window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
+            if step % config.checkpoint_every == 0 or step == config.last_step:
+                _save_checkpoint(out / "checkpoint.pt", model, optimizer, step, config, rng)
+                _export(model, config, out)
     bar.close()
-    log.close()
-    return _export(model, config, out)
 
 
 def _as_json(value: Any) -> Any:
