@@ -10,6 +10,11 @@ from vllm_kvpress_ext.cli.common import Subparsers, int_list, task_params_arg, t
 
 
 def register(sub: Subparsers) -> None:
+    _register_train_model(sub)
+    _register_train_gate(sub)
+
+
+def _register_train_model(sub: Subparsers) -> None:
     tm = sub.add_parser(
         "train-model",
         help="train a small GQA Llama on the synthetic suite (checkpoints, resume, held-out eval)",
@@ -80,6 +85,8 @@ def register(sub: Subparsers) -> None:
     )
     tm.set_defaults(handler=run_train_model)
 
+
+def _register_train_gate(sub: Subparsers) -> None:
     tg = sub.add_parser(
         "train-gate",
         help="train WG-KV write gates for a frozen model (self-distillation)",
