@@ -54,7 +54,8 @@ def model_or_bench_model(model: str | None, seed: int = 0) -> Iterator[Path]:
         yield Path(model)
         return
     with tempfile.TemporaryDirectory(prefix="kvpress-bench-model-") as tmp:
-        yield bench_model_dir(tmp, seed=seed)
+        # One level down: files a bench writes beside the model (WG-KV's gates) go with the directory.
+        yield bench_model_dir(Path(tmp) / "model", seed=seed)
 
 
 # Llama-3-8B's shape (32 layers, GQA 32/8, head_dim 128, 128K vocabulary), for GPU benches with random
