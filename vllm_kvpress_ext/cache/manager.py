@@ -19,6 +19,11 @@ and `device_seq_lens` mirror them and receive the same scatter updates (no full 
 
 Every operation validates and counts the pages it needs *before* changing anything, so a
 `PoolExhaustedError` or `InvalidPlanError` leaves the cache exactly as it was.
+
+Rows may share pages (`fork_request`: the samples of one prompt read its compressed pages). A shared
+page is never written: any write into one (a decode token landing in a shared partial last page, a
+compaction or eviction moving entries into it) first gives the writing row its own copy
+(copy-on-write, `_unshare`), counted with the operation's other pages before anything changes.
 """
 
 from __future__ import annotations
@@ -46,13 +51,23 @@ def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, t
     return group, starts[group] + offsets
 
 
+def _first_of_each(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(distinct values of `key`, the index of one occurrence of each)."""
+    uniq, inverse = torch.unique(key, return_inverse=True)
+    first = torch.full((uniq.numel(),), key.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(key.numel()), reduce="amin")
+    return uniq, first
+
+
 class RequestCapacityError(RuntimeError):
     """All request rows of the cache are taken."""
 
 
 @dataclass(frozen=True)
 class CacheUsage:
-    """What one request holds. `bytes` counts whole pages (partial last pages included)."""
+    """What one request holds. `pages` counts whole pages it reads (partial last pages included); `bytes`
+    is its share of their memory: a page held by k requests counts 1/k to each, so the requests' bytes
+    add up to the pool's."""
 
     pages: int
     bytes: int
@@ -139,6 +154,77 @@ class PagedKVCache:
         del self._row_of[request_id]
         self._free_rows.append(row)
 
+    def fork_request(self, parent_id: Hashable, child_id: Hashable) -> int:
+        """A new row for `child_id` reading the parent's global pages (shared, copy-on-write); return it.
+
+        A local ring is rewritten at every decode step, so the child gets its own copy of it (its pages
+        are allocated here: PoolExhaustedError, with nothing changed, when they do not fit).
+        """
+        parent = self.row_of(parent_id)
+        ring_pages = self.ring_tables[:, parent]
+        ring_held = ring_pages[ring_pages >= 0].to(torch.int64)
+        if ring_held.numel() > self.pool.num_free:
+            raise PoolExhaustedError(ring_held.numel(), self.pool.num_free)
+        child = self.add_request(child_id)
+        pages = self.block_tables[:, parent]
+        self.pool.share(pages[pages >= 0].to(torch.int64))
+        self.block_tables[:, child] = pages
+        self.seq_lens[:, child] = self.seq_lens[:, parent]
+        if self._mirror:
+            self.device_block_tables[:, child] = self.device_block_tables[:, parent]
+            self.device_seq_lens[:, child] = self.device_seq_lens[:, parent]
+        if ring_held.numel():
+            copies = self.pool.allocate(ring_held.numel())
+            self._copy_pages(ring_held, copies)
+            child_ring = ring_pages.clone()
+            child_ring[ring_pages >= 0] = copies.to(torch.int32)
+            self.ring_tables[:, child] = child_ring
+            if self._mirror:
+                self.device_ring_tables[:, child] = child_ring.to(self.device)
+            self.ring_flags[:, child] = self.ring_flags[:, parent]
+            self.ring_window[child] = self.ring_window[parent]
+            self.ring_count[child] = self.ring_count[parent]
+        self._note_peak(torch.tensor([child]))
+        return child
+
+    def _copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole pages (K, V and positions) `src[i]` -> `dst[i]`."""
+        src_d, dst_d = src.to(self.device), dst.to(self.device)
+        self.pool.kv[dst_d] = self.pool.kv[src_d]
+        self.pool.positions[dst_d] = self.pool.positions[src_d]
+
+    def _shared_cells(
+        self, l_idx: torch.Tensor, r_idx: torch.Tensor, h_idx: torch.Tensor, p_idx: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """Of the table cells (l, r, h, page index) about to be written, the distinct ones whose page is shared."""
+        if l_idx.numel() == 0:
+            return l_idx, r_idx, h_idx, p_idx
+        key = ((l_idx * self.max_requests + r_idx) * self.num_kv_heads + h_idx) * self.block_tables.shape[-1] + p_idx
+        _, first = _first_of_each(key)
+        l_idx, r_idx, h_idx, p_idx = l_idx[first], r_idx[first], h_idx[first], p_idx[first]
+        pages = self.block_tables[l_idx, r_idx, h_idx, p_idx].to(torch.int64)
+        shared = self.pool.refcounts(pages) > 1
+        return l_idx[shared], r_idx[shared], h_idx[shared], p_idx[shared]
+
+    def _unshare(self, cells: tuple[torch.Tensor, ...]) -> None:
+        """Give each cell (from `_shared_cells`) a private copy of its page; the caller checked the free pages."""
+        l_idx, r_idx, h_idx, p_idx = cells
+        if l_idx.numel() == 0:
+            return
+        old = self.block_tables[l_idx, r_idx, h_idx, p_idx].to(torch.int64)
+        new = self.pool.allocate(old.numel())
+        self._copy_pages(old, new)
+        self._write_table(l_idx, r_idx, h_idx, p_idx, new.to(torch.int32))
+        self.pool.free(old)  # drops this row's hold; the other holders keep the page
+
+    def _tail_cells(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Shared partial last pages that appending `counts[L, B, H]` entries to `rows` would write into."""
+        lens = self.seq_lens[:, rows].to(torch.int64)
+        into = (counts > 0) & (lens % self.page_size != 0)
+        l_idx, b_idx, h_idx = into.nonzero().unbind(-1)
+        p_idx = torch.div(lens[l_idx, b_idx, h_idx], self.page_size, rounding_mode="floor")
+        return self._shared_cells(l_idx, rows[b_idx], h_idx, p_idx)
+
     def _reset_row(self, row: int) -> None:
         self.block_tables[:, row] = -1
         self.seq_lens[:, row] = 0
@@ -156,7 +242,8 @@ class PagedKVCache:
         rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
         counts = self._append_counts(rows, num_tokens)
         lens = self.seq_lens[:, rows].to(torch.int64)
-        return int((_ceil_div(lens + counts, self.page_size) - _ceil_div(lens, self.page_size)).sum())
+        growth = int((_ceil_div(lens + counts, self.page_size) - _ceil_div(lens, self.page_size)).sum())
+        return growth + self._tail_cells(rows, counts)[0].numel()
 
     def _append_counts(self, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Entries each (l, b, h) adds to its *global* region: `num_tokens`, or for ring rows the promotions."""
@@ -194,6 +281,7 @@ class PagedKVCache:
             raise ValueError("a request row appears twice in one append")
         layers, batch, heads = self.num_layers, rows.numel(), self.num_kv_heads
         counts = self._append_counts(rows, num_tokens)
+        self._unshare_before_growing(rows, counts)
         starts = self._grow(rows, counts)  # [L, B, H] first new global entry
         ps = self.page_size
 
@@ -248,6 +336,7 @@ class PagedKVCache:
         rows = torch.tensor([row], dtype=torch.int64)
         counts = torch.zeros((self.num_layers, 1, self.num_kv_heads), dtype=torch.int64)
         counts[layer] = num_tokens
+        self._unshare_before_growing(rows, counts)
         starts = self._grow(rows, counts)[layer, 0]  # [H]
         ps = self.page_size
         entries = starts.unsqueeze(-1) + torch.arange(num_tokens)  # [H, n]
@@ -266,6 +355,19 @@ class PagedKVCache:
             torch.arange(heads).view(1, 1, -1),
             ring_slot.view(1, -1, 1),
         ] = False
+
+    def _unshare_before_growing(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
+        """Copy-on-write of the shared partial pages an append writes into; PoolExhaustedError (nothing
+        changed) when those copies and the append's new pages do not fit together."""
+        cells = self._tail_cells(rows, counts)
+        if cells[0].numel() == 0:
+            return
+        lens = self.seq_lens[:, rows].to(torch.int64)
+        growth = int((_ceil_div(lens + counts, self.page_size) - _ceil_div(lens, self.page_size)).sum())
+        needed = growth + cells[0].numel()
+        if needed > self.pool.num_free:
+            raise PoolExhaustedError(needed, self.pool.num_free)
+        self._unshare(cells)
 
     def _grow(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Add `counts[L, B, H]` global entries to each (l, rows[b], h); return their first entry index."""
@@ -414,10 +516,21 @@ class PagedKVCache:
         if bool(moving.any()):
             l_idx = layer_ids[li[moving]]
             r_idx = rows[b_idx[moving]]
+            self._unshare_or_raise(
+                self._shared_cells(
+                    l_idx, r_idx, h_idx[moving], torch.div(dst_e[moving], self.page_size, rounding_mode="floor")
+                )
+            )
             src = self._slot(l_idx, r_idx, h_idx[moving], e[moving])
             dst = self._slot(l_idx, r_idx, h_idx[moving], dst_e[moving])
             self._copy_slots(src.to(self.device), dst.to(self.device))
         return self._truncate(rows, lens, new_lens, layers)
+
+    def _unshare_or_raise(self, cells: tuple[torch.Tensor, ...]) -> None:
+        """Copy-on-write before entries move into shared pages (PoolExhaustedError, nothing changed, without room)."""
+        if cells[0].numel() > self.pool.num_free:
+            raise PoolExhaustedError(cells[0].numel(), self.pool.num_free)
+        self._unshare(cells)
 
     def _slot(self, l_idx: torch.Tensor, r_idx: torch.Tensor, h_idx: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         ps = self.page_size
@@ -502,6 +615,8 @@ class PagedKVCache:
         dst_g = drop_group[hole]
         dst_e = es[hole]
         if src_e.numel():
+            holes = torch.div(dst_e, self.page_size, rounding_mode="floor")
+            self._unshare_or_raise(self._shared_cells(g_l[dst_g], g_r[dst_g], g_h[dst_g], holes))
             src = self._slot(g_l[src_g], g_r[src_g], g_h[src_g], src_e)
             dst = self._slot(g_l[dst_g], g_r[dst_g], g_h[dst_g], dst_e)
             # Sources lie at or past each head's new length, holes below it: never the same slot.
@@ -692,9 +807,11 @@ class PagedKVCache:
         pages = int(_ceil_div(lens, self.page_size).sum()) + ring_pages
         ring_tokens = int(self.ring_lens([row])[0])
         tokens = int(lens.sum()) + ring_tokens * self.num_layers * self.num_kv_heads
+        held = torch.cat([self.block_tables[:, row].reshape(-1), self.ring_tables[:, row].reshape(-1)])
+        share = float((1.0 / self.pool.refcounts(held[held >= 0]).double()).sum())
         return CacheUsage(
             pages=pages,
-            bytes=pages * self.pool.bytes_per_page,
+            bytes=round(share * self.pool.bytes_per_page),
             tokens=tokens,
             global_tokens=lens,
             ring_tokens=ring_tokens,

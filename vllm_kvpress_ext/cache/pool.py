@@ -6,8 +6,10 @@ A page holds `page_size` tokens of a single (layer, KV head): keys and values si
 policy that keeps 10 tokens in one head and 1000 in another pays for exactly what it keeps.
 
 The free list is an int64 stack: allocating n pages pops n ids, freeing pushes them back, both
-O(n) vectorised tensor ops with no Python loop. An `in_use` bitmap catches double frees and
-foreign ids before anything changes.
+O(n) vectorised tensor ops with no Python loop. Every page carries a reference count: a page can be
+held by several requests at once (the samples of one prompt share its compressed pages), `share`
+adds a holder, `free` drops one, and a page returns to the free list when its last holder lets go.
+Counts catch double frees and foreign ids before anything changes.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class PagePool:
         # allocate 0, 1, 2, ... which keeps tests readable.
         self._free_stack = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64)
         self._num_free = num_pages
-        self._in_use = torch.zeros(num_pages, dtype=torch.bool)
+        self._refs = torch.zeros(num_pages, dtype=torch.int32)  # holders of each page; 0 = free
 
     @staticmethod
     def bytes_per_page_for(page_size: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -85,7 +87,8 @@ class PagePool:
         return self.num_pages - self._num_free
 
     def allocate(self, count: int) -> torch.Tensor:
-        """Pop `count` free page ids (int64, CPU). Raises PoolExhaustedError without side effects."""
+        """Pop `count` free page ids (int64, CPU), each with one holder. Raises PoolExhaustedError without side
+        effects."""
         if count < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({count})")
         if count > self._num_free:
@@ -93,25 +96,49 @@ class PagePool:
         top = self._num_free
         pages = self._free_stack[top - count : top].clone()
         self._num_free = top - count
-        self._in_use[pages] = True
+        self._refs[pages] = 1
         return pages
 
+    def share(self, pages: torch.Tensor) -> None:
+        """Add one holder to each listed page (every one in use; an id listed twice gains two)."""
+        uniq, times, _ = self._counted(pages, "sharing")
+        self._refs[uniq] += times
+
     def free(self, pages: torch.Tensor) -> None:
-        """Return pages to the pool. Every id must be in use and appear once; otherwise nothing changes."""
-        pages = pages.to(device="cpu", dtype=torch.int64).reshape(-1)
-        count = pages.numel()
-        if count == 0:
-            return
-        if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
-            raise ValueError(f"page id out of range [0, {self.num_pages})")
-        if not bool(self._in_use[pages].all()):
-            raise ValueError("freeing a page that is not in use (double free or foreign id)")
-        if torch.unique(pages).numel() != count:
+        """Drop one holder of each listed page (an id listed k times drops k); pages left with none return to
+        the pool. A page listed more times than it has holders, or not in use, changes nothing and raises."""
+        uniq, times, first = self._counted(pages, "freeing")
+        if bool((times > self._refs[uniq]).any()):
             raise ValueError("the same page id is freed twice in one call")
-        self._in_use[pages] = False
-        self._free_stack[self._num_free : self._num_free + count] = pages
+        self._refs[uniq] -= times
+        # Pushed in the order they were listed: the last one listed is the next one handed out.
+        released = uniq[torch.argsort(first)]
+        released = released[self._refs[released] == 0]
+        count = released.numel()
+        self._free_stack[self._num_free : self._num_free + count] = released
         self._num_free += count
+
+    def _counted(self, pages: torch.Tensor, doing: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(distinct ids, times each is listed, where each is first listed), after checking every id is in
+        range and in use."""
+        pages = pages.to(device="cpu", dtype=torch.int64).reshape(-1)
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
+            raise ValueError(f"page id out of range [0, {self.num_pages})")
+        uniq, inverse, times = torch.unique(pages, return_inverse=True, return_counts=True)
+        if not bool((self._refs[uniq] > 0).all()):
+            raise ValueError(f"{doing} a page that is not in use (double free or foreign id)")
+        first = torch.full((uniq.numel(),), pages.numel(), dtype=torch.int64)
+        first.scatter_reduce_(0, inverse, torch.arange(pages.numel()), reduce="amin")
+        return uniq, times.to(torch.int32), first
+
+    def refcounts(self, pages: torch.Tensor) -> torch.Tensor:
+        """Holders of each page (int32; 0 for a free page)."""
+        return self._refs[pages.to(device="cpu", dtype=torch.int64)]
 
     def in_use_mask(self) -> torch.Tensor:
         """A copy of the in-use bitmap (for invariant checks)."""
-        return self._in_use.clone()
+        return self._refs > 0
+
+    def refcount_copy(self) -> torch.Tensor:
+        """A copy of every page's holder count (for invariant checks)."""
+        return self._refs.clone()

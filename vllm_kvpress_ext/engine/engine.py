@@ -17,10 +17,13 @@ from typing import Any
 
 import torch
 
+from vllm_kvpress_ext.cache.manager import RequestCapacityError
+from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY, ModelRunner, RequestFailure
-from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestRejectedError
+from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestRejectedError, RequestStatus
 from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
+from vllm_kvpress_ext.engine.samples import can_share, start_as_fork
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_kvpress_ext.models import load_tokenizer
@@ -74,6 +77,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.runner, max_num_seqs, max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
+        self._samples: dict[str, list[Request]] = {}  # request id -> samples waiting for its prompt (samples.py)
         self._ids = itertools.count()
         self.eos_token_ids = set(self.config.eos_token_ids)
         # Called with each request as it finishes, while its entries are still in the cache (for reading
@@ -91,12 +95,17 @@ class LLMEngine:
         *,
         compress_after: int | None = None,
         policy: PolicySpec | None = None,
+        sample_of: str | None = None,
     ) -> str:
         """Queue a request; `policy` overrides the engine's default (`"full"` turns compression off).
 
         `compress_after` (default: the whole prompt) is how many prompt tokens are prefilled before
         the policy compresses; the rest of the prompt then runs through decode steps from the
         compressed cache (the strict and question-agnostic evaluation protocols).
+
+        `sample_of` names a request with the same prompt, policy and `compress_after` whose compressed
+        prompt this one starts from instead of prefilling its own (another sample of one prompt,
+        `samples.py`); where that cannot be, it runs on its own with the same result.
         """
         params = params or SamplingParams()
         resolved = self.default_policy if policy is None else load_policy(policy)
@@ -110,7 +119,11 @@ class LLMEngine:
             request_id, token_ids, params, resolved, max_model_len=self.max_model_len, compress_after=compress_after
         )
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        parent = self.requests.get(sample_of) if sample_of is not None else None
+        if parent is not None and can_share(parent, request):
+            self._samples.setdefault(parent.request_id, []).append(request)
+        else:
+            self.scheduler.add(request)
         return request_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -124,8 +137,38 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None or request.finished:
             return
+        for waiting in self._samples.values():
+            if request in waiting:
+                waiting.remove(request)
+                request.status = RequestStatus.FINISHED
+                request.finish_reason = "abort"
+                return
+        self._release_samples(request)
         self.scheduler.finish(request)
         request.finish_reason = "abort"
+
+    def _release_samples(self, request: Request) -> None:
+        """The request ends before its first token: the samples waiting on it prefill on their own."""
+        for waiting in self._samples.pop(request.request_id, []):
+            self.scheduler.add(waiting)
+
+    def _fork_samples(self, parent: Request) -> list[Request]:
+        """Start the samples waiting on `parent` (at its first sampled token) from its cache; those that find
+        no row or page run on their own instead."""
+        forked = []
+        for child in self._samples.pop(parent.request_id, []):
+            if len(self.scheduler.active) >= self.scheduler.max_num_seqs:
+                self.scheduler.add(child)
+                continue
+            try:
+                row = self.cache.fork_request(parent.request_id, child.request_id)
+            except (RequestCapacityError, PoolExhaustedError):
+                self.scheduler.add(child)
+                continue
+            start_as_fork(parent, child, row)
+            self.scheduler.active.append(child)
+            forked.append(child)
+        return forked
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -169,6 +212,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ outputs
 
     def _append_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[Request]:
+        if self._samples:  # samples waiting for one of these prompts start here, on the same logits
+            rows = list(range(len(requests)))
+            for i, request in enumerate(list(requests)):
+                if not request.output_token_ids and request.request_id in self._samples:
+                    forked = self._fork_samples(request)
+                    requests = requests + forked
+                    rows += [i] * len(forked)
+            logits = logits[rows] if len(rows) > logits.shape[0] else logits
         tokens = sample(logits, requests, self.eos_token_ids)
         record_logprobs(requests, logits, tokens)
         now = time.monotonic()
@@ -208,6 +259,7 @@ class LLMEngine:
                     hook(request)
         request.finish_reason = reason
         request.stop_reason = stop_reason
+        self._release_samples(request)
         self.scheduler.finish(request)
         if self.tokenizer is not None and not isinstance(stop_reason, str):
             ids = request.output_token_ids
