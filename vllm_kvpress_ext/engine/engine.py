@@ -78,6 +78,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.runner, max_num_seqs, max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self._samples: dict[str, list[Request]] = {}  # request id -> samples waiting for its prompt (samples.py)
+        self._finishing: list[Request] | None = None  # while a step samples: finished requests to release
         self._ids = itertools.count()
         self.eos_token_ids = set(self.config.eos_token_ids)
         # Called with each request as it finishes, while its entries are still in the cache (for reading
@@ -223,11 +224,19 @@ class LLMEngine:
         tokens = sample(logits, requests, self.eos_token_ids)
         record_logprobs(requests, logits, tokens)
         now = time.monotonic()
-        for request, token in zip(requests, tokens, strict=True):
-            request.output_token_ids.append(token)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            self._check_stop(request, token)
+        # Rows of requests finishing in this step are released together, after every one of them has
+        # read its KV figures: samples sharing pages then all see the same holders (one share each).
+        self._finishing = []
+        try:
+            for request, token in zip(requests, tokens, strict=True):
+                request.output_token_ids.append(token)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                self._check_stop(request, token)
+        finally:
+            finishing, self._finishing = self._finishing, None
+            for request in finishing:
+                self.scheduler.finish(request)
         return requests
 
     def _check_stop(self, request: Request, token: int) -> None:
@@ -260,7 +269,10 @@ class LLMEngine:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         self._release_samples(request)
-        self.scheduler.finish(request)
+        if self._finishing is not None:
+            self._finishing.append(request)
+        else:
+            self.scheduler.finish(request)
         if self.tokenizer is not None and not isinstance(stop_reason, str):
             ids = request.output_token_ids
             if stop_reason is not None:

@@ -163,6 +163,7 @@ class _Add:
     arrival: float
     future: concurrent.futures.Future[None]
     loop: asyncio.AbstractEventLoop
+    sample_of: str | None = None  # another sample of the same prompt, whose compressed pages this one starts from
 
 
 @dataclass
@@ -188,7 +189,7 @@ class EngineLoop:
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[list[_Add] | _Abort | None] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -238,21 +239,34 @@ class EngineLoop:
     ) -> RequestHandle:
         """Queue a request; returns once the engine accepted it (raises what `add_request` raised, or
         `QueueFullError`)."""
+        return (await self.submit_samples(token_ids, [params], policy, arrival))[0]
+
+    async def submit_samples(
+        self, token_ids: list[int], samples: list[SamplingParams], policy: KVPolicy | None, arrival: float
+    ) -> list[RequestHandle]:
+        """Queue one request per sample of one prompt, as one command: the engine sees them together, so the
+        later samples start from the first one's compressed prompt (engine/samples.py). Returns once the engine
+        accepted them all; if it refused one, those it accepted are aborted and the refusal is raised."""
         if self._draining.is_set():
             raise EngineUnavailableError("the server is shutting down")
         if not self.alive:
             raise EngineUnavailableError("the engine loop is not running")
         label = policy_label(policy) if policy is not None else self.default_policy
-        request_id = f"{uuid.uuid4().hex[:16]}-{next(self._ids)}"
-        handle = RequestHandle(self, request_id, len(token_ids), label)
-        future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(handle, token_ids, params, policy, arrival, future, asyncio.get_running_loop()))
+        loop = asyncio.get_running_loop()
+        adds: list[_Add] = []
+        for params in samples:
+            handle = RequestHandle(self, f"{uuid.uuid4().hex[:16]}-{next(self._ids)}", len(token_ids), label)
+            first = adds[0].handle.request_id if adds else None
+            future: concurrent.futures.Future[None] = concurrent.futures.Future()
+            adds.append(_Add(handle, token_ids, params, policy, arrival, future, loop, first))
+        self._commands.put(adds)
         try:
-            await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            self.abort(request_id)  # the add may already have happened
+            await asyncio.gather(*(asyncio.wrap_future(add.future) for add in adds))
+        except BaseException:
+            for add in adds:
+                self.abort(add.handle.request_id)  # the adds may already have happened
             raise
-        return handle
+        return [add.handle for add in adds]
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -291,16 +305,18 @@ class EngineLoop:
                 break
         self._publish()
 
-    def _handle(self, command: _Add | _Abort) -> None:
+    def _handle(self, command: list[_Add] | _Abort) -> None:
         try:
-            if isinstance(command, _Add):
-                self._add(command)
+            if isinstance(command, list):
+                for add in command:
+                    self._add(add)
             else:
                 self._abort(command.request_id)
         except Exception as exc:  # pragma: no cover - defensive: a command must never kill the loop
             logger.exception("engine loop: command %r failed", command)
-            if isinstance(command, _Add) and not command.future.done():
-                command.future.set_exception(exc)  # never leave a handler waiting
+            for add in command if isinstance(command, list) else []:
+                if not add.future.done():
+                    add.future.set_exception(exc)  # never leave a handler waiting
 
     def _add(self, add: _Add) -> None:
         if not add.future.set_running_or_notify_cancel():
@@ -313,7 +329,9 @@ class EngineLoop:
             return
         request_id = add.handle.request_id
         try:
-            self.engine.add_request(add.token_ids, add.params, request_id=request_id, policy=add.policy)
+            self.engine.add_request(
+                add.token_ids, add.params, request_id=request_id, policy=add.policy, sample_of=add.sample_of
+            )
         except Exception as exc:
             add.future.set_exception(exc)
             return
@@ -454,8 +472,9 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Add) and command.future.set_running_or_notify_cancel():
-                command.future.set_exception(EngineUnavailableError("the server is shutting down"))
+            for add in command if isinstance(command, list) else []:
+                if add.future.set_running_or_notify_cancel():
+                    add.future.set_exception(EngineUnavailableError("the server is shutting down"))
         for request_id, tracked in list(self._tracked.items()):
             try:
                 self.engine.abort(request_id)
