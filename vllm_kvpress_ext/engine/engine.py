@@ -167,7 +167,7 @@ class LLMEngine:
                 self.scheduler.add(child)
                 continue
             start_as_fork(parent, child, row)
-            self.scheduler.active.append(child)
+            self.scheduler.adopt(child)
             forked.append(child)
         return forked
 

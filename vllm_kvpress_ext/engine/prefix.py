@@ -188,6 +188,6 @@ def add_forked_request(
     request.num_processed = n
     request.capture = _own_capture(snapshot, spec, engine)
     engine.requests[request_id] = request
-    engine.scheduler.active.append(request)
+    engine.scheduler.adopt(request)
     engine.runner.complete_prefill(request)  # compresses (when there is a policy) and marks it running
     return request_id

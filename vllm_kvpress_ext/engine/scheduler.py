@@ -48,6 +48,13 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def adopt(self, request: Request) -> None:
+        """A request given its cache row outside admission (a fork of another request's cache, a copy of a
+        prefilled prefix) joins the admitted set as if it had been admitted now."""
+        if request.row is None or request.status not in (RequestStatus.PREFILLING, RequestStatus.RUNNING):
+            raise ValueError(f"request {request.request_id!r} must hold a cache row to be adopted")
+        self.active.append(request)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.active)
