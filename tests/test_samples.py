@@ -199,3 +199,20 @@ def _check_counts(cache: PagedKVCache) -> None:
     held = torch.bincount(tables[tables >= 0].to(torch.int64), minlength=cache.pool.num_pages)
     assert torch.equal(held.to(torch.int32), cache.pool.refcount_copy())
     assert cache.pool.num_used == int((held > 0).sum())
+
+
+def test_a_sample_with_another_ring_or_recording_runs_alone(model_dir: Path) -> None:
+    """What the first sample's prefill built must be what the sample would build: WG-KV's ring is sized by
+    max_tokens, and prompt log-probabilities are recorded during the prefill."""
+    engine = _engine(model_dir)
+    short = _prompt(engine, n=20)  # the ring (64 tokens by default) is cut to prompt + max_tokens, in pages
+    engine.add_request(short, _params(0), "lead", policy="wgkv")
+    longer = SamplingParams(max_tokens=100, temperature=0.9, seed=1, ignore_eos=True)
+    engine.add_request(short, longer, "longer", policy="wgkv", sample_of="lead")
+    assert engine.requests["lead"].admission.window != engine.requests["longer"].admission.window
+    prompt = _prompt(engine)
+    engine.add_request(prompt, _params(0), "plain")
+    scoring = SamplingParams(max_tokens=12, temperature=0.9, seed=2, ignore_eos=True, prompt_logprobs=1)
+    engine.add_request(prompt, scoring, "scoring", sample_of="plain")
+    assert {r.request_id for r in engine.scheduler.waiting} == {"lead", "longer", "plain", "scoring"}
+    _finish(engine)
