@@ -125,3 +125,18 @@ def test_bench_policies_skips_wgkv_on_a_model_without_gates(tmp_path: Path, caps
     assert "wgkv: skipped, no write gates at" in out
     assert [line.split()[1] for line in out.splitlines() if line.strip().startswith("48 ")] == ["full", "snapkv"]
     assert not list(model.parent.glob("*.wgkv.safetensors"))  # nothing written beside a user's model
+
+
+def test_bench_capacity_samples_sharing_the_prompt_hold_more_at_once() -> None:
+    """n samples of a prompt on its shared pages fit more answers in one pool than n separate requests."""
+    from vllm_kvpress_ext.bench.capacity import CapacityConfig, run_capacity_bench
+
+    results = run_capacity_bench(
+        CapacityConfig(policies=("full",), prompt_len=256, new_tokens=8, requests=3, samples=4, kv_memory=320 * 4096)
+    )
+    shared, separate = results
+    assert shared["policy"] == "full (n=4, shared)" and separate["policy"] == "full (n=4, separate)"
+    # Separate: 136 pages per answer, 2 at once. Shared: one prompt plus a page per (layer, head) and sample.
+    assert separate["held_peak"] == 2
+    assert shared["held_peak"] >= 4
+    assert shared["kv_mib_per_request"] < separate["kv_mib_per_request"] / 2

@@ -11,6 +11,10 @@ Reported per policy, all on the same engine and model, one after the other:
   the decode tokens/s over decode steps alone;
 - retention and KV bytes per request (from the pool), and preemptions.
 
+With `samples` n > 1, each prompt asks for n sampled answers (temperature 0.8, seeds 0..n-1), and every
+policy runs twice: with the samples sharing the prompt's compressed pages (`sample_of`, as `kvpress serve`
+sends `n`), and as n separate requests; `requests` counts prompts, so both runs do the same work.
+
 Budgets: a policy with a `ratio` field is run at `ratio`; WG-KV runs its admission with a hard cap of
 `ratio * prompt_len - local_window` global entries per head, so ring + global hold `ratio` of the
 prompt; a budget-free policy (GVote) runs with its defaults and its own retention is reported. On a random-weight
@@ -59,6 +63,7 @@ class CapacityConfig:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
+    samples: int = 1
 
 
 def budgeted_policy(name: str, ratio: float, prompt_len: int) -> KVPolicy:
@@ -70,14 +75,29 @@ def budgeted_policy(name: str, ratio: float, prompt_len: int) -> KVPolicy:
     return create_policy(name, ratio=ratio) if "ratio" in default.params() and name != "full" else default
 
 
-def _one_policy(engine: LLMEngine, config: CapacityConfig, policy: KVPolicy) -> dict[str, Any]:
+def _submit(engine: LLMEngine, config: CapacityConfig, policy: KVPolicy, share: bool) -> list[str]:
+    """Queue every prompt (each with `config.samples` answers); return the engine request ids."""
     g = torch.Generator().manual_seed(config.seed)
     vocab = engine.config.vocab_size
-    params = SamplingParams(max_tokens=config.new_tokens, temperature=0.0, ignore_eos=True)
-    ids = [
-        engine.add_request(torch.randint(0, vocab, (config.prompt_len,), generator=g).tolist(), params, policy=policy)
-        for _ in range(config.requests)
-    ]
+    if config.samples == 1:
+        params = [SamplingParams(max_tokens=config.new_tokens, temperature=0.0, ignore_eos=True)]
+    else:
+        params = [
+            SamplingParams(max_tokens=config.new_tokens, temperature=0.8, seed=j, ignore_eos=True)
+            for j in range(config.samples)
+        ]
+    ids: list[str] = []
+    for _ in range(config.requests):
+        prompt = torch.randint(0, vocab, (config.prompt_len,), generator=g).tolist()
+        first = engine.add_request(prompt, params[0], policy=policy)
+        ids.append(first)
+        for sample in params[1:]:
+            ids.append(engine.add_request(prompt, sample, policy=policy, sample_of=first if share else None))
+    return ids
+
+
+def _one_policy(engine: LLMEngine, config: CapacityConfig, policy: KVPolicy, share: bool = True) -> dict[str, Any]:
+    ids = _submit(engine, config, policy, share)
     held_peak = 0
     held_decode: list[int] = []
     decode_seconds = 0.0
@@ -148,7 +168,7 @@ def run_capacity_bench(config: CapacityConfig) -> list[dict[str, Any]]:
             device=config.device,
             kv_memory=config.kv_memory,
             page_size=config.page_size,
-            max_num_seqs=max(config.requests, 1),
+            max_num_seqs=max(config.requests * config.samples, 1),
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.prompt_len + config.new_tokens + 1,
         )
@@ -166,10 +186,14 @@ def run_capacity_bench(config: CapacityConfig) -> list[dict[str, Any]]:
         results = []
         for name in policies:
             policy = budgeted_policy(name, config.ratio, config.prompt_len)
-            result = {"policy": name, **_one_policy(engine, config, policy)}
-            results.append(result)
-            print(f"  {name}: {result}", flush=True)
-    full = next((r for r in results if r["policy"] == "full"), None)
+            for share in (True, False) if config.samples > 1 else (True,):
+                label = (
+                    name if config.samples == 1 else f"{name} (n={config.samples}, {'shared' if share else 'separate'})"
+                )
+                result = {"policy": label, **_one_policy(engine, config, policy, share)}
+                results.append(result)
+                print(f"  {label}: {result}", flush=True)
+    full = next((r for r in results if r["policy"].split(" ")[0] == "full"), None)
     rows = [
         [
             r["policy"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_kvpress_ext.cli.common import Subparsers, size
+from vllm_kvpress_ext.cli.common import Subparsers, at_least, size
 
 
 def register(bench_sub: Subparsers) -> None:
@@ -24,7 +24,14 @@ def register(bench_sub: Subparsers) -> None:
     cap.add_argument("--ratio", type=float, default=0.25, help="fraction of the prompt kept (default: 0.25)")
     cap.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens per request (default: 2048)")
     cap.add_argument("--new-tokens", type=int, default=32, help="generated tokens per request (default: 32)")
-    cap.add_argument("--requests", type=int, default=16, help="requests queued at once (default: 16)")
+    cap.add_argument("--requests", type=int, default=16, help="requests (prompts) queued at once (default: 16)")
+    cap.add_argument(
+        "--samples",
+        type=at_least(1),
+        default=1,
+        help="sampled answers per prompt; with more than 1, each policy runs with the samples sharing the "
+        "prompt's compressed pages and as separate requests (default: 1)",
+    )
     cap.add_argument("--kv-memory", type=size, default=64 * 2**20, metavar="SIZE", help="KV pool (default: 64MiB)")
     cap.add_argument(
         "--max-num-batched-tokens", type=int, default=8192, help="prompt tokens per prefill step (default: 8192)"
@@ -50,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             device=args.device,
             dtype=args.dtype,
+            samples=args.samples,
         )
     )
     return 0
