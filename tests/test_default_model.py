@@ -13,7 +13,8 @@ from model_utils import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from vllm_kvpress_ext.assets import DEFAULT_MODEL_DIR, default_model_dir
-from vllm_kvpress_ext.bench.accuracy import HELD_OUT_SEED, make_policy
+from vllm_kvpress_ext.bench.accuracy import HELD_OUT_SEED
+from vllm_kvpress_ext.bench.budgets import make_policy
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.models import load_config
 from vllm_kvpress_ext.models.write_gate import default_gate_path, gate_metadata, load_gates

@@ -8,7 +8,7 @@ import pytest
 import torch
 from model_utils import write_suite_model
 
-from vllm_kvpress_ext.bench.accuracy import budgets_for, make_policy
+from vllm_kvpress_ext.bench.budgets import budgets_for, make_policy
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.engine.prefix import add_forked_request, capture_prefix, merged_capture_spec
 from vllm_kvpress_ext.policies import policy_names

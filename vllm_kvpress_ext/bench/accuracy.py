@@ -31,9 +31,9 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
+from vllm_kvpress_ext.bench.budgets import budgets_for, make_policy, policy_label
 from vllm_kvpress_ext.bench.report import format_table, markdown_table
 from vllm_kvpress_ext.engine import KeptEntries, LLMEngine, SamplingParams
-from vllm_kvpress_ext.policies import KVPolicy, create_policy, load_policy, policy_class
 from vllm_kvpress_ext.policies.kvec import head_coverage, unique_token_coverage
 from vllm_kvpress_ext.tasks.synthetic import TASKS, PromptSpec, build_prompt, generate, score
 from vllm_kvpress_ext.tasks.synthetic.prompt import PROTOCOLS, Protocol
@@ -89,31 +89,6 @@ class Row:
     seconds: float
     coverage: float  # prompt positions held by >= 1 (layer, KV head), mean over requests
     head_coverage: float  # per layer: prompt positions held by >= 1 of its heads; mean over layers, requests
-
-
-def budgets_for(policy: str, budgets: tuple[float, ...]) -> list[float | None]:
-    """Budget-free policies (and `full`) run once; the others once per ratio.
-
-    `policy` is a registered name or a YAML preset path (e.g. WG-KV with a given gate file).
-    """
-    resolved = load_policy(policy)
-    if resolved is None or resolved.name == "full":
-        return [None]
-    fields = getattr(policy_class(resolved.name), "__dataclass_fields__", {})
-    return list(budgets) if "ratio" in fields else [None]
-
-
-def policy_label(policy: str) -> str:
-    """How a policy is named in the results: its name, or a preset file's stem (`wgkv-lambda0.1.yaml` -> ...)."""
-    path = Path(policy)
-    return path.stem if path.suffix in (".yaml", ".yml") else policy
-
-
-def make_policy(policy: str, budget: float | None) -> KVPolicy:
-    """The policy (name or preset) with its ratio set to `budget` when one is given."""
-    resolved = load_policy(policy)
-    assert resolved is not None
-    return resolved if budget is None else create_policy(resolved.name, **{**resolved.params(), "ratio": budget})
 
 
 def prompt_coverage(kept: KeptEntries, prompt_len: int) -> tuple[float, float]:

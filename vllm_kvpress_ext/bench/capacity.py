@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvpress_ext.bench.budgets import budgeted_policy
 from vllm_kvpress_ext.bench.models import (
     model_or_bench_model,
     runnable_policies,
@@ -44,8 +45,7 @@ from vllm_kvpress_ext.bench.models import (
 from vllm_kvpress_ext.bench.report import format_table
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.engine.scheduler import SchedulerOutput
-from vllm_kvpress_ext.policies import KVPolicy, create_policy
-from vllm_kvpress_ext.policies.wgkv import DEFAULT_WINDOW
+from vllm_kvpress_ext.policies import KVPolicy
 
 
 @dataclass(frozen=True)
@@ -64,15 +64,6 @@ class CapacityConfig:
     dtype: str = "float32"
     seed: int = 0
     samples: int = 1
-
-
-def budgeted_policy(name: str, ratio: float, prompt_len: int) -> KVPolicy:
-    """`name` at `ratio` of the prompt: its `ratio` field, WG-KV's cap, or its defaults when budget-free."""
-    if name == "wgkv":
-        cap = max(1, round(ratio * prompt_len) - DEFAULT_WINDOW)
-        return create_policy(name, cap=cap, local_window=DEFAULT_WINDOW)
-    default = create_policy(name)
-    return create_policy(name, ratio=ratio) if "ratio" in default.params() and name != "full" else default
 
 
 def _submit(engine: LLMEngine, config: CapacityConfig, policy: KVPolicy, share: bool) -> list[str]:

@@ -28,7 +28,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from vllm_kvpress_ext.bench.accuracy import budgets_for, make_policy, policy_label
+from vllm_kvpress_ext.bench.budgets import budgets_for, make_policy, policy_label
 from vllm_kvpress_ext.bench.report import format_table, markdown_table
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.engine.prefix import PrefixSnapshot, add_forked_request, capture_prefix, merged_capture_spec
