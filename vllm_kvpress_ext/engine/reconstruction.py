@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from vllm_kvpress_ext.attention import gather_paged
 from vllm_kvpress_ext.cache import PagedKVCache
@@ -46,7 +45,7 @@ if TYPE_CHECKING:
 # The instructions KVzip's reference code (and kvpress's KVzipPress) put before each chunk.
 REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly."
 RESUME_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
-#: Queries scored at once: bounds the score block to QUERY_BLOCK x (sinks + 2 chunks) per query head.
+#: Queries scored at once: bounds the score block to QUERY_BLOCK x (sinks + chunk) per query head.
 QUERY_BLOCK = 256
 _MARKER = "\u2063kvzip-context\u2063"
 
@@ -106,6 +105,7 @@ def reconstruction_chunk_scores(
     sink_keys: torch.Tensor,
     span_keys: torch.Tensor,
     scale: float,
+    own_lse: torch.Tensor | None = None,
     query_block: int = QUERY_BLOCK,
 ) -> torch.Tensor:
     """Scores `[Hkv, c]` of a chunk's c cached entries from its reconstruction queries.
@@ -113,24 +113,55 @@ def reconstruction_chunk_scores(
     queries `[m, Hq, d]` and own_keys `[m, Hkv, d]` are the reconstruction input's (post-RoPE); sink_keys
     `[Hkv, S, d]` and span_keys `[Hkv, c, d]` the cached entries. Query i's softmax runs over the sinks,
     the span and own keys 0..i; an entry's score is the largest probability it gets from any query of
-    its KV head's group. Queries go `query_block` at a time, so no `[Hq, m, m]` block is ever built.
+    its KV head's group. `own_lse` `[m, Hq]`, the log-sum-exp of each query over its own causal keys,
+    is what the pass's attention already computed; without it, it is computed here. Queries go
+    `query_block` at a time, so no `[Hq, m, c]` block is ever built.
+
+    The maximum is taken on log-probabilities, max_i exp(x_ij - lse_i) = exp(max_i (x_ij - lse_i)), so
+    only the scores themselves are exponentiated beyond the normalisers.
     """
     m, num_q_heads, _ = queries.shape
-    num_kv_heads, sinks, span = sink_keys.shape[0], sink_keys.shape[1], span_keys.shape[1]
+    num_kv_heads, span = sink_keys.shape[0], span_keys.shape[1]
     group = num_q_heads // num_kv_heads
-    keys = torch.cat([sink_keys, span_keys, own_keys.transpose(0, 1)], dim=1).float()  # [Hkv, S + c + m, d]
-    keys = keys.repeat_interleave(group, dim=0)  # [Hq, K, d]
-    best = torch.zeros(num_q_heads, span, dtype=torch.float32, device=queries.device)
-    own = torch.arange(m, device=queries.device)
+    cached = torch.cat([sink_keys, span_keys], dim=1).float().repeat_interleave(group, dim=0)  # [Hq, S + c, d]
+    sinks = sink_keys.shape[1]
+    own = own_keys.transpose(0, 1).float().repeat_interleave(group, dim=0) if own_lse is None else None  # [Hq, m, d]
+    best = torch.full((num_q_heads, span), float("-inf"), dtype=torch.float32, device=queries.device)
     for first in range(0, m, query_block):
-        rows = own[first : first + query_block]
-        q = queries[first : first + query_block].float().transpose(0, 1)  # [Hq, b, d]
-        logits = torch.einsum("hbd,hkd->hbk", q, keys) * scale
-        future = own.view(1, -1) > rows.view(-1, 1)  # [b, m]: own keys after the query
-        logits[..., sinks + span :].masked_fill_(future, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)[..., sinks : sinks + span]
-        best = torch.maximum(best, probs.amax(dim=1))
-    return best.view(num_kv_heads, group, span).amax(dim=1)
+        last = min(m, first + query_block)
+        q = queries[first:last].float().transpose(0, 1)  # [Hq, b, d]
+        logits = torch.matmul(q, cached.transpose(1, 2)) * scale  # [Hq, b, S + c]
+        if own is None:
+            assert own_lse is not None
+            own_block = own_lse[first:last].float().transpose(0, 1)  # [Hq, b]
+        else:
+            own_logits = torch.matmul(q, own[:, :last].transpose(1, 2)) * scale  # [Hq, b, last]
+            future = torch.arange(last, device=q.device).view(1, -1) > torch.arange(first, last, device=q.device).view(
+                -1, 1
+            )
+            own_block = torch.logsumexp(own_logits.masked_fill(future, float("-inf")), dim=-1)
+        lse = torch.logaddexp(torch.logsumexp(logits, dim=-1), own_block)  # [Hq, b]
+        best = torch.maximum(best, (logits[..., sinks:] - lse.unsqueeze(-1)).amax(dim=1))
+    return best.exp().view(num_kv_heads, group, span).amax(dim=1)
+
+
+def attention_with_lse(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of query `[Hq, m, d]` over keys / values `[Hkv, N, d]` (causal: query i sees keys 0..i) and each
+    query's log-sum-exp `[Hq, m]` (float32): torch's CPU flash kernel where it exists, else an explicit softmax."""
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if flash is not None and query.device.type == "cpu":
+        out, lse = flash(query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), 0.0, causal, scale=scale)[:2]
+        return out[0], lse[0].float()
+    group = query.shape[0] // keys.shape[0]
+    logits = torch.matmul(query.float(), keys.float().repeat_interleave(group, dim=0).transpose(1, 2)) * scale
+    if causal:
+        m, n = logits.shape[-2:]
+        logits = logits.masked_fill(torch.ones(m, n, dtype=torch.bool, device=query.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.exp(logits - lse.unsqueeze(-1))
+    return torch.matmul(probs, values.float().repeat_interleave(group, dim=0)).to(query.dtype), lse
 
 
 class ReconstructionContext:
@@ -168,27 +199,25 @@ class ReconstructionContext:
             cache.device_block_tables[layer_idx, self.row],
             cache.device_seq_lens[layer_idx, self.row],
         )  # [Hkv, n, d]: the uncompressed prompt, in position order
-        n, m = keys.shape[1], q.shape[0]
+        n = keys.shape[1]
         if not bool(valid.all()) or not torch.equal(positions[0].long(), torch.arange(n, device=positions.device)):
             raise ValueError("the reconstruction pass needs every head to hold the whole uncompressed prompt")
         keys, values = keys.to(q.dtype), values.to(q.dtype)
+        # Every cached prompt entry lies before all of the chunk's queries; the chunk's own keys are causal.
+        # The two attentions merge by their log-sum-exps, and the own part's serves the scores too.
+        queries = q.transpose(0, 1)  # [Hq, m, d]
+        cached_out, cached_lse = attention_with_lse(queries, keys, values, False, self.scale)
+        own_out, own_lse = attention_with_lse(queries, k.transpose(0, 1), v.transpose(0, 1), True, self.scale)
+        total = torch.logaddexp(cached_lse, own_lse).unsqueeze(-1)
+        out = cached_out * torch.exp(cached_lse.unsqueeze(-1) - total) + own_out * torch.exp(
+            own_lse.unsqueeze(-1) - total
+        )
         start, end = self.span
         sinks = min(self.spec.sink_tokens, start)
         self.scores[layer_idx][:, start:end] = reconstruction_chunk_scores(
-            q, k, keys[:, :sinks], keys[:, start:end], self.scale
+            q, k, keys[:, :sinks], keys[:, start:end], self.scale, own_lse.transpose(0, 1)
         ).to(self.scores[layer_idx].device)
-        # The chunk's own keys are causal; every cached prompt entry lies before all of them.
-        mask = torch.ones(m, n + m, dtype=torch.bool, device=q.device)
-        mask[:, n:] = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            torch.cat([keys, k.transpose(0, 1)], dim=1).unsqueeze(0),
-            torch.cat([values, v.transpose(0, 1)], dim=1).unsqueeze(0),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1)
+        return out.transpose(0, 1).to(q.dtype)
 
 
 @torch.no_grad()

@@ -110,7 +110,9 @@ class KVzipPolicy(KVPolicy):
         return scores.cpu()
 
     def plan(self, request: RequestPrefill, layer_results: list[Any], state: dict[str, Any]) -> KeepPlan:
-        return KeepPlan.from_mask(select(torch.stack(layer_results), self.budget.per_head(request.length), self.allocation))
+        return KeepPlan.from_mask(
+            select(torch.stack(layer_results), self.budget.per_head(request.length), self.allocation)
+        )
 
 
 def select(scores: torch.Tensor, per_head: int, allocation: str) -> torch.Tensor:
