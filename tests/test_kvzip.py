@@ -13,7 +13,7 @@ from model_utils import DenseContext
 import vllm_kvpress_ext.assets as assets
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.engine.prefix import add_forked_request, capture_prefix, merged_capture_spec
-from vllm_kvpress_ext.engine.reconstruction import prompts_for_model, reconstruction_chunk_scores
+from vllm_kvpress_ext.engine.reconstruction import attention_with_lse, prompts_for_model, reconstruction_chunk_scores
 from vllm_kvpress_ext.policies import KVzipPolicy, PolicyConfigError, load_policy
 from vllm_kvpress_ext.policies.base import LayerPrefill
 from vllm_kvpress_ext.policies.kvzip import select
@@ -37,6 +37,27 @@ def test_scores_by_hand() -> None:
     for block in (1, 2, 256):
         scores = reconstruction_chunk_scores(queries, own, sinks, span, 1.0, query_block=block)
         torch.testing.assert_close(scores, torch.tensor([[2 / 7, 9 / 15]]), rtol=1e-6, atol=1e-7)
+
+
+def test_the_attention_normaliser_serves_the_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scores from the own keys' log-sum-exp (what the pass's attention yields) equal scores computed alone,
+    and the CPU flash path of `attention_with_lse` equals its explicit-softmax path."""
+    g = torch.Generator().manual_seed(0)
+    m, hq, hkv, d = 21, 4, 2, 8
+    queries, own = torch.randn(m, hq, d, generator=g), torch.randn(m, hkv, d, generator=g)
+    own_values = torch.randn(m, hkv, d, generator=g)
+    cached = torch.randn(hkv, 30, d, generator=g)
+    out, lse = attention_with_lse(queries.transpose(0, 1), own.transpose(0, 1), own_values.transpose(0, 1), True, 0.3)
+    with monkeypatch.context() as patched:  # no flash kernel: the explicit softmax
+        patched.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+        out_ref, lse_ref = attention_with_lse(
+            queries.transpose(0, 1), own.transpose(0, 1), own_values.transpose(0, 1), True, 0.3
+        )
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
+    alone = reconstruction_chunk_scores(queries, own, cached[:, :3], cached[:, 10:], 0.3, query_block=5)
+    served = reconstruction_chunk_scores(queries, own, cached[:, :3], cached[:, 10:], 0.3, lse.transpose(0, 1), 7)
+    torch.testing.assert_close(served, alone, rtol=1e-5, atol=1e-6)
 
 
 def dense_reference(engine: LLMEngine, tokens: list[int], policy: KVzipPolicy) -> torch.Tensor:
