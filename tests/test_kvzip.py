@@ -43,18 +43,20 @@ def test_the_attention_normaliser_serves_the_scores(monkeypatch: pytest.MonkeyPa
     """Scores from the own keys' log-sum-exp (what the pass's attention yields) equal scores computed alone,
     and the CPU flash path of `attention_with_lse` equals its explicit-softmax path."""
     g = torch.Generator().manual_seed(0)
-    m, hq, hkv, d = 21, 4, 2, 8
+    m, hq, hkv, d = 300, 4, 2, 8  # more queries than one block of the explicit path
     queries, own = torch.randn(m, hq, d, generator=g), torch.randn(m, hkv, d, generator=g)
     own_values = torch.randn(m, hkv, d, generator=g)
-    cached = torch.randn(hkv, 30, d, generator=g)
+    cached = torch.randn(hkv, 40, d, generator=g)
     out, lse = attention_with_lse(queries.transpose(0, 1), own.transpose(0, 1), own_values.transpose(0, 1), True, 0.3)
+    full_out, full_lse = attention_with_lse(queries.transpose(0, 1), cached, cached.flip(1), False, 0.3)
     with monkeypatch.context() as patched:  # no flash kernel: the explicit softmax
         patched.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
         out_ref, lse_ref = attention_with_lse(
             queries.transpose(0, 1), own.transpose(0, 1), own_values.transpose(0, 1), True, 0.3
         )
-    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
+        full_out_ref, full_lse_ref = attention_with_lse(queries.transpose(0, 1), cached, cached.flip(1), False, 0.3)
+    for got, want in ((out, out_ref), (lse, lse_ref), (full_out, full_out_ref), (full_lse, full_lse_ref)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     alone = reconstruction_chunk_scores(queries, own, cached[:, :3], cached[:, 10:], 0.3, query_block=5)
     served = reconstruction_chunk_scores(queries, own, cached[:, :3], cached[:, 10:], 0.3, lse.transpose(0, 1), 7)
     torch.testing.assert_close(served, alone, rtol=1e-5, atol=1e-6)

@@ -155,13 +155,20 @@ def attention_with_lse(
         out, lse = flash(query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), 0.0, causal, scale=scale)[:2]
         return out[0], lse[0].float()
     group = query.shape[0] // keys.shape[0]
-    logits = torch.matmul(query.float(), keys.float().repeat_interleave(group, dim=0).transpose(1, 2)) * scale
-    if causal:
-        m, n = logits.shape[-2:]
-        logits = logits.masked_fill(torch.ones(m, n, dtype=torch.bool, device=query.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
-    probs = torch.exp(logits - lse.unsqueeze(-1))
-    return torch.matmul(probs, values.float().repeat_interleave(group, dim=0)).to(query.dtype), lse
+    expanded_keys = keys.float().repeat_interleave(group, dim=0).transpose(1, 2)  # [Hq, d, N]
+    expanded_values = values.float().repeat_interleave(group, dim=0)  # [Hq, N, d]
+    m, n = query.shape[1], keys.shape[1]
+    outs, lses = [], []
+    for first in range(0, m, QUERY_BLOCK):  # query blocks: no [Hq, m, N] logits at once
+        last = min(m, first + QUERY_BLOCK)
+        logits = torch.matmul(query[:, first:last].float(), expanded_keys) * scale
+        if causal:
+            rows = torch.arange(first, last, device=query.device).view(-1, 1)
+            logits = logits.masked_fill(torch.arange(n, device=query.device).view(1, -1) > rows, float("-inf"))
+        lse = torch.logsumexp(logits, dim=-1)
+        outs.append(torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), expanded_values))
+        lses.append(lse)
+    return torch.cat(outs, dim=1).to(query.dtype), torch.cat(lses, dim=1)
 
 
 class ReconstructionContext:
