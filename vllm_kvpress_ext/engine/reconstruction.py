@@ -18,10 +18,10 @@ The pass, for a prompt of n cached tokens cut into chunks [s, e) of `chunk_size`
 
 Nothing of input_c is written to the cache: each layer's chunk K/V live only while that layer runs, so
 the pass holds no second copy of the prompt's K/V. Memory beyond the cache: one chunk's activations,
-one layer's prompt K/V densified from its pages (as a chunked prefill's attention does) and the score
-blocks (`QUERY_BLOCK` queries at a time over S + chunk + input keys). Compute: a forward of about n
-tokens plus the prompts, i.e. about a second prefill; the score blocks add about one more attention
-over chunk-sized windows.
+one layer's prompt K/V densified from its pages (as a chunked prefill's attention does) and blocks of
+`QUERY_BLOCK` queries' logits. Compute: a forward of about n more tokens whose queries each read the
+whole prompt, plus the score blocks (one more set of logits over each chunk's cached entries): about
+2.7 prefills on SmolLM2-135M at 2,048 tokens (docs/policies.md), where attention is most of the work.
 """
 
 from __future__ import annotations
