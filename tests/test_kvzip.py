@@ -221,3 +221,12 @@ def test_a_model_without_tokenizer_is_a_clear_failure(tmp_path: Path) -> None:
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert outputs and "tokenizer" in (outputs[-1].error or "")
+
+
+def test_a_fork_needing_another_reconstruction_is_refused(engine: LLMEngine) -> None:
+    """The prefix's pass scored with one chunking; a fork whose policy chunks otherwise cannot reuse it."""
+    prefix = PROMPT[:40]
+    snapshot = capture_prefix(engine, prefix, merged_capture_spec([KVzipPolicy(chunk_size=16)]), "prefix-16")
+    other = KVzipPolicy(chunk_size=32)
+    with pytest.raises(ValueError, match="lacks what"):
+        add_forked_request(engine, snapshot, [*prefix, 7], SamplingParams(max_tokens=1), "fork-32", other)
