@@ -1,4 +1,4 @@
-"""GVote's observed-query votes and Expected Attention through every per-request route: the embedded server's
+"""GVote's observed-query votes, Expected Attention and KVzip through every per-request route: the embedded server's
 `kv_policy` and `vllm_xargs`, and the vLLM plugin's request validation; out-of-range fields are a 400."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from test_server import LONG_PROMPT, MODEL, LiveServer, _start, _write_model
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
 
-from vllm_kvpress_ext.policies import ExpectedAttentionPolicy, GVotePolicy
+from vllm_kvpress_ext.policies import ExpectedAttentionPolicy, GVotePolicy, KVzipPolicy
 from vllm_kvpress_ext.vllm_plugin.platform import validate_kvpress_request
 from vllm_kvpress_ext.vllm_plugin.request_policy import request_policy
 
@@ -21,6 +21,8 @@ POLICIES: list[dict[str, Any]] = [
     {"name": "gvote", "observation_window": 8, "p_nuc": 0.5},
     {"name": "expected_attention", "ratio": 0.25},
     {"name": "expected_attention", "tokens": 16, "use_covariance": False},
+    {"name": "kvzip", "ratio": 0.25, "chunk_size": 24},
+    {"name": "kvzip", "tokens": 16, "allocation": "head"},
 ]
 BAD: list[dict[str, Any]] = [
     {"name": "gvote", "observation_window": 1000},
@@ -28,6 +30,9 @@ BAD: list[dict[str, Any]] = [
     {"name": "expected_attention", "future_positions": 100000},
     {"name": "expected_attention", "epsilon": -1.0},
     {"name": "expected_attention", "use_vnorm": "no"},
+    {"name": "kvzip", "chunk_size": 100000},
+    {"name": "kvzip", "overlap_tokens": -1},
+    {"name": "kvzip", "allocation": "pair"},
 ]
 
 
@@ -55,7 +60,7 @@ def test_each_route_runs_the_policy(http: httpx.Client, policy: dict[str, Any]) 
     xargs = _usage(http.post("/v1/completions", json={**body, "vllm_xargs": {"kv_policy": json.dumps(policy)}}))
     assert direct["kv_policy"] == xargs["kv_policy"] == policy["name"]
     assert direct["kv_bytes"] == xargs["kv_bytes"]  # the same plan either way
-    if policy["name"] == "expected_attention":
+    if policy["name"] in ("expected_attention", "kvzip"):
         assert direct["kv_retention"] < 1.0
 
 
@@ -70,10 +75,12 @@ def test_out_of_range_fields_are_a_400_and_the_next_request_runs(http: httpx.Cli
 def test_the_vllm_plugin_takes_and_refuses_them() -> None:
     for policy in POLICIES:
         loaded = request_policy({"kv_policy": json.dumps(policy)}, None)
-        assert isinstance(loaded, GVotePolicy | ExpectedAttentionPolicy) and loaded.name == policy["name"]
+        assert isinstance(loaded, GVotePolicy | ExpectedAttentionPolicy | KVzipPolicy) and loaded.name == policy["name"]
         validate_kvpress_request(VllmSamplingParams(max_tokens=4, extra_args={"kv_policy": json.dumps(policy)}))
     named = request_policy({"kv_policy": "expected_attention", "kv_ratio": 0.5}, None)
     assert isinstance(named, ExpectedAttentionPolicy) and named.ratio == 0.5
+    named = request_policy({"kv_policy": "kvzip", "kv_ratio": 0.5}, None)
+    assert isinstance(named, KVzipPolicy) and named.ratio == 0.5
     for policy in BAD:
         with pytest.raises(VLLMValidationError):
             validate_kvpress_request(VllmSamplingParams(max_tokens=4, extra_args={"kv_policy": json.dumps(policy)}))

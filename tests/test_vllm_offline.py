@@ -77,7 +77,7 @@ def parity_llm() -> LLM:
 
 def test_every_policy_matches_the_embedded_engine(parity_llm: LLM) -> None:
     names = policy_names()
-    assert len(names) == 12  # every registered policy, expected_attention included
+    assert len(names) == 13  # every registered policy, expected_attention and kvzip included
     prompts = [spec.token_ids for spec in retrieval_prompts(len(names))]
     ours = vllm_greedy(parity_llm, prompts, names, NEW_TOKENS)
     reference = embedded_greedy(prompts, names, NEW_TOKENS, PARITY_POOL)

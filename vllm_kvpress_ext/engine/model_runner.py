@@ -30,6 +30,7 @@ from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
+from vllm_kvpress_ext.engine.reconstruction import score_by_reconstruction
 from vllm_kvpress_ext.engine.request import Request, RequestRejectedError, RequestStatus
 from vllm_kvpress_ext.engine.sampler import token_logprobs
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
@@ -486,6 +487,8 @@ class ModelRunner:
         elif policy is not None:
             self.update_kv_stats(request)  # the uncompressed peak
             start = self.clock()
+            # KVzip's scores come from a second forward pass over the cached prompt (engine/reconstruction.py).
+            score_by_reconstruction(self, request)
             state: dict[str, Any] = {}
             request.policy_state = state
             num_layers = self.config.num_hidden_layers

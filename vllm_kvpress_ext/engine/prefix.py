@@ -145,6 +145,8 @@ def _own_capture(snapshot: PrefixSnapshot, spec: CaptureSpec, engine: LLMEngine)
         if spec.query_moments:
             mine.query_sum, mine.query_outer_sum = shared.query_sum, shared.query_outer_sum
             mine.query_count = shared.query_count
+        if spec.reconstruction is not None:  # the prefix's own pass scored its entries for every fork
+            mine.reconstruction_scores = shared.reconstruction_scores
         if spec.leading_queries and shared.leading_queries is not None:
             mine.leading_queries = shared.leading_queries[: spec.leading_queries]
     return capture

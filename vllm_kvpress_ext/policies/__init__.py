@@ -12,6 +12,7 @@ from vllm_kvpress_ext.policies.full import FullPolicy
 from vllm_kvpress_ext.policies.gvote import GVotePolicy
 from vllm_kvpress_ext.policies.h2o import H2OPolicy
 from vllm_kvpress_ext.policies.kvec import KVECPolicy
+from vllm_kvpress_ext.policies.kvzip import KVzipPolicy
 from vllm_kvpress_ext.policies.lava import LavaPolicy
 from vllm_kvpress_ext.policies.pyramidkv import PyramidKVPolicy
 from vllm_kvpress_ext.policies.registry import (
@@ -35,6 +36,7 @@ _BUILT_IN: tuple[type[KVPolicy], ...] = (
     AdaKVPolicy,
     H2OPolicy,
     ExpectedAttentionPolicy,
+    KVzipPolicy,
     GVotePolicy,
     XKVPolicy,
     KVECPolicy,
@@ -53,6 +55,7 @@ __all__ = [
     "H2OPolicy",
     "KVECPolicy",
     "KVPolicy",
+    "KVzipPolicy",
     "LavaPolicy",
     "PolicyConfigError",
     "PolicyFiles",

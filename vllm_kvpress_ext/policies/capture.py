@@ -15,6 +15,22 @@ from vllm_kvpress_ext.models.rope import RotaryEmbedding, apply_rope
 
 
 @dataclass(frozen=True)
+class ReconstructionSpec:
+    """A context-reconstruction pass run after the prefill, before the keep plan (KVzip, `policies/kvzip.py`).
+
+    The model is asked to repeat the cached prompt, `chunk_size` prompt tokens at a time; every cached
+    entry gets the largest attention it receives from the queries that reconstruct its chunk (softmax
+    over the first `sink_tokens` entries, the chunk's own cached entries and the reconstruction's own
+    causal keys), maxed over the query heads of its GQA group. A chunk after the first quotes the last
+    `overlap_tokens` tokens of the chunk before it, so the model knows where to resume.
+    """
+
+    chunk_size: int = 2048
+    sink_tokens: int = 4
+    overlap_tokens: int = 8
+
+
+@dataclass(frozen=True)
 class CaptureSpec:
     """`window`: how many of the last prefill positions' queries to keep (0 = none).
     `hidden_stats`: running mean / variance of each layer's attention-input hidden states.
@@ -25,7 +41,9 @@ class CaptureSpec:
     query before RoPE (`[Hq, d]`, `[Hq, d, d]`): the mean and covariance of the queries (Expected
     Attention), at d*d per head instead of the hidden states' D*D.
     `leading_queries`: the first this-many positions' queries before RoPE, so a policy can take the
-    moments without its sink tokens (their outlier activations would dominate them)."""
+    moments without its sink tokens (their outlier activations would dominate them).
+    `reconstruction`: run the context-reconstruction pass when the prefill completes and record each
+    entry's score (`LayerCapture.reconstruction_scores`); the engine's model runner does this."""
 
     window: int = 0
     hidden_stats: bool = False
@@ -33,6 +51,7 @@ class CaptureSpec:
     query_lse: bool = False
     query_moments: bool = False
     leading_queries: int = 0
+    reconstruction: ReconstructionSpec | None = None
 
     @property
     def empty(self) -> bool:
@@ -43,6 +62,7 @@ class CaptureSpec:
             and not self.query_lse
             and not self.query_moments
             and self.leading_queries == 0
+            and self.reconstruction is None
         )
 
     def merge(self, other: CaptureSpec) -> CaptureSpec:
@@ -53,6 +73,9 @@ class CaptureSpec:
             query_lse=self.query_lse or other.query_lse,
             query_moments=self.query_moments or other.query_moments,
             leading_queries=max(self.leading_queries, other.leading_queries),
+            # Two different reconstructions cannot share one pass: the first wins, and a fork whose policy
+            # wanted the other sees a spec that differs from its own (engine/prefix.py rejects it).
+            reconstruction=self.reconstruction if self.reconstruction is not None else other.reconstruction,
         )
 
 
@@ -75,6 +98,8 @@ class LayerCapture:
     query_count: int = 0
     leading_queries: torch.Tensor | None = None  # [s, Hq, d] the first positions' queries before RoPE
     keys_post_rope: list[torch.Tensor] = field(default_factory=list)
+    # [Hkv, n] float32: each prompt entry's score from the context-reconstruction pass (`reconstruction`).
+    reconstruction_scores: torch.Tensor | None = None
     # Scores computed from this layer's prefill alone, keyed by what computed them. Requests forked from one
     # prefilled prefix (engine/prefix.py) share the dict: their captures and uncompressed keys are the same,
     # so a score one of them computed (e.g. H2O's all-query attention, O(n^2)) serves the others. None: unshared.
