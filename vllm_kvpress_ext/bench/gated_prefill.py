@@ -2,8 +2,9 @@
 
 WG-KV's prefill attends under the vertical-slash mask (a query sees the last `W_local` keys and the
 admitted older ones), which `engine/attention_context.py` computes with `vertical_slash_attention`:
-on a GPU the block-sparse Triton kernel, on a CPU the dense reference in `attention/reference.py`.
-The ordinary prefill of the first chunk is torch's fused causal SDPA. This bench times one prompt's
+on a GPU the block-sparse Triton kernel, on a CPU the reference in `attention/reference.py` (one
+fused SDPA call under the boolean mask). The ordinary prefill of a first chunk is torch's fused
+causal SDPA, which also skips the blocks above the diagonal. This bench times one prompt's
 whole prefill (`max_tokens=1`, so the first token and nothing else) through the engine, per context
 length, in three rows:
 
@@ -43,7 +44,7 @@ class GatedPrefillConfig:
     model: str | None = None  # None: the random bench model with untrained gates (layout only)
     context_lens: tuple[int, ...] = (2048, 4096, 8192)
     repeats: int = 3
-    max_batched_tokens: int = 2048  # the engine's and `kvpress serve`'s default prefill chunk
+    max_batched_tokens: int | None = None  # prefill chunk; None: the whole prompt in one chunk
     gates: str | None = None  # WG-KV's gates (default: the model's own, beside it or shipped)
     tau: float = 0.1
     op_admitted: float = 0.25  # the attention-op table's share of admitted keys
@@ -61,7 +62,7 @@ def _validate(config: GatedPrefillConfig) -> None:
         raise ValueError(f"context_lens must be >= 2 each, got {list(config.context_lens)}")
     if config.repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {config.repeats}")
-    if config.max_batched_tokens < 1:
+    if config.max_batched_tokens is not None and config.max_batched_tokens < 1:
         raise ValueError(f"max_batched_tokens must be >= 1, got {config.max_batched_tokens}")
     if not 0.0 <= config.tau <= 1.0:
         raise ValueError(f"tau must lie in [0, 1], got {config.tau}")
@@ -86,7 +87,8 @@ def run_gated_prefill_bench(config: GatedPrefillConfig) -> dict[str, list[dict[s
         print(
             f"model: {model_dir} ({model_config.num_hidden_layers} layers, {model_config.num_attention_heads} "
             f"query / {model_config.num_key_value_heads} KV heads, head_dim {model_config.head_dim}); "
-            f"prefill chunks of {config.max_batched_tokens} tokens; {config.repeats} interleaved repetitions"
+            f"{_chunk_words(config.max_batched_tokens)}; "
+            f"{config.repeats} interleaved repetitions"
         )
         heads = (model_config.num_attention_heads, model_config.num_key_value_heads, model_config.head_dim)
         prefill: list[dict[str, Any]] = []
@@ -100,6 +102,12 @@ def run_gated_prefill_bench(config: GatedPrefillConfig) -> dict[str, list[dict[s
         _print_prefill(prefill)
         _print_attention(config, attention)
     return {"prefill": prefill, "attention": attention}
+
+
+def _chunk_words(max_batched_tokens: int | None) -> str:
+    if max_batched_tokens is None:
+        return "the whole prompt in one prefill chunk"
+    return f"prefill chunks of {max_batched_tokens}"
 
 
 def _policies(config: GatedPrefillConfig) -> dict[str, Any]:
@@ -125,7 +133,7 @@ def _time_prefill(config: GatedPrefillConfig, model_dir: Path, length: int) -> l
         num_pages=layers * kv_heads * (-(-(length + 1) // PAGE_SIZE) + 1),
         page_size=PAGE_SIZE,
         max_num_seqs=1,
-        max_num_batched_tokens=config.max_batched_tokens,
+        max_num_batched_tokens=config.max_batched_tokens or length,
         max_model_len=length + 1,
     )
     policies = _policies(config)

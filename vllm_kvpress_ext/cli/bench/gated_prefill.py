@@ -29,8 +29,9 @@ def register(bench_sub: Subparsers) -> None:
     gp.add_argument(
         "--max-batched-tokens",
         type=int,
-        default=2048,
-        help="prefill chunk size (default: 2048, the engine's and kvpress serve's)",
+        default=None,
+        help="prefill chunk size (default: the whole prompt in one chunk, as bench accuracy prefills; "
+        "kvpress serve's default is 2048)",
     )
     gp.add_argument("--gates", default=None, help="wgkv gate file or shipped name (default: the model's own)")
     gp.add_argument("--tau", type=float, default=0.1, help="wgkv admission threshold of the gated row (default: 0.1)")
