@@ -9,6 +9,7 @@ from vllm_kvpress_ext.cli.bench import (
     accuracy,
     cache,
     capacity,
+    gated_prefill,
     kernels,
     kvpress_parity,
     policies,
@@ -30,6 +31,7 @@ BENCHES = (
     vllm_serve,
     kernels,
     prefill_peak,
+    gated_prefill,
     kvpress_parity,
     recall,
 )
