@@ -15,7 +15,8 @@ Why the CPU never runs a kernel: Triton only targets GPUs (its interpreter, whic
 CPU, is orders of magnitude slower than torch), and the references are what the CPU path was
 tuned for. Triton is imported lazily and only here, so the package imports without it.
 
-`gather_paged`, `paged_prefill_attention`, `causal_attention` (SDPA, already fused on GPU),
+`gather_paged`, `paged_prefill_attention` (torch's fused SDPA under the oracle's mask,
+`reference.paged_prefill_attention_sdpa`), `causal_attention` (SDPA, already fused on GPU),
 `causal_attention_with_lse` (torch's CPU flash attention, SDPA elsewhere) and
 `varlen_causal_attention` have no kernel of this project and always run the reference. The CPU's
 own C++ kernel (H2O's column sums) lives in `cpu_kernels.py`.
@@ -37,9 +38,9 @@ from vllm_kvpress_ext.attention.reference import (
     causal_attention,
     causal_attention_with_lse,
     gather_paged,
-    paged_prefill_attention,
     varlen_causal_attention,
 )
+from vllm_kvpress_ext.attention.reference import paged_prefill_attention_sdpa as paged_prefill_attention
 
 DISABLE_TRITON_ENV = "KVPRESS_DISABLE_TRITON"
 BUILD_CUDA_ENV = "KVPRESS_BUILD_CUDA"

@@ -295,7 +295,7 @@ class ModelRunner:
                 return []
             positions = torch.tensor([[r.num_processed] for r in requests])
         rows = torch.tensor([r.row for r in requests])
-        tokens = torch.tensor([r.all_token_ids[r.num_processed] for r in requests], device=self.device)
+        tokens = torch.tensor([r.token_at(r.num_processed) for r in requests], device=self.device)
         want_probs = any(r.policy is not None and r.policy.wants_decode_attention for r in requests)
         context = DecodeContext(self.cache, rows, slots, self.scale, want_probs, self._admission_groups(requests))
         hidden = self.model(tokens, positions.view(-1).to(self.device), context)
