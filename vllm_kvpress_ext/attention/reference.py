@@ -170,6 +170,19 @@ def _dense_decode(
         keys, values = torch.cat([keys, ring_k], dim=2), torch.cat([values, ring_v], dim=2)
         valid = torch.cat([valid, ring_valid], dim=2)
     group = num_q_heads // num_kv_heads
+    if probs_out is None:
+        # Fused SDPA, one batch entry per (request, KV head) with its G query heads: the einsum path below
+        # makes three fp32 passes over the scores and is kept for the probabilities a policy reads.
+        n = keys.shape[2]
+        fused = F.scaled_dot_product_attention(
+            query.float().view(batch * num_kv_heads, group, 1, head_dim),
+            keys.float().reshape(batch * num_kv_heads, 1, n, head_dim).expand(-1, group, -1, -1),
+            values.float().reshape(batch * num_kv_heads, 1, n, head_dim).expand(-1, group, -1, -1),
+            attn_mask=valid.reshape(batch * num_kv_heads, 1, 1, n),
+            scale=scale,
+        )
+        # A head with nothing to attend to yields zeros, as in the einsum path, not NaN.
+        return torch.nan_to_num(fused, nan=0.0).view(batch, num_q_heads, head_dim).to(query.dtype)
     q = query.view(batch, num_kv_heads, group, 1, head_dim)
     mask = valid.view(batch, num_kv_heads, 1, 1, -1)
     out = _grouped_attention(q, keys, values, mask, scale, probs_out)

@@ -499,7 +499,7 @@ class ModelRunner:
             attention = None
             if context.probs is not None:
                 n = positions.shape[-1]
-                attention = context.probs[layer][batch_index, :, :, :n].cpu()
+                attention = context.host_probs(layer)[batch_index, :, :, :n]
             layers.append(DecodeLayer(positions=positions[layer], lengths=lengths[layer], attention=attention))
         step = DecodeStep(request.request_id, request.num_processed - 1, layers)
         eviction = request.policy.on_decode_step(step, request.policy_state)

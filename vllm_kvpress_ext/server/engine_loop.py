@@ -54,6 +54,11 @@ _IDLE_POLL_S = 0.1  # how often an idle loop re-checks for shutdown
 TIMINGS_ENV = "KVPRESS_LOOP_TIMINGS"  # a file the loop writes its `LoopTimings` to (JSON) when it stops
 
 
+def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for target, item in items:
+        target.put_nowait(item)
+
+
 class QueueFullError(Exception):
     """The admission queue holds `max_queue` requests already (answered 429)."""
 
@@ -224,6 +229,8 @@ class EngineLoop:
         self._steps = 0
         self._failed_steps = 0
         self.timings = LoopTimings()
+        # While a step's outputs are delivered: the updates for each event loop, posted together at the end.
+        self._batch: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Update | Failure]]] | None = None
         pool = engine.cache.pool
         metrics.pages_total.set(pool.num_pages)
         metrics.page_bytes.set(pool.bytes_per_page)
@@ -377,7 +384,11 @@ class EngineLoop:
             self.timings.num_decode_steps += 1
         self._steps += 1
         now = time.monotonic()
-        finished = sum(self._deliver(out, now) for out in outputs)
+        self._batch = {}
+        try:
+            finished = sum(self._deliver(out, now) for out in outputs)
+        finally:
+            self._flush()
         self.timings.deliver += time.perf_counter() - stepped
         running = len(self.engine.scheduler.active)
         # Requests that finished in this step held pages during it.
@@ -462,9 +473,19 @@ class EngineLoop:
                 self._post(tracked, Failure(message))
 
     def _post(self, tracked: _Tracked, item: Update | Failure) -> None:
+        if self._batch is not None:
+            self._batch.setdefault(tracked.add.loop, []).append((tracked.add.handle.queue, item))
+            return
         # RuntimeError: the event loop is closed, the server is going away.
         with contextlib.suppress(RuntimeError):
             tracked.add.loop.call_soon_threadsafe(tracked.add.handle.queue.put_nowait, item)
+
+    def _flush(self) -> None:
+        """Hand a step's updates to each event loop in one wake-up instead of one per request."""
+        batch, self._batch = self._batch or {}, None
+        for loop, items in batch.items():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _take_snapshot(self, running: int, waiting: int) -> PoolSnapshot:
         pool = self.engine.cache.pool
