@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_kvpress_ext.attention import paged_decode_attention, paged_prefill_attention, varlen_causal_attention
+from vllm_kvpress_ext.attention import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    reference,
+    varlen_causal_attention,
+)
 from vllm_kvpress_ext.cache import KeepPlan, PagedKVCache
 
 
@@ -193,3 +198,42 @@ def test_length_buckets_single_and_empty_batches() -> None:
     assert [b.tolist() for b in length_buckets(torch.tensor([0]), 16)] == [[0]]
     assert [b.tolist() for b in length_buckets(torch.tensor([17, 20, 31]), 16)] == [[0, 1, 2]]
     assert [b.tolist() for b in length_buckets(torch.tensor([16, 64, 0, 1000]), 16)] == [[0, 2], [1], [3]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_fused_prefill_attention_matches_the_einsum_oracle_on_ragged_compacted_heads(
+    dtype: torch.dtype, with_lse: bool
+) -> None:
+    """The fused path the engine runs equals the oracle where the cache is not a plain prefix: heads of
+    different lengths, entries out of position order with gaps (as after compaction), and cached entries
+    whose positions lie past some queries (they must stay hidden from those queries)."""
+    torch.manual_seed(5)
+    kv_heads, group, head_dim, page_size, pages = 3, 3, 64, 16, 6
+    kv_pool = torch.randn(kv_heads * pages, 2, page_size, head_dim).to(dtype)
+    position_pool = torch.zeros(kv_heads * pages, page_size, dtype=torch.int32)
+    tables = torch.arange(kv_heads * pages).view(kv_heads, pages)
+    lens = torch.tensor([90, 61, 77])
+    for h in range(kv_heads):
+        held = torch.randperm(140)[: int(lens[h])].sort().values  # gaps: dropped positions
+        held = held[torch.randperm(held.numel())]  # storage order is not position order
+        flat = position_pool[tables[h]].view(-1)
+        flat[: held.numel()] = held.to(torch.int32)
+        position_pool[tables[h]] = flat.view(pages, page_size)
+    n = 24
+    query_positions = torch.arange(120, 120 + n) - 20  # some cached positions lie in the queries' future
+    query = torch.randn(n, kv_heads * group, head_dim).to(dtype)
+    lse_oracle: list[torch.Tensor] | None = [] if with_lse else None
+    lse_fused: list[torch.Tensor] | None = [] if with_lse else None
+    expected = reference.paged_prefill_attention(
+        query, query_positions, kv_pool, position_pool, tables, lens, 0.125, lse_out=lse_oracle
+    )
+    out = paged_prefill_attention(
+        query, query_positions, kv_pool, position_pool, tables, lens, 0.125, lse_out=lse_fused
+    )
+    assert out.dtype == dtype and out.shape == expected.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    if lse_oracle is not None and lse_fused is not None:
+        assert lse_fused[0].shape == (n, kv_heads * group)
+        torch.testing.assert_close(lse_fused[0], lse_oracle[0], atol=1e-4, rtol=1e-4)

@@ -15,7 +15,9 @@ Why the CPU never runs a kernel: Triton only targets GPUs (its interpreter, whic
 CPU, is orders of magnitude slower than torch), and the references are what the CPU path was
 tuned for. Triton is imported lazily and only here, so the package imports without it.
 
-`gather_paged`, `paged_prefill_attention`, `causal_attention` (SDPA, already fused on GPU),
+`gather_paged`, `paged_prefill_attention` (torch's fused SDPA under the oracle's mask,
+`reference.paged_prefill_attention_sdpa`; the einsum oracle with `KVPRESS_PREFILL_ATTENTION_ORACLE=1`),
+`causal_attention` (SDPA, already fused on GPU),
 `causal_attention_with_lse` (torch's CPU flash attention, SDPA elsewhere) and
 `varlen_causal_attention` have no kernel of this project and always run the reference. The CPU's
 own C++ kernel (H2O's column sums) lives in `cpu_kernels.py`.
@@ -37,16 +39,17 @@ from vllm_kvpress_ext.attention.reference import (
     causal_attention,
     causal_attention_with_lse,
     gather_paged,
-    paged_prefill_attention,
     varlen_causal_attention,
 )
 
 DISABLE_TRITON_ENV = "KVPRESS_DISABLE_TRITON"
+PREFILL_ORACLE_ENV = "KVPRESS_PREFILL_ATTENTION_ORACLE"
 BUILD_CUDA_ENV = "KVPRESS_BUILD_CUDA"
 
 __all__ = [
     "BUILD_CUDA_ENV",
     "DISABLE_TRITON_ENV",
+    "PREFILL_ORACLE_ENV",
     "backend",
     "causal_attention",
     "causal_attention_with_lse",
@@ -144,6 +147,27 @@ def paged_decode_attention(
             return out
     return reference.paged_decode_attention(
         query, kv_pool, position_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens, probs_out
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    query_positions: torch.Tensor,
+    kv_pool: torch.Tensor,
+    position_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: torch.Tensor,
+    scale: float,
+    lse_out: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A later prefill chunk over its request's cache: fused SDPA (`reference.paged_prefill_attention_sdpa`),
+    or the einsum oracle when `KVPRESS_PREFILL_ATTENTION_ORACLE=1` (`kvpress bench prefill` compares them)."""
+    if _flag(PREFILL_ORACLE_ENV):
+        return reference.paged_prefill_attention(
+            query, query_positions, kv_pool, position_pool, block_table, seq_len, scale, lse_out
+        )
+    return reference.paged_prefill_attention_sdpa(
+        query, query_positions, kv_pool, position_pool, block_table, seq_len, scale, lse_out
     )
 
 

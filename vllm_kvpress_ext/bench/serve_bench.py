@@ -64,6 +64,10 @@ class ServeBenchConfig:
     seed: int = 0
     out: str | None = None
     startup_timeout: float = 180.0
+    # Also run the same load against `vllm serve` with the plugin, then `kvpress serve`, both through vLLM's
+    # own load generator (`vllm bench serve`), and print them side by side with the ratio.
+    compare_vllm: bool = False
+    num_pages: int = 52000  # the comparison's KV pool, in pages, for both servers
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -356,8 +360,80 @@ def _print(config: ServeBenchConfig, where: str, results: list[dict[str, Any]]) 
             print(f"{r['policy']}: {r['errors']} failed requests; first: {r['first_error']}")
 
 
+def _ratio(a: Any, b: Any) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def run_vllm_comparison(config: ServeBenchConfig) -> list[dict[str, Any]]:
+    """`vllm serve` (plugin) and `kvpress serve` on the same load, one after the other per policy.
+
+    Both are started by this bench with the same model, dtype, KV pool (`num_pages`) and `max_num_seqs`,
+    and loaded by `vllm bench serve --dataset-name random` (chat, `--ignore-eos`, greedy) with
+    `prompt_len` input and `max_tokens` output tokens, `num_requests` prompts, `concurrency` at once.
+    """
+    from vllm_kvpress_ext.bench.vllm_serve_bench import VllmServeBenchConfig, run_one
+    from vllm_kvpress_ext.bench.vllm_serve_bench import format_table as vllm_table
+    from vllm_kvpress_ext.vllm_plugin.gguf_model import is_gguf_spec, prepare_gguf_model
+
+    model = config.model or "smollm2-135m"
+    tokenizer = str(prepare_gguf_model(model)) if is_gguf_spec(model) else model
+    bench = VllmServeBenchConfig(
+        servers=("vllm", "kvpress"),
+        policies=config.policies,
+        model=model,
+        num_pages=config.num_pages,
+        num_prompts=config.num_requests,
+        input_len=config.prompt_len,
+        output_len=config.max_tokens,
+        max_concurrency=config.concurrency,
+        max_num_seqs=config.max_num_seqs,
+        seed=config.seed,
+        tokenizer=tokenizer,
+    )
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvpress-bench-serve-vllm-") as tmp:
+        for policy in config.policies:
+            for server in bench.servers:
+                print(f"[{server} serve, {policy}] ...", flush=True)
+                rows.append(run_one(server, policy, model, Path(tmp), bench))
+    print(f"config: {asdict(bench)}")
+    print(vllm_table(rows))
+    headers = [
+        "policy",
+        "req/s vllm",
+        "req/s kvpress",
+        "kvpress / vllm",
+        "out tok/s vllm",
+        "out tok/s kvpress",
+        "TPOT ms vllm",
+        "TPOT ms kvpress",
+    ]
+    table = []
+    for policy in config.policies:
+        by = {r["server"]: r for r in rows if r["policy"] == policy}
+        v, k = by["vllm serve"], by["kvpress serve"]
+        table.append(
+            [
+                policy,
+                f"{v['requests_per_s']:.3f}",
+                f"{k['requests_per_s']:.3f}",
+                _ratio(k["requests_per_s"], v["requests_per_s"]),
+                f"{v['output_tokens_per_s']:.1f}",
+                f"{k['output_tokens_per_s']:.1f}",
+                f"{v['tpot_ms_mean']:.0f}",
+                f"{k['tpot_ms_mean']:.0f}",
+            ]
+        )
+    print(format_table(headers, table))
+    if config.out:
+        Path(config.out).write_text(json.dumps({"config": asdict(bench), "results": rows}, indent=2) + "\n")
+    return rows
+
+
 def run_serve_bench(config: ServeBenchConfig) -> list[dict[str, Any]]:
     """Run every policy and print one table; returns the per-policy figures (also written to `out`)."""
+    if config.compare_vllm:
+        return run_vllm_comparison(config)
     results: list[dict[str, Any]] = []
     if config.url:
         url = config.url.rstrip("/")

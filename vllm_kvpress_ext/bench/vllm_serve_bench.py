@@ -43,6 +43,7 @@ class VllmServeBenchConfig:
     max_num_seqs: int = 32
     seed: int = 0
     out: str | None = None
+    tokenizer: str | None = None  # for `vllm bench serve` (default: the model path)
 
 
 def _port() -> int:
@@ -131,7 +132,7 @@ def bench_command(url: str, model: str, result: Path, config: VllmServeBenchConf
         "--model",
         "bench",
         "--tokenizer",
-        model,
+        config.tokenizer or model,
         "--dataset-name",
         "random",
         "--random-input-len",
@@ -190,6 +191,8 @@ def run_one(server: str, policy: str, model: str, workdir: Path, config: VllmSer
         "ttft_ms_p99": data.get("p99_ttft_ms"),
         "itl_ms_mean": data.get("mean_itl_ms"),
         "itl_ms_p99": data.get("p99_itl_ms"),
+        "output_tokens_per_s": data.get("output_throughput"),
+        "tpot_ms_mean": data.get("mean_tpot_ms"),
         "client_concurrency_peak": data.get("max_concurrent_requests"),
         "running_peak": _metric(metrics, "kvpress_requests_running_peak"),
         "pool_preemptions": _metric(metrics, "kvpress_pool_preemptions_total"),

@@ -199,6 +199,18 @@ class DecodeContext:
         self.slots = slots  # [L, B, H, 1]
         self.scale = scale
         self.has_ring = bool((cache.ring_window[rows] > 0).any())
+        self._host_probs: dict[int, torch.Tensor] = {}
+
+    def host_probs(self, layer_idx: int) -> torch.Tensor:
+        """Layer `layer_idx`'s decode attention `[B, Hkv, G, N]` on the host, copied once for the whole batch.
+
+        Decode-time policies read their own row of every layer after the step; one copy per layer and
+        step (rather than one per layer, request and step) keeps the device synchronisations at L per step.
+        """
+        assert self.probs is not None
+        if layer_idx not in self._host_probs:
+            self._host_probs[layer_idx] = self.probs[layer_idx].cpu()
+        return self._host_probs[layer_idx]
 
     def attend(
         self,

@@ -248,7 +248,7 @@ class LLMEngine:
             self._finish(request, "stop", token)
             return
         if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+            text = request.output_text(self.tokenizer)
             for stop in params.stop:
                 index = text.find(stop)
                 if index >= 0:
@@ -283,8 +283,7 @@ class LLMEngine:
     def _snapshot(self, request: Request) -> RequestOutput:
         text = request.text
         if not request.finished and self.tokenizer is not None:
-            skip = request.params.skip_special_tokens
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=skip)
+            text = request.output_text(self.tokenizer)
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,

@@ -353,7 +353,7 @@ class ModelRunner:
                 return []
             positions = torch.tensor([[r.num_processed] for r in requests])
         rows = torch.tensor([r.row for r in requests])
-        tokens = torch.tensor([r.all_token_ids[r.num_processed] for r in requests], device=self.device)
+        tokens = torch.tensor([r.token_at(r.num_processed) for r in requests], device=self.device)
         want_probs = any(r.policy is not None and r.policy.wants_decode_attention for r in requests)
         context = DecodeContext(self.cache, rows, slots, self.scale, want_probs, self._admission_groups(requests))
         hidden = self.model(tokens, positions.view(-1).to(self.device), context)
@@ -559,7 +559,7 @@ class ModelRunner:
             attention = None
             if context.probs is not None:
                 n = positions.shape[-1]
-                attention = context.probs[layer][batch_index, :, :, :n].cpu()
+                attention = context.host_probs(layer)[batch_index, :, :, :n]
             layers.append(DecodeLayer(positions=positions[layer], lengths=lengths[layer], attention=attention))
         step = DecodeStep(request.request_id, request.num_processed - 1, layers)
         eviction = request.policy.on_decode_step(step, request.policy_state)

@@ -47,6 +47,48 @@ class KVStats:
         return self.tokens_kept / self.tokens_full if self.tokens_full else 1.0
 
 
+class IncrementalText:
+    """A request's output text kept up to date token by token, in time linear in the output.
+
+    `tokenizer.decode(ids)` of the whole output after every token is quadratic in its length. Here each
+    new token decodes only a short window: the tokens since the last point where the text was complete
+    (`prefix`) through the newest, minus that window's start (`prefix..read`), as vLLM's incremental
+    detokeniser does. Decoding the same first token in both keeps a leading-space rule (SentencePiece)
+    consistent, and a window whose text ends in U+FFFD is half of a multi-byte character: nothing is
+    added until a later token completes it. The optional clean-up of spaces before punctuation is local
+    and is applied to the whole raw text afterwards, as `decode` itself does it last.
+
+    `text` equals `decode(ids)` once the characters are complete; while the newest bytes are an
+    unfinished character it equals `decode(ids)` without that trailing U+FFFD tail.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self.raw = ""
+        self.text = ""
+        self.prefix = 0  # window start: the first token of the last complete piece
+        self.read = 0  # tokens whose text is in `raw`
+
+    def _decode(self, ids: list[int]) -> str:
+        text: str = self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+        return text
+
+    def update(self, ids: list[int]) -> str:
+        """The text of `ids`, a list that only ever grew since the last call."""
+        if len(ids) > self.read:
+            done = self._decode(ids[self.prefix : self.read])
+            window = self._decode(ids[self.prefix :])
+            if len(window) > len(done) and not window.endswith("\ufffd"):
+                self.raw += window[len(done) :]
+                self.prefix, self.read = self.read, len(ids)
+                self.text = self.tokenizer.clean_up_tokenization(self.raw) if self.cleanup else self.raw
+        return self.text
+
+
 @dataclass
 class Request:
     request_id: str
@@ -77,6 +119,7 @@ class Request:
     # (None for the first, which nothing predicts), filled as the prefill reaches each position.
     output_logprobs: list[Any] = field(default_factory=list)
     prompt_logprobs: list[Any] = field(default_factory=list)
+    detokenizer: IncrementalText | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -86,6 +129,17 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, index: int) -> int:
+        """`all_token_ids[index]` without building the whole list (a decode step reads one token)."""
+        prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < prompt else self.output_token_ids[index - prompt]
+
+    def output_text(self, tokenizer: Any) -> str:
+        """The output so far as text, kept incrementally (`IncrementalText`)."""
+        if self.detokenizer is None:
+            self.detokenizer = IncrementalText(tokenizer, self.params.skip_special_tokens)
+        return self.detokenizer.update(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -28,14 +28,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
+import json
 import logging
+import os
 import queue
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vllm_kvpress_ext.api.policy_spec import policy_label
@@ -47,6 +51,12 @@ from vllm_kvpress_ext.server.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.1  # how often an idle loop re-checks for shutdown
+TIMINGS_ENV = "KVPRESS_LOOP_TIMINGS"  # a file the loop writes its `LoopTimings` to (JSON) when it stops
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for target, item in items:
+        target.put_nowait(item)
 
 
 class QueueFullError(Exception):
@@ -67,6 +77,27 @@ class EngineStepError(Exception):
 
 
 SHUTTING_DOWN = "server_shutting_down"
+
+
+@dataclass
+class LoopTimings:
+    """Where the loop thread's wall time went (seconds), for profiling the server under load.
+
+    `prefill_steps` / `decode_steps`: inside `engine.step()` (scheduling, forward pass, sampling, stops,
+    detokenisation, snapshots); `deliver`: turning outputs into updates and handing them to the event
+    loop; `commands`: admitting and aborting; `idle`: blocked waiting for a command.
+    """
+
+    prefill_steps: float = 0.0
+    decode_steps: float = 0.0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    deliver: float = 0.0
+    commands: float = 0.0
+    idle: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -198,6 +229,9 @@ class EngineLoop:
         self._peak = 0
         self._steps = 0
         self._failed_steps = 0
+        self.timings = LoopTimings()
+        # While a step's outputs are delivered: the updates for each event loop, posted together at the end.
+        self._batch: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Update | Failure]]] | None = None
         pool = engine.cache.pool
         metrics.pages_total.set(pool.num_pages)
         metrics.page_bytes.set(pool.bytes_per_page)
@@ -291,10 +325,20 @@ class EngineLoop:
             self._shutdown()
 
     def _drain(self, block: bool) -> None:
+        start = time.perf_counter()
         try:
             command = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
+            self.timings.idle += time.perf_counter() - start
             return
+        got = time.perf_counter()
+        self.timings.idle += got - start
+        try:
+            self._handle_all(command)
+        finally:
+            self.timings.commands += time.perf_counter() - got
+
+    def _handle_all(self, command: _Add | _Abort | None) -> None:
         while True:
             if command is None:
                 return
@@ -346,10 +390,24 @@ class EngineLoop:
         self.metrics.requests.labels(status="aborted").inc()
 
     def _step(self) -> None:
+        start = time.perf_counter()
         outputs = self.engine.step()  # an exception fails the batch, in `_run`
+        stepped = time.perf_counter()
+        plan = getattr(self.engine, "last_plan", None)
+        if plan is not None and plan.prefill:
+            self.timings.prefill_steps += stepped - start
+            self.timings.num_prefill_steps += 1
+        else:
+            self.timings.decode_steps += stepped - start
+            self.timings.num_decode_steps += 1
         self._steps += 1
         now = time.monotonic()
-        finished = sum(self._deliver(out, now) for out in outputs)
+        self._batch = {}
+        try:
+            finished = sum(self._deliver(out, now) for out in outputs)
+        finally:
+            self._flush()
+        self.timings.deliver += time.perf_counter() - stepped
         running = len(self.engine.scheduler.active)
         # Requests that finished in this step held pages during it.
         self._publish(held_during_step=running + finished)
@@ -434,9 +492,19 @@ class EngineLoop:
                 self._post(tracked, Failure(message))
 
     def _post(self, tracked: _Tracked, item: Update | Failure) -> None:
+        if self._batch is not None:
+            self._batch.setdefault(tracked.add.loop, []).append((tracked.add.handle.queue, item))
+            return
         # RuntimeError: the event loop is closed, the server is going away.
         with contextlib.suppress(RuntimeError):
             tracked.add.loop.call_soon_threadsafe(tracked.add.handle.queue.put_nowait, item)
+
+    def _flush(self) -> None:
+        """Hand a step's updates to each event loop in one wake-up instead of one per request."""
+        batch, self._batch = self._batch or {}, None
+        for loop, items in batch.items():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _take_snapshot(self, running: int, waiting: int) -> PoolSnapshot:
         pool = self.engine.cache.pool
@@ -483,3 +551,11 @@ class EngineLoop:
             self._post(tracked, Failure("the server shut down before this request finished", SHUTTING_DOWN))
         self._tracked.clear()
         self._publish()
+        self._report_timings()
+
+    def _report_timings(self) -> None:
+        logger.info("engine loop timings (s): %s", self.timings.as_dict())
+        path = os.environ.get(TIMINGS_ENV)
+        if path:
+            with contextlib.suppress(OSError):
+                Path(path).write_text(json.dumps(self.timings.as_dict(), indent=2) + "\n")

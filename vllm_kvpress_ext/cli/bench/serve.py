@@ -36,6 +36,20 @@ def register(bench_sub: Subparsers) -> None:
     bs.add_argument("--device", default="cpu", help="server's torch device (default: cpu)")
     bs.add_argument("--dtype", default="float32", help="server's model dtype (default: float32)")
     bs.add_argument("--seed", type=int, default=0, help="prompt and model seed (default: 0)")
+    bs.add_argument(
+        "--compare-vllm",
+        action="store_true",
+        help="run the same load against `vllm serve` (plugin) and `kvpress serve`, one after the other per policy, "
+        "both driven by `vllm bench serve` (chat, random prompts, --ignore-eos), and print them side by side with "
+        "the kvpress / vllm ratio; --model defaults to smollm2-135m (needs the [vllm] extra)",
+    )
+    bs.add_argument(
+        "--num-pages",
+        type=int,
+        default=52000,
+        help="with --compare-vllm: both servers' KV pool in pages (default: 52000, 16 uncompressed SmolLM2-135M "
+        "requests of 576 tokens)",
+    )
     bs.add_argument("--out", default=None, help="also write the results as JSON to this file")
     bs.set_defaults(handler=run)
 
@@ -60,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             seed=args.seed,
             out=args.out,
+            compare_vllm=args.compare_vllm,
+            num_pages=args.num_pages,
         )
     )
     return 0
