@@ -338,7 +338,7 @@ class EngineLoop:
         finally:
             self.timings.commands += time.perf_counter() - got
 
-    def _handle_all(self, command: _Add | _Abort | None) -> None:
+    def _handle_all(self, command: list[_Add] | _Abort | None) -> None:
         while True:
             if command is None:
                 return
