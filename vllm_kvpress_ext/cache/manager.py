@@ -19,6 +19,15 @@ and `device_seq_lens` mirror them and receive the same scatter updates (no full 
 
 Every operation validates and counts the pages it needs *before* changing anything, so a
 `PoolExhaustedError` or `InvalidPlanError` leaves the cache exactly as it was.
+
+Sharing: `fork_request` gives new rows the parent's global pages by reference (the pool counts
+references) and private copies of its ring pages (a ring is rewritten every decode step). A shared
+page is read-only: before any operation writes into a page that another row also references (an
+append into a shared partial last page, compaction, eviction), the row gets a private copy of just
+those pages (copy-on-write, counted with the operation's other pages before anything changes).
+What a row holds: `usage().pages` counts every page it references, `usage().private_pages` those
+only it references, and `usage().bytes` its fair share (private pages plus 1/refcount of each shared
+page), so the bytes of all rows add up to the pool's used bytes.
 """
 
 from __future__ import annotations
@@ -52,13 +61,19 @@ class RequestCapacityError(RuntimeError):
 
 @dataclass(frozen=True)
 class CacheUsage:
-    """What one request holds. `bytes` counts whole pages (partial last pages included)."""
+    """What one request holds. Whole pages count (partial last pages included).
+
+    `pages` is every page the request references (what it would hold alone), `private_pages` those
+    no other request references, and `bytes` its fair share of the pool: private pages whole plus
+    1/refcount of each shared page, so the bytes of all requests add up to the pool's used bytes.
+    """
 
     pages: int
     bytes: int
     tokens: int
     global_tokens: torch.Tensor  # int64 [L, H]
     ring_tokens: int  # per (layer, head)
+    private_pages: int = 0
 
 
 class PagedKVCache:
@@ -139,6 +154,77 @@ class PagedKVCache:
         del self._row_of[request_id]
         self._free_rows.append(row)
 
+    def fork_request(self, parent_id: Hashable, child_id: Hashable) -> int:
+        """Start `child_id` as a copy of `parent_id` that shares its global pages; return the child's row.
+
+        Global pages are shared by reference (read-only until one side writes: copy-on-write); ring
+        pages, rewritten every decode step, are copied. Raises PoolExhaustedError (cache unchanged)
+        when the ring copies do not fit, RequestCapacityError when no row is free.
+        """
+        parent = self.row_of(parent_id)
+        if child_id in self._row_of:
+            raise ValueError(f"request {child_id!r} is already in the cache")
+        ring_pages = self.ring_tables[:, parent]
+        ring_held = ring_pages >= 0
+        ring_count = int(ring_held.sum())
+        if ring_count > self.pool.num_free:
+            raise PoolExhaustedError(ring_count, self.pool.num_free)
+        row = self.add_request(child_id)
+        tables = self.block_tables[:, parent]
+        self.pool.share(tables[tables >= 0].to(torch.int64))
+        self.block_tables[:, row] = tables
+        self.seq_lens[:, row] = self.seq_lens[:, parent]
+        if self._mirror:
+            self.device_block_tables[:, row] = self.device_block_tables[:, parent]
+            self.device_seq_lens[:, row] = self.device_seq_lens[:, parent]
+        if ring_count:
+            fresh = self.pool.allocate(ring_count)
+            self._copy_pages(ring_pages[ring_held].to(torch.int64), fresh)
+            child_ring = torch.full_like(ring_pages, -1)
+            child_ring[ring_held] = fresh.to(torch.int32)
+            self.ring_tables[:, row] = child_ring
+            if self._mirror:
+                self.device_ring_tables[:, row] = child_ring.to(self.device)
+        self.ring_flags[:, row] = self.ring_flags[:, parent]
+        self.ring_window[row] = self.ring_window[parent]
+        self.ring_count[row] = self.ring_count[parent]
+        self._note_peak(torch.tensor([row]))
+        return row
+
+    def _copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole pages (K, V and positions) `src` to `dst` (distinct page ids)."""
+        src_d, dst_d = src.to(self.device), dst.to(self.device)
+        self.pool.kv[dst_d] = self.pool.kv[src_d]
+        self.pool.positions[dst_d] = self.pool.positions[src_d]
+
+    def _shared_targets(
+        self, l_idx: torch.Tensor, r_idx: torch.Tensor, h_idx: torch.Tensor, p_idx: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """The distinct table cells among (l, r, h, p) whose page another row also references."""
+        if l_idx.numel() == 0:
+            return l_idx, r_idx, h_idx, p_idx
+        width = self.block_tables.shape[-1]
+        key = ((l_idx * self.max_requests + r_idx) * self.num_kv_heads + h_idx) * width + p_idx
+        key = torch.unique(key)
+        p, rest = key % width, torch.div(key, width, rounding_mode="floor")
+        h, rest = rest % self.num_kv_heads, torch.div(rest, self.num_kv_heads, rounding_mode="floor")
+        r, layer = rest % self.max_requests, torch.div(rest, self.max_requests, rounding_mode="floor")
+        pages = self.block_tables[layer, r, h, p].to(torch.int64)
+        shared = self.pool.refcounts(pages) > 1
+        return layer[shared], r[shared], h[shared], p[shared]
+
+    def _unshare(self, targets: tuple[torch.Tensor, ...]) -> None:
+        """Give each target cell (from `_shared_targets`, already counted) a private copy of its page."""
+        l_idx, r_idx, h_idx, p_idx = targets
+        if l_idx.numel() == 0:
+            return
+        old = self.block_tables[l_idx, r_idx, h_idx, p_idx].to(torch.int64)
+        fresh = self.pool.allocate(old.numel())
+        self._copy_pages(old, fresh)
+        self._write_table(l_idx, r_idx, h_idx, p_idx, fresh.to(torch.int32))
+        self.pool.free(old)
+        self._note_peak(torch.unique(r_idx))
+
     def _reset_row(self, row: int) -> None:
         self.block_tables[:, row] = -1
         self.seq_lens[:, row] = 0
@@ -152,11 +238,12 @@ class PagedKVCache:
     # ------------------------------------------------------------------ appending
 
     def pages_needed_to_append(self, rows: torch.Tensor, num_tokens: int) -> int:
-        """Pages an `append_slots(rows, ...)` of `num_tokens` tokens per row would allocate."""
+        """Pages an `append_slots(rows, ...)` of `num_tokens` tokens per row allocates, copies-on-write included."""
         rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
         counts = self._append_counts(rows, num_tokens)
         lens = self.seq_lens[:, rows].to(torch.int64)
-        return int((_ceil_div(lens + counts, self.page_size) - _ceil_div(lens, self.page_size)).sum())
+        grow = int((_ceil_div(lens + counts, self.page_size) - _ceil_div(lens, self.page_size)).sum())
+        return grow + self._partial_page_targets(rows, lens, counts)[0].numel()
 
     def _append_counts(self, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Entries each (l, b, h) adds to its *global* region: `num_tokens`, or for ring rows the promotions."""
@@ -275,9 +362,11 @@ class PagedKVCache:
         have = _ceil_div(lens, ps)
         need = _ceil_div(new_lens, ps)
         delta = (need - have).reshape(-1)
+        cow = self._partial_page_targets(rows, lens, counts)
         total = int(delta.sum())
-        if total > self.pool.num_free:
-            raise PoolExhaustedError(total, self.pool.num_free)
+        if total + cow[0].numel() > self.pool.num_free:
+            raise PoolExhaustedError(total + cow[0].numel(), self.pool.num_free)
+        self._unshare(cow)
         if total:
             self._ensure_table_width(int(need.max()))
             pages = self.pool.allocate(total)
@@ -292,10 +381,22 @@ class PagedKVCache:
             self._note_peak(rows)
         return lens
 
+    def _partial_page_targets(
+        self, rows: torch.Tensor, lens: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """Shared partial last pages that adding `counts[L, B, H]` entries would write into."""
+        l_idx, b_idx, h_idx = ((counts > 0) & (lens % self.page_size != 0)).nonzero().unbind(-1)
+        p_idx = torch.div(lens[l_idx, b_idx, h_idx], self.page_size, rounding_mode="floor")
+        return self._shared_targets(l_idx, rows[b_idx], h_idx, p_idx)
+
     def _pages_held(self, rows: torch.Tensor) -> torch.Tensor:
         """Pages held by each row `[B]`: global pages (partial last pages whole) plus ring pages."""
         global_pages = _ceil_div(self.seq_lens[:, rows].to(torch.int64), self.page_size).sum(dim=(0, 2))
         return global_pages + (self.ring_tables[:, rows] >= 0).sum(dim=(0, 2, 3))
+
+    def _shares_pages(self, row: int) -> bool:
+        pages = self.block_tables[:, row]
+        return bool((self.pool.refcounts(pages[pages >= 0].to(torch.int64)) > 1).any())
 
     def _note_peak(self, rows: torch.Tensor) -> None:
         self._peak_pages[rows] = torch.maximum(self._peak_pages[rows], self._pages_held(rows))
@@ -377,7 +478,9 @@ class PagedKVCache:
         """Keep only the plan's entries of the request's global region; return the pages freed.
 
         Kept entries are packed, in order, into the head's first pages; the pages past the new
-        length go back to the pool. No free page is needed, so this works on a full pool.
+        length are released (back to the pool unless another row still references them). No free
+        page is needed unless an entry moves into a shared page (copy-on-write): then one per such
+        page, counted before anything changes.
         `layers` (distinct, in any order) restricts the plan to those layers, plan row i covering
         `layers[i]`; the others are untouched. Layer-wise prefill compression uses it to compact a
         layer as soon as its forward pass is over, and to re-compress earlier layers.
@@ -411,6 +514,15 @@ class PagedKVCache:
         li, b_idx, h_idx, e = src_entry.unbind(-1)
         dst_e = new_index[li, b_idx, h_idx, e]
         moving = dst_e != e
+        cow = self._shared_targets(
+            layer_ids[li[moving]],
+            rows[b_idx[moving]],
+            h_idx[moving],
+            torch.div(dst_e[moving], self.page_size, rounding_mode="floor"),
+        )
+        if cow[0].numel() > self.pool.num_free:
+            raise PoolExhaustedError(cow[0].numel(), self.pool.num_free)
+        self._unshare(cow)
         if bool(moving.any()):
             l_idx = layer_ids[li[moving]]
             r_idx = rows[b_idx[moving]]
@@ -501,7 +613,13 @@ class PagedKVCache:
         src_g, src_e = tail_group[tail_kept], tail_e[tail_kept]
         dst_g = drop_group[hole]
         dst_e = es[hole]
+        cow = self._shared_targets(
+            g_l[dst_g], g_r[dst_g], g_h[dst_g], torch.div(dst_e, self.page_size, rounding_mode="floor")
+        )
+        if src_e.numel() and cow[0].numel() > self.pool.num_free:
+            raise PoolExhaustedError(cow[0].numel(), self.pool.num_free)
         if src_e.numel():
+            self._unshare(cow)
             src = self._slot(g_l[src_g], g_r[src_g], g_h[src_g], src_e)
             dst = self._slot(g_l[dst_g], g_r[dst_g], g_h[dst_g], dst_e)
             # Sources lie at or past each head's new length, holes below it: never the same slot.
@@ -538,6 +656,8 @@ class PagedKVCache:
             raise ValueError(f"ring window must be a positive multiple of page_size {ps}, got {window}")
         if int(self.ring_window[row]):
             raise ValueError(f"request {request_id!r} already has a ring")
+        if self._shares_pages(row):
+            raise ValueError(f"request {request_id!r} shares pages with another request; start_ring needs its own")
         positions, lens = self.entry_positions(request_id)  # [L, H, N], [L, H]
         n = int(positions.max()) + 1 if positions.numel() else 0
         if admitted.shape != (self.num_layers, self.num_kv_heads, n) or admitted.dtype != torch.bool:
@@ -688,16 +808,18 @@ class PagedKVCache:
     def usage(self, request_id: Hashable) -> CacheUsage:
         row = self.row_of(request_id)
         lens = self.seq_lens[:, row].to(torch.int64)
-        ring_pages = int((self.ring_tables[:, row] >= 0).sum())
-        pages = int(_ceil_div(lens, self.page_size).sum()) + ring_pages
+        tables, rings = self.block_tables[:, row], self.ring_tables[:, row]
+        held = torch.cat([tables[tables >= 0], rings[rings >= 0]]).to(torch.int64)
+        refs = self.pool.refcounts(held).to(torch.float64)
         ring_tokens = int(self.ring_lens([row])[0])
         tokens = int(lens.sum()) + ring_tokens * self.num_layers * self.num_kv_heads
         return CacheUsage(
-            pages=pages,
-            bytes=pages * self.pool.bytes_per_page,
+            pages=held.numel(),
+            bytes=round(float((1.0 / refs).sum()) * self.pool.bytes_per_page),
             tokens=tokens,
             global_tokens=lens,
             ring_tokens=ring_tokens,
+            private_pages=int((refs == 1).sum()),
         )
 
     def peak_pages(self, request_id: Hashable) -> int:

@@ -6,8 +6,12 @@ A page holds `page_size` tokens of a single (layer, KV head): keys and values si
 policy that keeps 10 tokens in one head and 1000 in another pays for exactly what it keeps.
 
 The free list is an int64 stack: allocating n pages pops n ids, freeing pushes them back, both
-O(n) vectorised tensor ops with no Python loop. An `in_use` bitmap catches double frees and
-foreign ids before anything changes.
+O(n) vectorised tensor ops with no Python loop.
+
+Pages are reference counted so that several requests can read the same page (samples of one
+prompt, a cached compressed prefix): `allocate` sets a page's count to 1, `share` adds one per
+reference, `free` drops one per reference and a page returns to the free list only at 0. The
+counts catch double frees and foreign ids before anything changes.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ class PagePool:
         # allocate 0, 1, 2, ... which keeps tests readable.
         self._free_stack = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64)
         self._num_free = num_pages
-        self._in_use = torch.zeros(num_pages, dtype=torch.bool)
+        self._refs = torch.zeros(num_pages, dtype=torch.int32)
 
     @staticmethod
     def bytes_per_page_for(page_size: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -84,6 +88,11 @@ class PagePool:
     def num_used(self) -> int:
         return self.num_pages - self._num_free
 
+    @property
+    def num_shared(self) -> int:
+        """Pages referenced more than once."""
+        return int((self._refs > 1).sum())
+
     def allocate(self, count: int) -> torch.Tensor:
         """Pop `count` free page ids (int64, CPU). Raises PoolExhaustedError without side effects."""
         if count < 0:
@@ -93,25 +102,58 @@ class PagePool:
         top = self._num_free
         pages = self._free_stack[top - count : top].clone()
         self._num_free = top - count
-        self._in_use[pages] = True
+        self._refs[pages] = 1
         return pages
 
-    def free(self, pages: torch.Tensor) -> None:
-        """Return pages to the pool. Every id must be in use and appear once; otherwise nothing changes."""
+    def _check_in_use(self, pages: torch.Tensor) -> None:
+        if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
+            raise ValueError(f"page id out of range [0, {self.num_pages})")
+        if not bool((self._refs[pages] > 0).all()):
+            raise ValueError("freeing a page that is not in use (double free or foreign id)")
+
+    def share(self, pages: torch.Tensor) -> None:
+        """Add one reference per occurrence of each id (every id must be in use; otherwise nothing changes)."""
         pages = pages.to(device="cpu", dtype=torch.int64).reshape(-1)
-        count = pages.numel()
-        if count == 0:
+        if pages.numel() == 0:
             return
         if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
             raise ValueError(f"page id out of range [0, {self.num_pages})")
-        if not bool(self._in_use[pages].all()):
-            raise ValueError("freeing a page that is not in use (double free or foreign id)")
-        if torch.unique(pages).numel() != count:
-            raise ValueError("the same page id is freed twice in one call")
-        self._in_use[pages] = False
-        self._free_stack[self._num_free : self._num_free + count] = pages
+        if not bool((self._refs[pages] > 0).all()):
+            raise ValueError("sharing a page that is not in use")
+        self._refs.index_add_(0, pages, torch.ones_like(pages, dtype=torch.int32))
+
+    def free(self, pages: torch.Tensor) -> int:
+        """Drop one reference per occurrence of each id; return how many pages went back to the free list.
+
+        An id may appear as often as it is referenced, no more; otherwise nothing changes.
+        """
+        pages = pages.to(device="cpu", dtype=torch.int64).reshape(-1)
+        if pages.numel() == 0:
+            return 0
+        self._check_in_use(pages)
+        drops = torch.bincount(pages, minlength=self.num_pages).to(torch.int32)
+        if bool((drops > self._refs).any()):
+            raise ValueError("the same page id is freed more times than it is referenced")
+        self._refs -= drops
+        released = pages[self._refs[pages] == 0]
+        if released.numel() > 1:
+            # A page freed by several references at once is pushed once, at its first occurrence
+            # (the stack keeps the callers' order, which keeps allocation order predictable).
+            unique, inverse = torch.unique(released, return_inverse=True)
+            order = torch.arange(released.numel())
+            first = torch.full((unique.numel(),), released.numel()).scatter_reduce(0, inverse, order, "amin")
+            released = released[first.sort().values]
+        count = released.numel()
+        self._free_stack[self._num_free : self._num_free + count] = released
         self._num_free += count
+        return count
+
+    def refcounts(self, pages: torch.Tensor | None = None) -> torch.Tensor:
+        """Reference counts of `pages` (default: every page), a copy."""
+        if pages is None:
+            return self._refs.clone()
+        return self._refs[pages.to(device="cpu", dtype=torch.int64)]
 
     def in_use_mask(self) -> torch.Tensor:
-        """A copy of the in-use bitmap (for invariant checks)."""
-        return self._in_use.clone()
+        """Which pages are referenced at least once (for invariant checks)."""
+        return self._refs > 0
