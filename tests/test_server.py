@@ -661,16 +661,26 @@ def test_a_batch_of_prompts_answers_each_as_alone(server: LiveServer, http: http
     wait_for(lambda: pool_empty(http))
 
 
-def test_n_samples_are_seeded_like_vllms_children(http: httpx.Client) -> None:
+def test_n_samples_are_seeded_like_vllms_children(server: LiveServer, http: httpx.Client) -> None:
     sampled = {"max_tokens": 6, "temperature": 1.0, "ignore_eos": True, "kv_policy": SNAPKV_SMALL}
     one = [_complete(http, prompt=PROMPT, **sampled, seed=40 + j) for j in range(3)]
+    forked = server.engine.samples_forked
     three = _complete(http, prompt=PROMPT, **sampled, seed=40, n=3)
     assert [c["text"] for c in three["choices"]] == [o["choices"][0]["text"] for o in one]
     usage = three["usage"]
     assert usage["prompt_tokens"] == one[0]["usage"]["prompt_tokens"]  # the prompt counts once
     assert usage["completion_tokens"] == 18
-    # Each sample is its own engine request holding its own compressed prompt (docs/server.md).
-    assert usage["kv_bytes"] == sum(o["usage"]["kv_bytes"] for o in one)
+    # The prompt is prefilled and compressed once; samples 1 and 2 fork its pages (docs/server.md), so
+    # each reports its share of them (the peaks count every page a sample read: the same as alone).
+    assert server.engine.samples_forked == forked + 2
+    assert usage["kv_bytes_peak"] == sum(o["usage"]["kv_bytes_peak"] for o in one)
+    # This prompt compresses into each head's first, partial page, which every sample's first token
+    # copies; a longer one keeps whole pages that stay shared to the end.
+    long = {**sampled, "prompt": LONG_PROMPT, "kv_policy": {"name": "snapkv", "ratio": 0.5}}
+    alone = [_complete(http, **long, seed=40 + j) for j in range(3)]
+    together = _complete(http, **long, seed=40, n=3)
+    assert [c["text"] for c in together["choices"]] == [o["choices"][0]["text"] for o in alone]
+    assert together["usage"]["kv_bytes"] < sum(o["usage"]["kv_bytes"] for o in alone)
     # A batch of 2 prompts x n=2: prompt-major indices.
     batch = _complete(http, prompt=[PROMPT, LONG_PROMPT], n=2)
     assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]

@@ -7,6 +7,7 @@ decides each step, the runner executes it, and the engine samples, applies stops
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -17,9 +18,10 @@ from typing import Any
 
 import torch
 
+from vllm_kvpress_ext.cache import PoolExhaustedError, RequestCapacityError
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY, ModelRunner, RequestFailure
-from vllm_kvpress_ext.engine.request import Request, RequestOutput
+from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestStatus
 from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.engine.scheduler import Scheduler, SchedulerOutput
@@ -84,6 +86,9 @@ class LLMEngine:
         # more than `SamplingParams(return_kept=True)` returns, e.g. the K/V of a shared prefix).
         self.finish_hooks: list[Callable[[Request], None]] = []
         self.last_plan: SchedulerOutput | None = None  # the plan of the step running (or last run)
+        # Samples waiting for their first sample's prompt: forked from it when it samples its first token.
+        self._pending_samples: dict[str, list[Request]] = {}
+        self.samples_forked = 0  # samples that started from another sample's cache instead of a prefill
 
     # ------------------------------------------------------------------ requests
 
@@ -95,12 +100,19 @@ class LLMEngine:
         *,
         compress_after: int | None = None,
         policy: PolicySpec | None = None,
+        sample_of: str | None = None,
     ) -> str:
         """Queue a request; `policy` overrides the engine's default (`"full"` turns compression off).
 
         `compress_after` (default: the whole prompt) is how many prompt tokens are prefilled before
         the policy compresses; the rest of the prompt then runs through decode steps from the
         compressed cache (the strict and question-agnostic evaluation protocols).
+
+        `sample_of` names another request with the same prompt, policy and `compress_after` (an earlier
+        sample of the same prompt, as in `n` > 1): if that request has not sampled its first token yet,
+        this one is not prefilled but starts from a fork of its compressed cache when it does (pages
+        shared, copy-on-write), so n samples hold one compressed prompt plus n tails. Otherwise, or if
+        the fork cannot be made then, it runs alone. Either way its tokens are those it would produce alone.
         """
         params = params or SamplingParams()
         resolved = self.default_policy if policy is None else load_policy(policy)
@@ -123,17 +135,49 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        leader = self._sample_leader(sample_of, token_ids, compress_after, resolved, params)
         request = Request(request_id, token_ids, params, compress_after=compress_after, policy=resolved)
         # The last sampled token is never written to the cache: prompt + max_tokens - 1 entries at most.
         request.admission = self._admission_for(resolved, len(token_ids) + params.max_tokens - 1)
+        if leader is not None and getattr(leader.admission, "window", None) != getattr(
+            request.admission, "window", None
+        ):
+            leader = None  # a write gate's ring is sized by max_tokens: another ring, another cache
         peak = self.cache.pages_for_prompt(request.prefill_target)
         if peak > self.cache.pool.num_pages:
             raise RequestRejectedError(
                 f"prompt needs {peak} KV pages before compression but the whole pool has {self.cache.pool.num_pages}"
             )
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        if leader is not None:
+            self._pending_samples.setdefault(leader.request_id, []).append(request)
+        else:
+            self.scheduler.add(request)
         return request_id
+
+    def _sample_leader(
+        self,
+        sample_of: str | None,
+        token_ids: list[int],
+        compress_after: int | None,
+        policy: KVPolicy | None,
+        params: SamplingParams,
+    ) -> Request | None:
+        """The request a new sample can fork from at its first token, or None to run the sample alone."""
+        if sample_of is None:
+            return None
+        leader = self.requests.get(sample_of)
+        if leader is None or leader.finished or leader.output_token_ids or leader.num_preemptions:
+            return None
+        if leader.prompt_token_ids != token_ids or leader.compress_after != compress_after:
+            raise ValueError(f"sample_of={sample_of!r} names a request with another prompt or compress_after")
+        if leader.policy is not policy and repr(leader.policy) != repr(policy):
+            raise ValueError(f"sample_of={sample_of!r} names a request with another policy")
+        # What is read from the leader's prefill must be what this sample would have recorded itself.
+        lead = leader.params
+        if (lead.prompt_logprobs, lead.return_kept) != (params.prompt_logprobs, params.return_kept):
+            return None
+        return leader
 
     def _admission_for(self, policy: KVPolicy | None, max_entries: int | None = None) -> Admission | None:
         admission = self.runner.admission_for(policy, min(max_entries or self.max_model_len, self.max_model_len))
@@ -159,8 +203,55 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None or request.finished:
             return
+        for pending in self._pending_samples.values():
+            if request in pending:
+                pending.remove(request)
+        self._release_samples(request)
         self.scheduler.finish(request)
         request.finish_reason = "abort"
+
+    def _release_samples(self, leader: Request) -> None:
+        """The leader ends before its first token: its pending samples run alone."""
+        for pending in self._pending_samples.pop(leader.request_id, []):
+            self.scheduler.add(pending)
+
+    def _fork_samples(self, requests: list[Request], logits: torch.Tensor) -> tuple[list[Request], torch.Tensor]:
+        """Requests about to sample their first token start their pending samples from their cache.
+
+        Each sample gets a fork of the leader's row (the compressed prompt, shared) and a copy of its
+        policy state, and samples its own first token from the leader's logits with its own generator.
+        """
+        rows: list[int] = []
+        extra: list[Request] = []
+        for i, leader in enumerate(requests):
+            if leader.output_token_ids or leader.request_id not in self._pending_samples:
+                continue
+            for follower in self._pending_samples.pop(leader.request_id):
+                if self._fork_sample(leader, follower):
+                    extra.append(follower)
+                    rows.append(i)
+                else:
+                    self.scheduler.add(follower)
+        if not extra:
+            return requests, logits
+        return requests + extra, torch.cat([logits, logits[torch.tensor(rows, device=logits.device)]])
+
+    def _fork_sample(self, leader: Request, sample: Request) -> bool:
+        if len(self.scheduler.active) >= self.scheduler.max_num_seqs:
+            return False
+        try:
+            sample.row = self.cache.fork_request(leader.request_id, sample.request_id)
+        except (PoolExhaustedError, RequestCapacityError):
+            return False
+        sample.status = RequestStatus.RUNNING
+        sample.num_processed = leader.num_processed
+        sample.policy_state = copy.deepcopy(leader.policy_state)
+        sample.kv = copy.deepcopy(leader.kv)
+        sample.prompt_logprobs = list(leader.prompt_logprobs)
+        self.scheduler.active.append(sample)
+        self.runner.update_kv_stats(sample)
+        self.samples_forked += 1
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -204,6 +295,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ outputs
 
     def _append_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[Request]:
+        if self._pending_samples:
+            requests, logits = self._fork_samples(requests, logits)
         tokens = sample(logits, requests, self.eos_token_ids)
         record_logprobs(requests, logits, tokens)
         now = time.monotonic()
@@ -234,6 +327,7 @@ class LLMEngine:
             self._finish(request, "length")
 
     def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        self._release_samples(request)
         if request.row is not None:
             self.runner.update_kv_stats(request)
             if request.params.return_kept and reason != "error":  # read before `scheduler.finish` frees the row

@@ -27,8 +27,8 @@ class KVStats:
     prompt_tokens: int = 0
     tokens_kept: int = 0  # entries held over all (layer, KV head), ring included
     tokens_full: int = 0  # what an uncompressed cache would hold for the same tokens
-    kv_bytes: int = 0  # whole pages held x page bytes
-    kv_bytes_peak: int = 0
+    kv_bytes: int = 0  # share of the pool: private pages x page bytes + shared pages / their holders
+    kv_bytes_peak: int = 0  # most pages referenced at once (shared ones whole) x page bytes
     compression_seconds: float = 0.0
     kept_per_layer: list[int] = field(default_factory=list)  # mean entries per KV head of each layer
     kept_per_head: list[list[int]] = field(default_factory=list)  # [layer][KV head] entries, ring included

@@ -163,6 +163,7 @@ class _Add:
     arrival: float
     future: concurrent.futures.Future[None]
     loop: asyncio.AbstractEventLoop
+    sample_of: _Add | None = None  # the first sample of the same prompt (`n` > 1)
 
 
 @dataclass
@@ -188,7 +189,7 @@ class EngineLoop:
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | list[_Add] | _Abort | None] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -232,6 +233,37 @@ class EngineLoop:
     def alive(self) -> bool:
         running = self._thread is not None and self._thread.is_alive()
         return running and not self._stopping.is_set() and not self._draining.is_set()
+
+    async def submit_samples(
+        self, token_ids: list[int], params: list[SamplingParams], policy: KVPolicy | None, arrival: float
+    ) -> list[RequestHandle]:
+        """Queue the samples of one prompt as one command, so the engine sees them all before its next
+        step: the later samples then fork the first one's compressed prompt instead of prefilling it."""
+        if len(params) == 1:
+            return [await self.submit(token_ids, params[0], policy, arrival)]
+        if self._draining.is_set():
+            raise EngineUnavailableError("the server is shutting down")
+        if not self.alive:
+            raise EngineUnavailableError("the engine loop is not running")
+        label = policy_label(policy) if policy is not None else self.default_policy
+        running = asyncio.get_running_loop()
+        adds: list[_Add] = []
+        for sample_params in params:
+            request_id = f"{uuid.uuid4().hex[:16]}-{next(self._ids)}"
+            handle = RequestHandle(self, request_id, len(token_ids), label)
+            future: concurrent.futures.Future[None] = concurrent.futures.Future()
+            first = adds[0] if adds else None
+            adds.append(_Add(handle, token_ids, sample_params, policy, arrival, future, running, first))
+        self._commands.put(adds)
+        try:
+            for add in adds:
+                await asyncio.wrap_future(add.future)
+        except BaseException:
+            for add in adds:
+                add.future.cancel()
+                self.abort(add.handle.request_id)  # the add may already have happened
+            raise
+        return [add.handle for add in adds]
 
     async def submit(
         self, token_ids: list[int], params: SamplingParams, policy: KVPolicy | None, arrival: float
@@ -291,7 +323,11 @@ class EngineLoop:
                 break
         self._publish()
 
-    def _handle(self, command: _Add | _Abort) -> None:
+    def _handle(self, command: _Add | list[_Add] | _Abort) -> None:
+        if isinstance(command, list):
+            for add in command:
+                self._handle(add)
+            return
         try:
             if isinstance(command, _Add):
                 self._add(command)
@@ -313,7 +349,10 @@ class EngineLoop:
             return
         request_id = add.handle.request_id
         try:
-            self.engine.add_request(add.token_ids, add.params, request_id=request_id, policy=add.policy)
+            first = add.sample_of.handle.request_id if add.sample_of is not None else None
+            self.engine.add_request(
+                add.token_ids, add.params, request_id=request_id, policy=add.policy, sample_of=first
+            )
         except Exception as exc:
             add.future.set_exception(exc)
             return
@@ -453,8 +492,9 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Add) and command.future.set_running_or_notify_cancel():
-                command.future.set_exception(EngineUnavailableError("the server is shutting down"))
+            for add in command if isinstance(command, list) else [command]:
+                if isinstance(add, _Add) and add.future.set_running_or_notify_cancel():
+                    add.future.set_exception(EngineUnavailableError("the server is shutting down"))
         for request_id, tracked in list(self._tracked.items()):
             try:
                 self.engine.abort(request_id)

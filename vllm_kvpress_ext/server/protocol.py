@@ -87,7 +87,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool | None = Field(default=None, description="vLLM extension (default true)")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=1, ge=1, le=128, description="samples per prompt; each is its own engine request")
+    n: int | None = Field(default=1, ge=1, le=128, description="samples per prompt; they share the compressed prompt")
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, description="vLLM extension; 1 = off")

@@ -157,14 +157,15 @@ async def submit(
     state: ServerState,
     body: CompletionRequest | ChatCompletionRequest,
     token_ids: list[int],
-    params: SamplingParams,
+    params: list[SamplingParams],
     arrival: float,
     prompt_param: str,
-) -> RequestHandle:
-    """Resolve the request's policy and hand it to the engine loop; every refusal becomes an APIError."""
+) -> list[RequestHandle]:
+    """Resolve the request's policy and hand the prompt's samples to the engine loop (one command: the
+    samples after the first fork its compressed prompt); every refusal becomes an APIError."""
     policy = resolve_policy(policy_spec(body.kv_policy, body.vllm_xargs))
     try:
-        return await state.loop.submit(token_ids, params, policy, arrival)
+        return await state.loop.submit_samples(token_ids, params, policy, arrival)
     except QueueFullError as exc:
         raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
     except RequestRejectedError as exc:
@@ -218,12 +219,12 @@ async def submit_all(
     prompt_param: str,
 ) -> list[RequestHandle]:
     """One engine request per (prompt, sample): `params[j]` is sample j's; prompt-major order (choice
-    index = prompt * samples + sample, as vLLM numbers them). A refusal aborts what was already submitted."""
+    index = prompt * samples + sample, as vLLM numbers them). The samples of a prompt share its
+    compressed prefill (`LLMEngine.add_request(sample_of=...)`). A refusal aborts what was already submitted."""
     handles: list[RequestHandle] = []
     try:
         for token_ids in prompts:
-            for sample_params in params:
-                handles.append(await submit(state, body, token_ids, sample_params, arrival, prompt_param))
+            handles += await submit(state, body, token_ids, params, arrival, prompt_param)
     except BaseException:
         for handle in handles:
             handle.abort()
