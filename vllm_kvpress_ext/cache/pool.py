@@ -131,18 +131,17 @@ class PagePool:
         if pages.numel() == 0:
             return 0
         self._check_in_use(pages)
-        drops = torch.bincount(pages, minlength=self.num_pages).to(torch.int32)
-        if bool((drops > self._refs).any()):
+        # Work on the ids freed, not on the whole pool: this runs at every truncation and eviction.
+        unique, inverse, drops = torch.unique(pages, return_inverse=True, return_counts=True)
+        left = self._refs[unique] - drops.to(torch.int32)
+        if bool((left < 0).any()):
             raise ValueError("the same page id is freed more times than it is referenced")
-        self._refs -= drops
-        released = pages[self._refs[pages] == 0]
-        if released.numel() > 1:
-            # A page freed by several references at once is pushed once, at its first occurrence
-            # (the stack keeps the callers' order, which keeps allocation order predictable).
-            unique, inverse = torch.unique(released, return_inverse=True)
-            order = torch.arange(released.numel())
-            first = torch.full((unique.numel(),), released.numel()).scatter_reduce(0, inverse, order, "amin")
-            released = released[first.sort().values]
+        self._refs[unique] = left
+        # Released pages are pushed once each, in the order of their first occurrence (the stack keeps
+        # the callers' order, which keeps allocation order predictable).
+        order = torch.arange(pages.numel())
+        first = torch.full((unique.numel(),), pages.numel()).scatter_reduce(0, inverse, order, "amin")
+        released = pages[first[left == 0].sort().values]
         count = released.numel()
         self._free_stack[self._num_free : self._num_free + count] = released
         self._num_free += count
