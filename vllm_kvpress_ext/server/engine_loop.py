@@ -103,6 +103,7 @@ class Update:
     # tokens' so far, and the prompt's (complete once the prefill is, i.e. from the first update on).
     logprobs: list[Any] | None = None
     prompt_logprobs: list[Any] | None = None
+    cached_tokens: int = 0  # prompt tokens read from a cached compressed prefix
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ class _Add:
     future: concurrent.futures.Future[None]
     loop: asyncio.AbstractEventLoop
     sample_of: _Add | None = None  # the first sample of the same prompt (`n` > 1)
+    compress_after: int | None = None  # the context/question boundary (`kv_prefix_tokens`)
 
 
 @dataclass
@@ -198,6 +200,7 @@ class EngineLoop:
         self._peak = 0
         self._steps = 0
         self._failed_steps = 0
+        self._prefix_seen = (0, 0)  # prefix-store hits and tokens already counted in the metrics
         pool = engine.cache.pool
         metrics.pages_total.set(pool.num_pages)
         metrics.page_bytes.set(pool.bytes_per_page)
@@ -235,12 +238,15 @@ class EngineLoop:
         return running and not self._stopping.is_set() and not self._draining.is_set()
 
     async def submit_samples(
-        self, token_ids: list[int], params: list[SamplingParams], policy: KVPolicy | None, arrival: float
+        self,
+        token_ids: list[int],
+        params: list[SamplingParams],
+        policy: KVPolicy | None,
+        arrival: float,
+        compress_after: int | None = None,
     ) -> list[RequestHandle]:
         """Queue the samples of one prompt as one command, so the engine sees them all before its next
         step: the later samples then fork the first one's compressed prompt instead of prefilling it."""
-        if len(params) == 1:
-            return [await self.submit(token_ids, params[0], policy, arrival)]
         if self._draining.is_set():
             raise EngineUnavailableError("the server is shutting down")
         if not self.alive:
@@ -253,7 +259,7 @@ class EngineLoop:
             handle = RequestHandle(self, request_id, len(token_ids), label)
             future: concurrent.futures.Future[None] = concurrent.futures.Future()
             first = adds[0] if adds else None
-            adds.append(_Add(handle, token_ids, sample_params, policy, arrival, future, running, first))
+            adds.append(_Add(handle, token_ids, sample_params, policy, arrival, future, running, first, compress_after))
         self._commands.put(adds)
         try:
             for add in adds:
@@ -351,7 +357,12 @@ class EngineLoop:
         try:
             first = add.sample_of.handle.request_id if add.sample_of is not None else None
             self.engine.add_request(
-                add.token_ids, add.params, request_id=request_id, policy=add.policy, sample_of=first
+                add.token_ids,
+                add.params,
+                request_id=request_id,
+                policy=add.policy,
+                sample_of=first,
+                compress_after=add.compress_after,
             )
         except Exception as exc:
             add.future.set_exception(exc)
@@ -421,7 +432,16 @@ class EngineLoop:
                 self.metrics.compression.labels(policy=handle.policy).observe(kv.compression_seconds)
         self._post(
             tracked,
-            Update(list(out.output_token_ids), out.text, True, reason, kv, out.logprobs, out.prompt_logprobs),
+            Update(
+                list(out.output_token_ids),
+                out.text,
+                True,
+                reason,
+                kv,
+                out.logprobs,
+                out.prompt_logprobs,
+                out.cached_tokens,
+            ),
         )
 
     def _batch_of_failed_step(self) -> list[str]:
@@ -478,12 +498,24 @@ class EngineLoop:
         self._peak = max(self._peak, held_during_step, running)
         snap = self._take_snapshot(running, waiting)
         self.snapshot = snap
+        self._publish_prefix_store()
         m = self.metrics
         m.pages_used.set(snap.pages_used)
         m.pages_free.set(snap.pages_free)
         m.running.set(running)
         m.waiting.set(waiting)
         m.running_peak.set(self._peak)
+
+    def _publish_prefix_store(self) -> None:
+        store = self.engine.runner.prefix_store
+        if store is None:
+            return
+        m = self.metrics
+        m.prefix_hits.inc(store.hits - self._prefix_seen[0])
+        m.prefix_tokens.inc(store.tokens_reused - self._prefix_seen[1])
+        self._prefix_seen = (store.hits, store.tokens_reused)
+        m.prefix_pages.set(store.pages_held())
+        m.prefix_entries.set(len(store.entries))
 
     def _shutdown(self) -> None:
         """Abort everything and release every waiter, so no handler hangs on a dead loop."""

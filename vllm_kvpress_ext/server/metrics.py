@@ -41,6 +41,17 @@ class ServerMetrics:
         self.running_peak = Gauge(
             "kvpress_requests_running_peak", "Most requests holding KV pages at once since start", registry=r
         )
+        # Compressed prefix reuse (`kv_prefix_tokens`, docs/prefix_reuse.md).
+        self.prefix_hits = Counter(
+            "kvpress_prefix_cache_hits", "Requests that attached to a cached compressed prefix", registry=r
+        )
+        self.prefix_tokens = Counter(
+            "kvpress_prefix_cache_tokens_reused", "Prompt tokens read from cached compressed prefixes", registry=r
+        )
+        self.prefix_pages = Gauge(
+            "kvpress_prefix_cache_pages", "KV pages referenced by cached compressed prefixes", registry=r
+        )
+        self.prefix_entries = Gauge("kvpress_prefix_cache_entries", "Cached compressed prefixes", registry=r)
         self.retention = Histogram(
             "kvpress_kv_retention_ratio",
             "KV entries kept / entries an uncompressed cache would hold, per finished request",

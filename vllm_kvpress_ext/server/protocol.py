@@ -106,6 +106,14 @@ class _SamplingFields(BaseModel):
     vllm_xargs: dict[str, Any] | None = Field(
         default=None, description="vLLM-style extra arguments; `kv_policy` is read from here too"
     )
+    kv_prefix_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 20,
+        description="extension: the first kv_prefix_tokens prompt tokens are a context the policy compresses on "
+        "its own before the rest is read from the compressed cache; with prefix caching on, a later request "
+        "with the same context, policy and model reuses that compressed context (docs/prefix_reuse.md)",
+    )
     # vLLM extensions accepted only at their neutral value (NEUTRAL_ONLY).
     use_beam_search: StrictBool | None = None
     length_penalty: float | None = None
