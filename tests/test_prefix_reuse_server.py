@@ -80,3 +80,32 @@ def test_serve_flag_default_and_off(capsys: pytest.CaptureFixture[str]) -> None:
     assert ServerConfig(model_dir=Path(".")).enable_prefix_caching is True
     with pytest.raises(ValueError, match="max_cached_prefixes"):
         ServerConfig(model_dir=Path("."), max_cached_prefixes=0)
+
+
+def test_chat_names_its_context_by_messages(server: LiveServer) -> None:
+    context = [
+        {"role": "system", "content": "answer from the records ."},
+        {"role": "user", "content": LONG_PROMPT},
+    ]
+
+    def chat(question: str, **extra: Any) -> httpx.Response:
+        messages = [*context, {"role": "user", "content": question}]
+        fields = {"messages": messages, "max_tokens": 4, "temperature": 0, "kv_policy": POLICY, **extra}
+        return http.post("/v1/chat/completions", json=fields)
+
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        first = chat("what is key trout ?", kv_prefix_messages=2).json()
+        assert "prompt_tokens_details" not in first["usage"]
+        second = chat("what is the sky ?", kv_prefix_messages=2).json()
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < cached < second["usage"]["prompt_tokens"]
+        # The boundary is the rendered length of the context messages: kv_prefix_tokens says the same.
+        third = chat("what is the mill ?", kv_prefix_tokens=cached).json()
+        assert third["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+        for bad in (
+            {"kv_prefix_messages": 3},
+            {"kv_prefix_messages": 0},
+            {"kv_prefix_messages": 1, "kv_prefix_tokens": 4},
+        ):
+            response = chat("x", **bad)
+            assert response.status_code == 400, bad

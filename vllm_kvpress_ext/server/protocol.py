@@ -162,6 +162,13 @@ class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    kv_prefix_messages: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="extension: the first kv_prefix_messages messages are the context (kv_prefix_tokens = their "
+        "rendered length); fewer than the messages, and the chat template must render them as a token prefix",
+    )
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
