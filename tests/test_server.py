@@ -661,7 +661,7 @@ def test_a_batch_of_prompts_answers_each_as_alone(server: LiveServer, http: http
     wait_for(lambda: pool_empty(http))
 
 
-def test_n_samples_are_seeded_like_vllms_children(http: httpx.Client) -> None:
+def test_n_samples_are_seeded_like_vllms_children(server: LiveServer, http: httpx.Client) -> None:
     sampled = {"max_tokens": 6, "temperature": 1.0, "ignore_eos": True, "kv_policy": SNAPKV_SMALL}
     one = [_complete(http, prompt=PROMPT, **sampled, seed=40 + j) for j in range(3)]
     three = _complete(http, prompt=PROMPT, **sampled, seed=40, n=3)

@@ -29,3 +29,25 @@ def test_bench_serve_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert r["ttft_s"]["p50"] > 0 and r["itl_s"]["p99"] >= r["itl_s"]["p50"] > 0
     assert results["snapkv"]["mean_retention"] < 1.0 == results["full"]["mean_retention"]
     assert results["snapkv"]["mean_kv_bytes"] < results["full"]["mean_kv_bytes"]
+
+
+def test_shared_context_workload_names_each_context() -> None:
+    from vllm_kvpress_ext.bench.serve_bench import ServeBenchConfig, _prompts
+    from vllm_kvpress_ext.bench.tokenizer import build_tokenizer
+
+    config = ServeBenchConfig(shared_contexts=3, questions_per_context=4, prompt_len=20, question_len=5)
+    assert config.requests == 12
+    prompts = _prompts(config)
+    assert len(prompts) == 13 and prompts[-1][1] is None  # the last one warms up, with no context named
+    tokenizer = build_tokenizer()
+    contexts = []
+    for text, boundary in prompts[:12]:
+        ids = tokenizer.encode(text).ids
+        assert boundary == 20 and len(ids) == 25
+        contexts.append(tuple(ids[:boundary]))
+    # Question-major: every context once, then again; the questions differ.
+    assert contexts[:3] == contexts[3:6] and len(set(contexts)) == 3
+    assert len({text for text, _ in prompts[:12]}) == 12
+    for bad in ({"shared_contexts": -1}, {"question_len": 0}, {"shared_contexts": 2, "url": "http://x"}):
+        with pytest.raises(ValueError):
+            ServeBenchConfig(**bad)  # type: ignore[arg-type]

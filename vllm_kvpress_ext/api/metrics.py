@@ -82,6 +82,25 @@ SERIES: dict[str, Series] = {
             servers=(EMBEDDED,),
         ),
         Series(
+            "kvpress_prefix_cache_hits",
+            "Requests that attached to a cached compressed prefix",
+            "counter",
+            servers=(EMBEDDED,),
+        ),
+        Series(
+            "kvpress_prefix_cache_tokens_reused",
+            "Prompt tokens read from cached compressed prefixes",
+            "counter",
+            servers=(EMBEDDED,),
+        ),
+        Series(
+            "kvpress_prefix_cache_pages",
+            "KV pages referenced by cached compressed prefixes",
+            "gauge",
+            servers=(EMBEDDED,),
+        ),
+        Series("kvpress_prefix_cache_entries", "Cached compressed prefixes", "gauge", servers=(EMBEDDED,)),
+        Series(
             "kvpress_pool_preemptions",
             "Requests preempted (recomputed later) because the KV pool was full",
             "counter",

@@ -19,6 +19,12 @@ Load: up to `concurrency` streaming requests in flight, `num_requests` in all, a
 after `duration` seconds (in-flight ones are then cancelled and counted as not completed).
 Prompts are random filler words of the suite vocabulary (one token each with the suite
 tokenizer), outputs run to `max_tokens` (`ignore_eos`), greedy.
+
+Shared-context workload (`shared_contexts` > 0): `shared_contexts` contexts of `prompt_len` tokens,
+each asked `questions_per_context` questions of `question_len` tokens (`num_requests` is then their
+product), every request naming its context with `kv_prefix_tokens`. Requests go out question-major
+(every context's first question, then every context's second, ...). Each policy runs twice, on a
+fresh server with prefix caching off and on, side by side, so the two rows differ in reuse alone.
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ class ServeBenchConfig:
     # own load generator (`vllm bench serve`), and print them side by side with the ratio.
     compare_vllm: bool = False
     num_pages: int = 52000  # the comparison's KV pool, in pages, for both servers
+    shared_contexts: int = 0
+    questions_per_context: int = 8
+    question_len: int = 16
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -77,6 +86,14 @@ class ServeBenchConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.duration <= 0:
             raise ValueError("duration must be positive")
+        if self.shared_contexts < 0 or self.questions_per_context < 1 or self.question_len < 1:
+            raise ValueError("shared_contexts must be >= 0, questions_per_context and question_len >= 1")
+        if self.shared_contexts and self.url:
+            raise ValueError("the shared-context workload starts its own servers (prefix caching off, then on)")
+
+    @property
+    def requests(self) -> int:
+        return self.shared_contexts * self.questions_per_context if self.shared_contexts else self.num_requests
 
 
 @dataclass
@@ -99,11 +116,24 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def _prompts(config: ServeBenchConfig) -> list[str]:
+def _prompts(config: ServeBenchConfig) -> list[tuple[str, int | None]]:
+    """(prompt, kv_prefix_tokens) per request, plus one more for the warm-up at the end."""
     rng = random.Random(config.seed)
     # `prompt_len - 1` words: the tokenizer prepends <bos>.
     words = max(1, config.prompt_len - 1)
-    return [" ".join(rng.choice(FILLER_WORDS) for _ in range(words)) for _ in range(config.num_requests + 1)]
+
+    def text(count: int) -> str:
+        return " ".join(rng.choice(FILLER_WORDS) for _ in range(count))
+
+    if not config.shared_contexts:
+        return [(text(words), None) for _ in range(config.num_requests + 1)]
+    contexts = [text(words) for _ in range(config.shared_contexts)]
+    prompts = [
+        (f"{context} {text(config.question_len)}", words + 1)
+        for _ in range(config.questions_per_context)
+        for context in contexts
+    ]
+    return [*prompts, (text(words), None)]
 
 
 def _metric(text: str, name: str) -> float | None:
@@ -155,16 +185,19 @@ async def _poll_running(client: httpx.AsyncClient, seen: list[float], stop: asyn
             await asyncio.wait_for(stop.wait(), timeout=0.05)
 
 
-async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig) -> dict[str, Any]:
+async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig, label: str = "") -> dict[str, Any]:
     prompts = _prompts(config)
     limits = httpx.Limits(max_connections=config.concurrency + 4, max_keepalive_connections=config.concurrency + 4)
     timeout = httpx.Timeout(config.duration + 120.0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
 
-        def body(prompt: str) -> dict[str, Any]:
+        def body(prompt: tuple[str, int | None]) -> dict[str, Any]:
+            text, boundary = prompt
+            extra = {} if boundary is None else {"kv_prefix_tokens": boundary}
             return {
+                **extra,
                 "model": model,
-                "prompt": prompt,
+                "prompt": text,
                 "max_tokens": config.max_tokens,
                 "temperature": 0.0,
                 "ignore_eos": True,
@@ -188,7 +221,7 @@ async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig) ->
         deadline = start + config.duration
         finish_times: list[float] = []
 
-        async def run(prompt: str) -> None:
+        async def run(prompt: tuple[str, int | None]) -> None:
             result = _Result()
             results.append(result)
             try:
@@ -198,7 +231,7 @@ async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig) ->
                 gate.release()
 
         tasks: list[asyncio.Task[None]] = []
-        for prompt in prompts[: config.num_requests]:
+        for prompt in prompts[: config.requests]:
             await gate.acquire()
             if time.perf_counter() >= deadline:
                 gate.release()
@@ -222,7 +255,7 @@ async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig) ->
     usages = [r.usage for r in completed if r.usage]
     errors = [r.error for r in results if r.error]
     return {
-        "policy": policy,
+        "policy": label or policy,
         "sent": len(results),
         "completed": len(completed),
         "errors": len(errors),
@@ -237,6 +270,7 @@ async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig) ->
         "mean_kv_bytes_peak": sum(u.get("kv_bytes_peak", 0) for u in usages) / len(usages) if usages else 0.0,
         "mean_retention": sum(u.get("kv_retention", 1.0) for u in usages) / len(usages) if usages else float("nan"),
         "mean_prompt_tokens": sum(u.get("prompt_tokens", 0) for u in usages) / len(usages) if usages else 0.0,
+        "cached_prompt_tokens": sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usages),
     }
 
 
@@ -251,10 +285,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _server(model_dir: Path, policy: str, config: ServeBenchConfig, log_dir: Path) -> Iterator[str]:
+def _server(
+    model_dir: Path, policy: str, config: ServeBenchConfig, log_dir: Path, prefix_caching: bool = True
+) -> Iterator[str]:
     """`kvpress serve` in a subprocess on 127.0.0.1; yields its base URL once /health answers."""
     port = _free_port()
-    log_path = log_dir / f"serve-{policy}.log"
+    log_path = log_dir / f"serve-{policy}-{'reuse' if prefix_caching else 'noreuse'}.log"
     cmd = [
         sys.executable,
         "-m",
@@ -278,7 +314,8 @@ def _server(model_dir: Path, policy: str, config: ServeBenchConfig, log_dir: Pat
         "--max-queue",
         str(max(1024, config.num_requests)),
         "--max-model-len",
-        str(config.prompt_len + config.max_tokens + 8),
+        str(config.prompt_len + config.question_len + config.max_tokens + 8),
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         "--dtype",
         config.dtype,
         "--device",
@@ -334,6 +371,7 @@ def _print(config: ServeBenchConfig, where: str, results: list[dict[str, Any]]) 
         "KV MiB held",
         "KV MiB peak",
         "retention",
+        "cached tok",
     ]
     rows = []
     for r in results:
@@ -348,12 +386,14 @@ def _print(config: ServeBenchConfig, where: str, results: list[dict[str, Any]]) 
                 f"{r['mean_kv_bytes'] / 2**20:.3f}",
                 f"{r['mean_kv_bytes_peak'] / 2**20:.3f}",
                 f"{r['mean_retention']:.3f}",
+                r["cached_prompt_tokens"],
             ]
         )
     print(format_table(headers, rows))
     print(
         "peak held: most requests holding KV pages at once (server metric kvpress_requests_running_peak); "
-        "KV MiB held / peak: per request, mean pages held at the end / at most (usage.kv_bytes, kv_bytes_peak)"
+        "KV MiB held / peak: per request, mean pages held at the end / at most (usage.kv_bytes, kv_bytes_peak); "
+        "cached tok: prompt tokens read from cached compressed prefixes (usage.prompt_tokens_details.cached_tokens)"
     )
     for r in results:
         if r["first_error"]:
@@ -445,8 +485,10 @@ def run_serve_bench(config: ServeBenchConfig) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory(prefix="kvpress-bench-serve-") as tmp:
             model_dir = Path(config.model) if config.model else suite_bench_model_dir(Path(tmp) / "model", config.seed)
             for policy in config.policies:
-                with _server(model_dir, policy, config, Path(tmp)) as url:
-                    results.append(asyncio.run(_phase(url, "bench", policy, config)))
+                for reuse in (False, True) if config.shared_contexts else (True,):
+                    label = f"{policy}, reuse {'on' if reuse else 'off'}" if config.shared_contexts else policy
+                    with _server(model_dir, policy, config, Path(tmp), reuse) as url:
+                        results.append(asyncio.run(_phase(url, "bench", policy, config, label)))
         model_name = config.model or "random bench model (suite tokenizer)"
         where = f"one `kvpress serve` per policy on 127.0.0.1, --kv-memory {config.kv_memory}, model {model_name}"
     _print(config, where, results)

@@ -68,6 +68,20 @@ def register(sub: Subparsers) -> None:
         "--max-model-len", type=at_least(2), default=None, help="prompt + output limit (default: the model's maximum)"
     )
     serve.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep compressed contexts of requests that set kv_prefix_tokens for later requests with the same "
+        "context, policy and model to reuse; they are dropped, least recently used first, before any running "
+        "request is preempted (default: on; docs/prefix_reuse.md)",
+    )
+    serve.add_argument(
+        "--max-cached-prefixes",
+        type=at_least(1),
+        default=16,
+        help="most compressed contexts kept at once (default: 16)",
+    )
+    serve.add_argument(
         "--max-request-size",
         type=size,
         default="2MiB",
@@ -183,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         max_request_bytes=args.max_request_size,
         shutdown_grace=args.shutdown_grace,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_cached_prefixes=args.max_cached_prefixes,
     )
     from vllm_kvpress_ext.server.launch import serve
 

@@ -52,7 +52,14 @@ class LLMEngine:
         max_model_len: int | None = None,
         kv_dtype: torch.dtype | str | None = None,
         kv_policy: PolicySpec | None = None,
+        enable_prefix_caching: bool = False,
+        max_cached_prefixes: int = 16,
     ) -> None:
+        """`enable_prefix_caching` keeps up to `max_cached_prefixes` compressed contexts (requests with a
+        context/question boundary, `compress_after` < prompt length) for later requests with the same
+        context, policy and model to attach to instead of prefilling (`engine/prefix_store.py`)."""
+        if max_cached_prefixes < 1:
+            raise ValueError(f"max_cached_prefixes must be >= 1, got {max_cached_prefixes}")
         self.default_policy = load_policy(kv_policy)
         self.runner = ModelRunner(
             model_dir,
@@ -63,6 +70,7 @@ class LLMEngine:
             page_size=page_size,
             max_num_seqs=max_num_seqs,
             kv_dtype=kv_dtype,
+            max_cached_prefixes=max_cached_prefixes if enable_prefix_caching else 0,
         )
         self.model_dir = self.runner.model_dir
         self.device = self.runner.device
@@ -298,4 +306,5 @@ class LLMEngine:
             error=request.error,
             logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
             prompt_logprobs=list(request.prompt_logprobs) if request.params.prompt_logprobs is not None else None,
+            cached_tokens=request.cached_tokens,
         )

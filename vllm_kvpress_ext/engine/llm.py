@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,13 @@ class LLM:
         compress_after: int | Sequence[int | None] | None = None,
         policy: PolicySpec | None = None,
         use_tqdm: bool = False,
+        n: int = 1,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
+
+        `n` samples per prompt come back consecutively (prompt-major). The prompt is prefilled and
+        compressed once; its samples fork the compressed cache (`LLMEngine.add_request(sample_of=...)`).
+        With a seed, sample j is seeded `seed + j` (vLLM's numbering), so each is reproducible alone.
 
         A prompt is text, token ids, or a `ContextQuestion` (context compressed, then the question
         read from the compressed cache). `compress_after` (one value for all prompts, or one per
@@ -60,12 +66,19 @@ class LLM:
         resolved = load_policy(policy)  # once, not per prompt; an instance (even "full") overrides the default
         # Every prompt is checked before any is queued, so a bad one leaves the engine idle.
         prepared = [prepare_prompt(p, c, self.engine.encode) for p, c in zip(batch, points, strict=True)]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
         ids: list[str] = []
         try:
             for prompt, sp in zip(prepared, params, strict=True):
-                ids.append(
-                    self.engine.add_request(prompt.token_ids, sp, compress_after=prompt.compress_after, policy=resolved)
-                )
+                first: str | None = None
+                for j in range(n):
+                    seeded = sp if sp.seed is None or j == 0 else dataclasses.replace(sp, seed=(sp.seed + j) % 2**64)
+                    rid = self.engine.add_request(
+                        prompt.token_ids, seeded, compress_after=prompt.compress_after, policy=resolved, sample_of=first
+                    )
+                    first = first or rid
+                    ids.append(rid)
         except Exception:
             for rid in ids:  # a later prompt was rejected: the earlier ones must not run on their own
                 self.engine.abort(rid)

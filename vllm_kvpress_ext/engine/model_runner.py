@@ -30,6 +30,7 @@ from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
+from vllm_kvpress_ext.engine.prefix_store import PrefixStore
 from vllm_kvpress_ext.engine.reconstruction import score_by_reconstruction
 from vllm_kvpress_ext.engine.request import Request, RequestRejectedError, RequestStatus
 from vllm_kvpress_ext.engine.sampler import token_logprobs
@@ -99,6 +100,7 @@ class ModelRunner:
         page_size: int = 16,
         max_num_seqs: int = 64,
         kv_dtype: torch.dtype | str | None = None,
+        max_cached_prefixes: int = 0,
     ) -> None:
         # A catalog name ("smollm2-135m") works wherever a model path does: its cached GGUF file, pulled
         # first if needed. An existing path always wins over a catalog name.
@@ -119,9 +121,13 @@ class ModelRunner:
             self.config.head_dim,
             num_pages=num_pages,
             page_size=page_size,
-            max_requests=max_num_seqs,
+            # Cached compressed prefixes (`max_cached_prefixes`, 0 = off) hold rows of their own.
+            max_requests=max_num_seqs + max_cached_prefixes,
             dtype=cache_dtype,
             device=self.device,
+        )
+        self.prefix_store = (
+            PrefixStore(self.cache, self.model_dir, max_cached_prefixes) if max_cached_prefixes > 0 else None
         )
         self.scale = self.config.head_dim**-0.5
         # The write gates this runner's requests use (WG-KV): loaded once per file, never shared with another runner.
@@ -223,12 +229,31 @@ class ModelRunner:
         request.row = self.cache.add_request(request.request_id)
         request.status = RequestStatus.PREFILLING
         request.num_processed = 0
+        request.cached_tokens = 0
 
     def release(self, request: Request) -> None:
         """Return the request's pages and row (its policy state stays readable, e.g. after it finished)."""
         if request.row is not None:
             self.cache.free_request(request.request_id)
             request.row = None
+        if self.prefix_store is not None:
+            self.prefix_store.detach(request)
+
+    def attach_prefix(self, request: Request) -> bool:
+        """Start a waiting request from a cached compressed prefix, if one matches; True if it did.
+
+        The request then holds a row forked from the prefix and runs the rest of its prompt as decode
+        steps, exactly as it would right after compressing that prefix itself.
+        """
+        if self.prefix_store is None or not self.prefix_store.attach(request):
+            return False
+        request.status = RequestStatus.RUNNING
+        self.update_kv_stats(request)
+        return True
+
+    def evict_cached_prefix(self) -> int | None:
+        """Drop the least recently used unused cached prefix: pages freed, or None if none can go."""
+        return None if self.prefix_store is None else self.prefix_store.evict_one()
 
     def reset(self, request: Request) -> None:
         """Release the request and forget its policy state: it will be recomputed from token 0 (preemption)."""
@@ -513,6 +538,8 @@ class ModelRunner:
         self.update_kv_stats(request)
         if policy is not None and request.params.return_kept:  # before any later token enters the cache
             request.kv.kept_at_compression = kept_entries(self.cache, request.request_id)
+        if self.prefix_store is not None and request.cached_tokens == 0:
+            self.prefix_store.store(request)
 
     def _drop_unadmitted(self, request: Request) -> None:
         """Admission during a chunked prefill: what the gates did not admit leaves the cache with its chunk.

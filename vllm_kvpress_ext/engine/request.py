@@ -31,8 +31,8 @@ class KVStats:
     prompt_tokens: int = 0
     tokens_kept: int = 0  # entries held over all (layer, KV head), ring included
     tokens_full: int = 0  # what an uncompressed cache would hold for the same tokens
-    kv_bytes: int = 0  # whole pages held x page bytes
-    kv_bytes_peak: int = 0
+    kv_bytes: int = 0  # share of the pool: private pages x page bytes + shared pages / their holders
+    kv_bytes_peak: int = 0  # most pages referenced at once (shared ones whole) x page bytes
     compression_seconds: float = 0.0
     kept_per_layer: list[int] = field(default_factory=list)  # mean entries per KV head of each layer
     kept_per_head: list[list[int]] = field(default_factory=list)  # [layer][KV head] entries, ring included
@@ -115,6 +115,8 @@ class Request:
     gate_values: list[list[torch.Tensor]] | None = None  # per layer, gate values [H, n], when the policy ranks by them
     first_token_time: float | None = None
     error: str | None = None  # why the runner failed this request alone (finish_reason "error")
+    prefix_key: str | None = None  # the cached compressed prefix this request's row was forked from
+    cached_tokens: int = 0  # prompt tokens read from a cached compressed prefix instead of prefilled
     # SamplingParams.logprobs / prompt_logprobs: one entry per output token; one per prompt token
     # (None for the first, which nothing predicts), filled as the prefill reaches each position.
     output_logprobs: list[Any] = field(default_factory=list)
@@ -174,3 +176,7 @@ class RequestOutput:
     logprobs: list[Any] | None = None
     #: `TokenLogprob` per prompt token, None for the first (SamplingParams.prompt_logprobs), else None.
     prompt_logprobs: list[Any] | None = None
+    #: Prompt tokens read from a cached compressed prefix instead of prefilled
+    #: (`usage.prompt_tokens_details.cached_tokens`); a sample forked from another sample of its prompt
+    #: reports 0, so that a prompt's tokens count once, as in `prompt_tokens`.
+    cached_tokens: int = 0

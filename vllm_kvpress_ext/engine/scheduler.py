@@ -14,6 +14,11 @@ Each step is either a prefill step or a decode step:
   recently admitted request is preempted: its pages are freed and it goes back to the front of
   the queue to be recomputed later (prompt and generated tokens alike), never dropped.
 
+- Cached compressed prefixes (`engine/prefix_store.py`): a waiting request whose context is cached
+  attaches to it instead of prefilling (no pages, no reservation); entries no running request is
+  attached to are dropped, least recently used first, before a running request is preempted and
+  before a waiting prefill is refused for lack of pages.
+
 Every page a step needs is counted before the step runs, so the forward pass never meets a full pool.
 The scheduler only decides; the `ModelRunner` it is given owns the cache rows it hands out and frees.
 """
@@ -81,7 +86,9 @@ class Scheduler:
             needed = self.cache.pages_needed_to_append(rows, 1)  # type: ignore[arg-type]
             if needed <= self.cache.pool.num_free:
                 return SchedulerOutput(prefill=[], decode=running, preempted=preempted)
-            preempted.append(self.preempt(self.active[-1]))
+            # Cached prefixes nobody runs on go first; a running request is preempted only after them.
+            if self.runner.evict_cached_prefix() is None:
+                preempted.append(self.preempt(self.active[-1]))
 
     def _schedule_prefill(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
@@ -94,10 +101,21 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, req.num_processed, end))
             budget -= end - req.num_processed
         available = free - self._pages_promised()
-        while self.waiting and budget > 0 and len(self.active) < self.max_num_seqs:
+        while self.waiting and len(self.active) < self.max_num_seqs:
             req = self.waiting[0]
+            if self.runner.attach_prefix(req):  # a cached compressed prefix: no prefill, no reservation
+                self.waiting.popleft()
+                self.active.append(req)
+                continue
+            if budget <= 0:
+                break
             end = min(req.prefill_target, budget)
             peak = self.runner.prefill_reservation(req, end, self.max_num_batched_tokens)
+            while peak > available:
+                freed = self.runner.evict_cached_prefix()
+                if freed is None:
+                    break
+                available += freed
             if peak > available:
                 break
             self.waiting.popleft()

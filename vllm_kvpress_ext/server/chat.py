@@ -63,6 +63,31 @@ def chat_prompt(state: ServerState, messages: list[ChatMessage]) -> list[int]:
         raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
 
 
+def context_boundary(state: ServerState, body: ChatCompletionRequest, token_ids: list[int]) -> int:
+    """`kv_prefix_messages` as a token boundary: the rendered length of the context messages."""
+    count = body.kv_prefix_messages
+    assert count is not None
+    if body.kv_prefix_tokens is not None:
+        raise bad_request("give kv_prefix_messages or kv_prefix_tokens, not both", param="kv_prefix_messages")
+    if count >= len(body.messages):
+        raise bad_request(
+            f"kv_prefix_messages must be below the {len(body.messages)} messages, got {count}",
+            param="kv_prefix_messages",
+        )
+    rendered = [_message_dict(i, m) for i, m in enumerate(body.messages[:count])]
+    try:
+        ids = state.tokenizer.apply_chat_template(rendered, add_generation_prompt=False, tokenize=True)
+    except Exception as exc:
+        raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
+    context = [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+    if not context or token_ids[: len(context)] != context:
+        raise bad_request(
+            "the chat template does not render the first kv_prefix_messages messages as a prefix of the prompt",
+            param="kv_prefix_messages",
+        )
+    return len(context)
+
+
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     state: ServerState = request.app.state.kvpress
@@ -78,6 +103,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise unsupported("response_format", "only the text response format is supported")
     token_ids = await asyncio.to_thread(chat_prompt, state, body.messages)  # off the event loop
+    if body.kv_prefix_messages is not None:
+        boundary = await asyncio.to_thread(context_boundary, state, body, token_ids)
+        body = body.model_copy(update={"kv_prefix_tokens": boundary})
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = requested or max(1, state.max_model_len - len(token_ids))
     samples = sample_params(body, max_tokens, 1, top_logprobs, body.prompt_logprobs)

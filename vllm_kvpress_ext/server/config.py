@@ -103,6 +103,8 @@ class ServerConfig:
     log_level: str = "info"
     max_request_bytes: int = 2 << 20
     shutdown_grace: float = 30.0
+    enable_prefix_caching: bool = True
+    max_cached_prefixes: int = 16
 
     def __post_init__(self) -> None:
         if self.num_pages is not None and self.kv_memory is not None:
@@ -116,6 +118,7 @@ class ServerConfig:
             "num_pages": self.num_pages,
             "kv_memory": self.kv_memory,
             "max_model_len": self.max_model_len,
+            "max_cached_prefixes": self.max_cached_prefixes,
         }
         for name, value in positive.items():
             if value is not None and value < 1:

@@ -134,6 +134,7 @@ class Update:
     # tokens' so far, and the prompt's (complete once the prefill is, i.e. from the first update on).
     logprobs: list[Any] | None = None
     prompt_logprobs: list[Any] | None = None
+    cached_tokens: int = 0  # prompt tokens read from a cached compressed prefix
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,7 @@ class _Add:
     future: concurrent.futures.Future[None]
     loop: asyncio.AbstractEventLoop
     sample_of: str | None = None  # another sample of the same prompt, whose compressed pages this one starts from
+    compress_after: int | None = None  # the context/question boundary (`kv_prefix_tokens`)
 
 
 @dataclass
@@ -229,6 +231,7 @@ class EngineLoop:
         self._peak = 0
         self._steps = 0
         self._failed_steps = 0
+        self._prefix_seen = (0, 0)  # prefix-store hits and tokens already counted in the metrics
         self.timings = LoopTimings()
         # While a step's outputs are delivered: the updates for each event loop, posted together at the end.
         self._batch: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Update | Failure]]] | None = None
@@ -276,11 +279,17 @@ class EngineLoop:
         return (await self.submit_samples(token_ids, [params], policy, arrival))[0]
 
     async def submit_samples(
-        self, token_ids: list[int], samples: list[SamplingParams], policy: KVPolicy | None, arrival: float
+        self,
+        token_ids: list[int],
+        samples: list[SamplingParams],
+        policy: KVPolicy | None,
+        arrival: float,
+        compress_after: int | None = None,
     ) -> list[RequestHandle]:
         """Queue one request per sample of one prompt, as one command: the engine sees them together, so the
         later samples start from the first one's compressed prompt (engine/samples.py). Returns once the engine
-        accepted them all; if it refused one, those it accepted are aborted and the refusal is raised."""
+        accepted them all; if it refused one, those it accepted are aborted and the refusal is raised.
+        `compress_after` names the prompt's context (a cached compressed prefix, engine/prefix_store.py)."""
         if self._draining.is_set():
             raise EngineUnavailableError("the server is shutting down")
         if not self.alive:
@@ -292,7 +301,7 @@ class EngineLoop:
             handle = RequestHandle(self, f"{uuid.uuid4().hex[:16]}-{next(self._ids)}", len(token_ids), label)
             first = adds[0].handle.request_id if adds else None
             future: concurrent.futures.Future[None] = concurrent.futures.Future()
-            adds.append(_Add(handle, token_ids, params, policy, arrival, future, loop, first))
+            adds.append(_Add(handle, token_ids, params, policy, arrival, future, loop, first, compress_after))
         self._commands.put(adds)
         try:
             await asyncio.gather(*(asyncio.wrap_future(add.future) for add in adds))
@@ -374,7 +383,12 @@ class EngineLoop:
         request_id = add.handle.request_id
         try:
             self.engine.add_request(
-                add.token_ids, add.params, request_id=request_id, policy=add.policy, sample_of=add.sample_of
+                add.token_ids,
+                add.params,
+                request_id=request_id,
+                policy=add.policy,
+                sample_of=add.sample_of,
+                compress_after=add.compress_after,
             )
         except Exception as exc:
             add.future.set_exception(exc)
@@ -459,7 +473,16 @@ class EngineLoop:
                 self.metrics.compression.labels(policy=handle.policy).observe(kv.compression_seconds)
         self._post(
             tracked,
-            Update(list(out.output_token_ids), out.text, True, reason, kv, out.logprobs, out.prompt_logprobs),
+            Update(
+                list(out.output_token_ids),
+                out.text,
+                True,
+                reason,
+                kv,
+                out.logprobs,
+                out.prompt_logprobs,
+                out.cached_tokens,
+            ),
         )
 
     def _batch_of_failed_step(self) -> list[str]:
@@ -526,12 +549,24 @@ class EngineLoop:
         self._peak = max(self._peak, held_during_step, running)
         snap = self._take_snapshot(running, waiting)
         self.snapshot = snap
+        self._publish_prefix_store()
         m = self.metrics
         m.pages_used.set(snap.pages_used)
         m.pages_free.set(snap.pages_free)
         m.running.set(running)
         m.waiting.set(waiting)
         m.running_peak.set(self._peak)
+
+    def _publish_prefix_store(self) -> None:
+        store = self.engine.runner.prefix_store
+        if store is None:
+            return
+        m = self.metrics
+        m.prefix_hits.inc(store.hits - self._prefix_seen[0])
+        m.prefix_tokens.inc(store.tokens_reused - self._prefix_seen[1])
+        self._prefix_seen = (store.hits, store.tokens_reused)
+        m.prefix_pages.set(store.pages_held())
+        m.prefix_entries.set(len(store.entries))
 
     def _shutdown(self) -> None:
         """Abort everything and release every waiter, so no handler hangs on a dead loop."""

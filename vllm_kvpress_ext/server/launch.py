@@ -36,6 +36,8 @@ def build_engine(config: ServerConfig) -> LLMEngine:
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,
         kv_policy=config.kv_policy,
+        enable_prefix_caching=config.enable_prefix_caching,
+        max_cached_prefixes=config.max_cached_prefixes,
     )
 
 

@@ -39,6 +39,11 @@ class ServerMetrics:
         self.ttft = self._build("kvpress_time_to_first_token_seconds")
         self.itl = self._build("kvpress_inter_token_latency_seconds")
         self.compression = self._build("kvpress_compression_seconds")
+        # Compressed prefix reuse (`kv_prefix_tokens`, docs/prefix_reuse.md).
+        self.prefix_hits = self._build("kvpress_prefix_cache_hits")
+        self.prefix_tokens = self._build("kvpress_prefix_cache_tokens_reused")
+        self.prefix_pages = self._build("kvpress_prefix_cache_pages")
+        self.prefix_entries = self._build("kvpress_prefix_cache_entries")
 
     def _build(self, name: str) -> Any:
         series = SERIES[name]

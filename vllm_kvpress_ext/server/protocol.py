@@ -87,7 +87,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool | None = Field(default=None, description="vLLM extension (default true)")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=1, ge=1, le=128, description="samples per prompt; each is its own engine request")
+    n: int | None = Field(default=1, ge=1, le=128, description="samples per prompt; they share the compressed prompt")
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, description="vLLM extension; 1 = off")
@@ -105,6 +105,14 @@ class _SamplingFields(BaseModel):
     )
     vllm_xargs: dict[str, Any] | None = Field(
         default=None, description="vLLM-style extra arguments; `kv_policy` is read from here too"
+    )
+    kv_prefix_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 20,
+        description="extension: the first kv_prefix_tokens prompt tokens are a context the policy compresses on "
+        "its own before the rest is read from the compressed cache; with prefix caching on, a later request "
+        "with the same context, policy and model reuses that compressed context (docs/prefix_reuse.md)",
     )
     # vLLM extensions accepted only at their neutral value (NEUTRAL_ONLY).
     use_beam_search: StrictBool | None = None
@@ -154,6 +162,13 @@ class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    kv_prefix_messages: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="extension: the first kv_prefix_messages messages are the context (kv_prefix_tokens = their "
+        "rendered length); fewer than the messages, and the chat template must render them as a token prefix",
+    )
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None

@@ -154,6 +154,17 @@ def sample_params(
     return [dataclasses.replace(params, seed=(params.seed + j) % 2**64) for j in range(n)]
 
 
+def prefix_boundary(body: CompletionRequest | ChatCompletionRequest, token_ids: list[int]) -> int | None:
+    """`kv_prefix_tokens`: the context the policy compresses before the rest of the prompt is read."""
+    boundary = body.kv_prefix_tokens
+    if boundary is not None and boundary >= len(token_ids):
+        raise bad_request(
+            f"kv_prefix_tokens must be below the prompt's {len(token_ids)} tokens, got {boundary}",
+            param="kv_prefix_tokens",
+        )
+    return boundary
+
+
 async def submit(
     state: ServerState,
     body: CompletionRequest | ChatCompletionRequest,
@@ -162,11 +173,11 @@ async def submit(
     arrival: float,
     prompt_param: str,
 ) -> list[RequestHandle]:
-    """Resolve the request's policy and hand the prompt's samples (one `SamplingParams` each) to the engine
-    loop together; every refusal becomes an APIError."""
+    """Resolve the request's policy and hand the prompt's samples to the engine loop (one command: the
+    samples after the first fork its compressed prompt); every refusal becomes an APIError."""
     policy = resolve_policy(policy_spec(body.kv_policy, body.vllm_xargs))
     try:
-        return await state.loop.submit_samples(token_ids, params, policy, arrival)
+        return await state.loop.submit_samples(token_ids, params, policy, arrival, prefix_boundary(body, token_ids))
     except QueueFullError as exc:
         raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
     except RequestRejectedError as exc:
@@ -345,6 +356,9 @@ def usage(prompt_tokens: int, finals: list[Update]) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
     }
+    cached = sum(final.cached_tokens for final in finals)
+    if cached:  # vLLM's shape, present when some prompt tokens came from a cached compressed prefix
+        block["prompt_tokens_details"] = {"cached_tokens": cached}
     figures = [kv_figures(final.kv.policy, final.kv) for final in finals if final.kv is not None]
     if figures:
         block.update(usage_fields(combine_figures(figures)))

@@ -51,6 +51,15 @@ def register(bench_sub: Subparsers) -> None:
         "requests of 576 tokens)",
     )
     bs.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    bs.add_argument(
+        "--shared-contexts",
+        type=int,
+        default=0,
+        help="shared-context workload: this many contexts of --prompt-len tokens, each asked several questions "
+        "with kv_prefix_tokens, run with prefix caching off and on (default: 0 = off; docs/prefix_reuse.md)",
+    )
+    bs.add_argument("--questions-per-context", type=int, default=8, help="questions per shared context (default: 8)")
+    bs.add_argument("--question-len", type=int, default=16, help="tokens per question (default: 16)")
     bs.set_defaults(handler=run)
 
 
@@ -76,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
             out=args.out,
             compare_vllm=args.compare_vllm,
             num_pages=args.num_pages,
+            shared_contexts=args.shared_contexts,
+            questions_per_context=args.questions_per_context,
+            question_len=args.question_len,
         )
     )
     return 0

@@ -1,0 +1,170 @@
+"""Compressed prefix reuse: a request attached to a cached compressed context equals the same request
+run on a fresh engine, attached requests never see each other's tokens, and the store's pages are
+conserved and given back before any running request is preempted."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from model_utils import write_suite_model
+
+from vllm_kvpress_ext.bench.accuracy import budgets_for, make_policy
+from vllm_kvpress_ext.cache import KeepPlan, PagedKVCache
+from vllm_kvpress_ext.engine import LLM, LLMEngine, SamplingParams
+from vllm_kvpress_ext.engine.inputs import ContextQuestion
+from vllm_kvpress_ext.engine.prefix_store import PrefixStore
+from vllm_kvpress_ext.engine.request import Request
+from vllm_kvpress_ext.policies import policy_names
+
+CONTEXT, QUESTION = 90, 7
+# WG-KV gates writes during prefill and sizes its ring per request: not cached (PrefixStore.boundary).
+POLICIES = [p for p in policy_names() if p not in ("wgkv", "full")]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, return_kept=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_suite_model(tmp_path_factory.mktemp("prefix-model"), std=0.3)
+
+
+def engine_for(path: Path, caching: bool, **kwargs: object) -> LLMEngine:
+    settings: dict = {"dtype": torch.float32, "num_pages": 2048, "page_size": 4, "max_num_seqs": 8, **kwargs}
+    return LLMEngine(path, enable_prefix_caching=caching, **settings)
+
+
+def tokens(engine: LLMEngine, seed: int, length: int) -> list[int]:
+    return torch.randint(3, engine.config.vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_all(engine: LLMEngine, ids: list[str]) -> dict[str, object]:
+    outs: dict[str, object] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    return {i: outs[i] for i in ids}
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_attached_requests_equal_fresh_runs(model_path: Path, name: str) -> None:
+    cached, fresh = engine_for(model_path, True), engine_for(model_path, False)
+    policy = make_policy(name, budgets_for(name, (0.3,))[0])
+    context = tokens(cached, 0, CONTEXT)
+    questions = [tokens(cached, 10 + q, QUESTION) for q in range(3)]
+    first = cached.add_request(context + questions[0], GREEDY, "first", policy=policy, compress_after=CONTEXT)
+    run_all(cached, [first])
+    store = cached.runner.prefix_store
+    assert store is not None and len(store.entries) == 1
+    # Two requests attach at once: each writes its own question and answer on the shared context.
+    ids = [
+        cached.add_request(context + q, GREEDY, f"q{i}", policy=policy, compress_after=CONTEXT)
+        for i, q in enumerate(questions[1:], 1)
+    ]
+    attached = run_all(cached, ids)
+    assert store.hits == 2 and store.tokens_reused == 2 * CONTEXT
+    for i, rid in enumerate(ids, 1):
+        alone_id = fresh.add_request(context + questions[i], GREEDY, policy=policy, compress_after=CONTEXT)
+        alone = run_all(fresh, [alone_id])[alone_id]
+        got = attached[rid]
+        assert got.cached_tokens == CONTEXT and alone.cached_tokens == 0  # type: ignore[attr-defined]
+        assert got.output_token_ids == alone.output_token_ids, (name, i)  # type: ignore[attr-defined]
+        assert torch.equal(got.kv.kept.positions, alone.kv.kept.positions), (name, i)  # type: ignore[attr-defined]
+        at_compression = got.kv.kept_at_compression.positions  # type: ignore[attr-defined]
+        assert torch.equal(at_compression, alone.kv.kept_at_compression.positions), (name, i)  # type: ignore[attr-defined]
+    store.clear()
+    assert cached.cache.pool.num_free == cached.cache.pool.num_pages
+
+
+def test_offline_context_question_reuses_the_context(model_path: Path) -> None:
+    llm = LLM(model_path, dtype=torch.float32, num_pages=2048, page_size=4, enable_prefix_caching=True)
+    context = tokens(llm.engine, 3, 60)
+    prompts = [ContextQuestion(context, tokens(llm.engine, 20 + i, 5)) for i in range(3)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0), policy="snapkv")
+    assert outs[0].cached_tokens == 0  # the first compresses the context itself
+    again = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0), policy="snapkv")
+    assert [o.cached_tokens for o in again] == [60, 60, 60]
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in outs]
+    # Another policy (or other parameters) is another key.
+    other = llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), policy="h2o")
+    assert other[0].cached_tokens == 0
+
+
+def test_no_boundary_no_cache(model_path: Path) -> None:
+    engine = engine_for(model_path, True)
+    prompt = tokens(engine, 4, 40)
+    for compress_after in (None, 40):  # no question after the context: nothing to share
+        run_all(engine, [engine.add_request(prompt, GREEDY, policy="snapkv", compress_after=compress_after)])
+    run_all(engine, [engine.add_request(prompt, GREEDY, policy="full", compress_after=20)])
+    assert engine.runner.prefix_store is not None and not engine.runner.prefix_store.entries
+    with pytest.raises(ValueError, match="max_cached_prefixes"):
+        engine_for(model_path, True, max_cached_prefixes=0)
+
+
+def test_cached_prefixes_go_before_any_preemption(model_path: Path) -> None:
+    engine = engine_for(model_path, True, num_pages=260)
+    store = engine.runner.prefix_store
+    assert store is not None
+    for c in range(6):  # six contexts, each cached after its request finished
+        context = tokens(engine, 100 + c, 48)
+        run_all(engine, [engine.add_request([*context, 5, 6], GREEDY, policy="snapkv", compress_after=48)])
+    held = store.pages_held()
+    assert len(store.entries) == 6 and held == engine.cache.pool.num_used
+    # A long uncompressed request needs more than is free: the store gives pages back, nobody is preempted.
+    big = engine.add_request(tokens(engine, 7, 200), SamplingParams(max_tokens=30, ignore_eos=True), policy="full")
+    out = run_all(engine, [big])[big]
+    assert out.num_preemptions == 0 and store.evicted > 0  # type: ignore[attr-defined]
+    assert engine.cache.pool.num_used == store.pages_held()
+
+
+def test_thousands_of_attach_and_evict_cycles_conserve_pages() -> None:
+    """Store / attach / write / finish / evict at random on the cache alone; conservation after each."""
+    rng = random.Random(0)
+    layers, heads, page = 2, 2, 4
+    cache = PagedKVCache(layers, heads, 4, num_pages=400, page_size=page, max_requests=12, dtype=torch.float32)
+    store = PrefixStore(cache, "model", capacity=4)
+    policy = make_policy("snapkv", 0.5)
+    contexts = [[rng.randrange(3, 50) for _ in range(rng.randint(4, 20))] for _ in range(6)]
+    live: dict[str, Request] = {}
+    for step in range(2000):
+        op = rng.choice(["new", "new", "write", "finish", "evict"])
+        if op == "new" and len(live) < 8:
+            ctx = rng.choice(contexts)
+            req = Request(f"r{step}", [*ctx, 1, 2], SamplingParams(), compress_after=len(ctx), policy=policy)
+            if not store.attach(req):
+                req.row = cache.add_request(req.request_id)
+                cache.append_slots([req.row], torch.arange(len(ctx)).view(1, -1))
+                if rng.random() < 0.5:  # a compression: drop a random subset
+                    keep = torch.rand(layers, heads, len(ctx)) < 0.6
+                    cache.apply_keep_plan(req.request_id, KeepPlan.from_mask(keep))
+                req.num_processed = len(ctx)
+                store.store(req)
+            live[req.request_id] = req
+        elif op == "write" and live:
+            req = live[rng.choice(sorted(live))]
+            cache.append_slots([req.row], torch.tensor([[req.num_processed]]))
+            req.num_processed += 1
+        elif op == "finish" and live:
+            req = live.pop(rng.choice(sorted(live)))
+            cache.free_request(req.request_id)
+            store.detach(req)
+        elif op == "evict":
+            in_use = {k for k, e in store.entries.items() if e.users}
+            store.evict_one()
+            assert in_use <= set(store.entries), "an entry in use was evicted"
+        users = {}
+        for req in live.values():
+            if req.prefix_key is not None:
+                users[req.prefix_key] = users.get(req.prefix_key, 0) + 1
+        assert {k: e.users for k, e in store.entries.items() if e.users} == users
+        tables = cache.block_tables
+        held = torch.arange(tables.shape[-1]) < ((cache.seq_lens.to(torch.int64) + page - 1) // page).unsqueeze(-1)
+        refs = torch.bincount(tables[held].to(torch.int64), minlength=cache.pool.num_pages).to(torch.int32)
+        assert torch.equal(cache.pool.refcounts(), refs)
+    for req in live.values():
+        cache.free_request(req.request_id)
+        store.detach(req)
+    store.clear()
+    assert not store.entries and cache.pool.num_free == cache.pool.num_pages

@@ -1,0 +1,111 @@
+"""Compressed prefix reuse over HTTP: `kv_prefix_tokens`, `usage.prompt_tokens_details.cached_tokens`,
+the prefix-cache metrics, the on/off flag, and concurrent attached requests that stay isolated."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_server import LONG_PROMPT, LiveServer, _start, _write_model, metric
+
+from vllm_kvpress_ext.cli import main
+from vllm_kvpress_ext.server.config import ServerConfig
+
+POLICY = {"name": "snapkv", "ratio": 0.5}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_model(tmp_path_factory.mktemp("prefix-server-model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[LiveServer]:
+    with _start(model_dir) as live:
+        yield live
+
+
+def body(ids: list[int], boundary: int | None, **extra: Any) -> dict[str, Any]:
+    fields = {"prompt": ids, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "kv_policy": POLICY, **extra}
+    return fields if boundary is None else {**fields, "kv_prefix_tokens": boundary}
+
+
+def test_kv_prefix_tokens_reuses_the_compressed_context(server: LiveServer, model_dir: Path) -> None:
+    context = [int(t) for t in server.engine.tokenizer.encode(LONG_PROMPT)]
+    questions = [[7 + q, 9, 11 + q, 13] for q in range(4)]
+    c = len(context)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        hits = metric(http, "kvpress_prefix_cache_hits_total")
+        first = http.post("/v1/completions", json=body(context + questions[0], c)).json()
+        assert "prompt_tokens_details" not in first["usage"]  # it compressed the context itself
+        assert metric(http, "kvpress_prefix_cache_entries") >= 1 and metric(http, "kvpress_prefix_cache_pages") > 0
+
+        async def concurrent() -> list[dict[str, Any]]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                calls = [client.post("/v1/completions", json=body(context + q, c)) for q in questions[1:]]
+                return [r.json() for r in await asyncio.gather(*calls)]
+
+        attached = asyncio.run(concurrent())
+        for answer in attached:
+            assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": c}
+        assert metric(http, "kvpress_prefix_cache_hits_total") == hits + 3
+
+    # The same requests on a server without prefix caching: the same answers, nothing cached.
+    with _start(model_dir, enable_prefix_caching=False) as fresh, httpx.Client(base_url=fresh.url, timeout=60) as http:
+        for q, answer in zip(questions[1:], attached, strict=True):
+            alone = http.post("/v1/completions", json=body(context + q, c)).json()
+            assert alone["choices"][0]["text"] == answer["choices"][0]["text"]
+            assert "prompt_tokens_details" not in alone["usage"]
+        assert fresh.engine.runner.prefix_store is None
+
+
+def test_kv_prefix_tokens_is_bounded(server: LiveServer) -> None:
+    ids = [int(t) for t in server.engine.tokenizer.encode(LONG_PROMPT)]
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for bad in (0, -1, len(ids), 1 << 21, "3", 2.5):
+            response = http.post("/v1/completions", json=body(ids, None, kv_prefix_tokens=bad))
+            assert response.status_code == 400, bad
+            assert response.json()["error"]["param"] in ("kv_prefix_tokens", None), response.text
+
+
+def test_serve_flag_default_and_off(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in text and "(default: on;" in text
+    assert ServerConfig(model_dir=Path(".")).enable_prefix_caching is True
+    with pytest.raises(ValueError, match="max_cached_prefixes"):
+        ServerConfig(model_dir=Path("."), max_cached_prefixes=0)
+
+
+def test_chat_names_its_context_by_messages(server: LiveServer) -> None:
+    context = [
+        {"role": "system", "content": "answer from the records ."},
+        {"role": "user", "content": LONG_PROMPT},
+    ]
+
+    def chat(question: str, **extra: Any) -> httpx.Response:
+        messages = [*context, {"role": "user", "content": question}]
+        fields = {"messages": messages, "max_tokens": 4, "temperature": 0, "kv_policy": POLICY, **extra}
+        return http.post("/v1/chat/completions", json=fields)
+
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        first = chat("what is key trout ?", kv_prefix_messages=2).json()
+        assert "prompt_tokens_details" not in first["usage"]
+        second = chat("what is the sky ?", kv_prefix_messages=2).json()
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < cached < second["usage"]["prompt_tokens"]
+        # The boundary is the rendered length of the context messages: kv_prefix_tokens says the same.
+        third = chat("what is the mill ?", kv_prefix_tokens=cached).json()
+        assert third["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+        for bad in (
+            {"kv_prefix_messages": 3},
+            {"kv_prefix_messages": 0},
+            {"kv_prefix_messages": 1, "kv_prefix_tokens": 4},
+        ):
+            response = chat("x", **bad)
+            assert response.status_code == 400, bad
