@@ -131,14 +131,10 @@ class PagePool:
         first.scatter_reduce_(0, inverse, torch.arange(pages.numel()), reduce="amin")
         return uniq, times.to(torch.int32), first
 
-    def refcounts(self, pages: torch.Tensor) -> torch.Tensor:
-        """Holders of each page (int32; 0 for a free page)."""
-        return self._refs[pages.to(device="cpu", dtype=torch.int64)]
+    def refcounts(self, pages: torch.Tensor | None = None) -> torch.Tensor:
+        """Holders of each listed page, or a copy of every page's (int32; 0 for a free page)."""
+        return self._refs.clone() if pages is None else self._refs[pages.to(device="cpu", dtype=torch.int64)]
 
     def in_use_mask(self) -> torch.Tensor:
         """A copy of the in-use bitmap (for invariant checks)."""
         return self._refs > 0
-
-    def refcount_copy(self) -> torch.Tensor:
-        """A copy of every page's holder count (for invariant checks)."""
-        return self._refs.clone()
