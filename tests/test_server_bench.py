@@ -32,9 +32,8 @@ def test_bench_serve_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 def test_shared_context_workload_names_each_context() -> None:
-    from vllm_kvpress_ext.tasks.tokenizer import build_tokenizer
-
     from vllm_kvpress_ext.bench.serve_bench import ServeBenchConfig, _prompts
+    from vllm_kvpress_ext.tasks.tokenizer import build_tokenizer
 
     config = ServeBenchConfig(shared_contexts=3, questions_per_context=4, prompt_len=20, question_len=5)
     assert config.requests == 12
