@@ -216,3 +216,15 @@ def test_a_sample_with_another_ring_or_recording_runs_alone(model_dir: Path) -> 
     engine.add_request(prompt, scoring, "scoring", sample_of="plain")
     assert {r.request_id for r in engine.scheduler.waiting} == {"lead", "longer", "plain", "scoring"}
     _finish(engine)
+
+
+def test_the_offline_api_returns_n_samples_per_prompt(model_dir: Path) -> None:
+    from vllm_kvpress_ext.engine import LLM
+
+    llm = LLM(model_dir, max_num_seqs=8, kv_memory=8 << 20, page_size=16)
+    prompt = _prompt(llm.engine)
+    outs = llm.generate([prompt], _params(5), n=3, policy="snapkv")
+    alone = [llm.generate([prompt], _params(5 + j), policy="snapkv")[0] for j in range(3)]
+    assert [o.output_token_ids for o in outs] == [a.output_token_ids for a in alone]
+    with pytest.raises(ValueError, match="n must be"):
+        llm.generate([prompt], _params(0), n=0)
