@@ -199,6 +199,7 @@ def _check_counts(cache: PagedKVCache) -> None:
     held = torch.bincount(tables[tables >= 0].to(torch.int64), minlength=cache.pool.num_pages)
     assert torch.equal(held.to(torch.int32), cache.pool.refcounts())
     assert cache.pool.num_used == int((held > 0).sum())
+    assert cache.pool.num_shared == int((held > 1).sum())
 
 
 def test_a_sample_with_another_ring_or_recording_runs_alone(model_dir: Path) -> None:

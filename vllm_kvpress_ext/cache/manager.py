@@ -197,8 +197,9 @@ class PagedKVCache:
         self, l_idx: torch.Tensor, r_idx: torch.Tensor, h_idx: torch.Tensor, p_idx: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         """Of the table cells (l, r, h, page index) about to be written, the distinct ones whose page is shared."""
-        if l_idx.numel() == 0:
-            return l_idx, r_idx, h_idx, p_idx
+        if l_idx.numel() == 0 or self.pool.num_shared == 0:  # nothing shared: every decode step's common case
+            empty = l_idx[:0]
+            return empty, empty, empty, empty
         key = ((l_idx * self.max_requests + r_idx) * self.num_kv_heads + h_idx) * self.block_tables.shape[-1] + p_idx
         _, first = _first_of_each(key)
         l_idx, r_idx, h_idx, p_idx = l_idx[first], r_idx[first], h_idx[first], p_idx[first]
@@ -219,6 +220,9 @@ class PagedKVCache:
 
     def _tail_cells(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Shared partial last pages that appending `counts[L, B, H]` entries to `rows` would write into."""
+        if self.pool.num_shared == 0:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return empty, empty, empty, empty
         lens = self.seq_lens[:, rows].to(torch.int64)
         into = (counts > 0) & (lens % self.page_size != 0)
         l_idx, b_idx, h_idx = into.nonzero().unbind(-1)

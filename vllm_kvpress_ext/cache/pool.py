@@ -62,6 +62,8 @@ class PagePool:
         self._free_stack = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64)
         self._num_free = num_pages
         self._refs = torch.zeros(num_pages, dtype=torch.int32)  # holders of each page; 0 = free
+        # Pages with more than one holder: 0 lets the cache skip its copy-on-write checks outright.
+        self._num_shared = 0
 
     @staticmethod
     def bytes_per_page_for(page_size: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -83,6 +85,11 @@ class PagePool:
         return self._num_free
 
     @property
+    def num_shared(self) -> int:
+        """Pages held by more than one holder."""
+        return self._num_shared
+
+    @property
     def num_used(self) -> int:
         return self.num_pages - self._num_free
 
@@ -102,7 +109,9 @@ class PagePool:
     def share(self, pages: torch.Tensor) -> None:
         """Add one holder to each listed page (every one in use; an id listed twice gains two)."""
         uniq, times, _ = self._counted(pages, "sharing")
+        before = int((self._refs[uniq] > 1).sum())
         self._refs[uniq] += times
+        self._num_shared += int((self._refs[uniq] > 1).sum()) - before
 
     def free(self, pages: torch.Tensor) -> None:
         """Drop one holder of each listed page (an id listed k times drops k); pages left with none return to
@@ -110,7 +119,9 @@ class PagePool:
         uniq, times, first = self._counted(pages, "freeing")
         if bool((times > self._refs[uniq]).any()):
             raise ValueError("the same page id is freed twice in one call")
+        before = int((self._refs[uniq] > 1).sum())
         self._refs[uniq] -= times
+        self._num_shared += int((self._refs[uniq] > 1).sum()) - before
         # Pushed in the order they were listed: the last one listed is the next one handed out.
         released = uniq[torch.argsort(first)]
         released = released[self._refs[released] == 0]
