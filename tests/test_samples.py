@@ -105,8 +105,11 @@ def test_a_sample_runs_alone_when_its_prompt_already_answered(model_dir: Path) -
         engine.step()
     engine.add_request(prompt, _params(1), "late", sample_of="first")  # too late to share: runs whole
     engine.add_request(prompt, _params(2), "orphan", sample_of="nobody")
+    assert {r.request_id for r in engine.scheduler.waiting} >= {"late", "orphan"}  # queued to prefill
     outputs = _finish(engine)
     assert set(outputs) == {"first", "late", "orphan"}
+    engine.add_request(prompt, _params(1), "late-alone")
+    assert _finish(engine)["late-alone"] == outputs["late"]
 
 
 def test_aborting_the_first_sample_lets_the_others_run(model_dir: Path) -> None:
