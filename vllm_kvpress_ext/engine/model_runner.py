@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vllm_kvpress_ext.cache import PagedKVCache, PagePool
+from vllm_kvpress_ext.cache import PagedKVCache, PagePool, RequestCapacityError
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
 from vllm_kvpress_ext.engine.kept import kept_entries
@@ -34,6 +34,7 @@ from vllm_kvpress_ext.engine.prefix_store import PrefixStore
 from vllm_kvpress_ext.engine.reconstruction import score_by_reconstruction
 from vllm_kvpress_ext.engine.request import Request, RequestRejectedError, RequestStatus
 from vllm_kvpress_ext.engine.sampler import token_logprobs
+from vllm_kvpress_ext.engine.samples import start_as_fork
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.hub.pull import resolve_model
 from vllm_kvpress_ext.models import load_model
@@ -231,6 +232,35 @@ class ModelRunner:
         request.num_processed = 0
         request.cached_tokens = 0
 
+    def resume(self, request: Request, output_token_ids: list[int]) -> None:
+        """Restart a preempted request with the tokens its driver has kept for it: it recomputes them all."""
+        request.output_token_ids = list(output_token_ids)
+        self.add(request)
+
+    def load_prefill(
+        self, request: Request, keys: torch.Tensor, values: torch.Tensor, capture: PrefillCapture | None
+    ) -> None:
+        """Give the request a row holding `keys` / `values` (`[L, H, n, d]`) as its first n prompt entries and
+        `capture` as what its prefill recorded, ready for `complete_prefill` (a copy of a shared prefix,
+        `engine/prefix.py`). The caller checks that the pool has the pages."""
+        n = keys.shape[2]
+        self.add(request)
+        assert request.row is not None
+        slots = self.cache.append_slots([request.row], torch.arange(n).view(1, -1))  # [L, 1, H, n]
+        self.cache.write(slots[:, 0], keys, values)
+        request.num_processed = n
+        request.capture = capture
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Start `child` (another sample of `parent`'s prompt) on a fork of the parent's row, with its state
+        after the prompt (`engine/samples.py`); False, with nothing changed, when no row or page is free."""
+        try:
+            row = self.cache.fork_request(parent.request_id, child.request_id)
+        except (RequestCapacityError, PoolExhaustedError):
+            return False
+        start_as_fork(parent, child, row)
+        return True
+
     def release(self, request: Request) -> None:
         """Return the request's pages and row (its policy state stays readable, e.g. after it finished)."""
         if request.row is not None:
@@ -256,12 +286,56 @@ class ModelRunner:
         return None if self.prefix_store is None else self.prefix_store.evict_one()
 
     def reset(self, request: Request) -> None:
-        """Release the request and forget its policy state: it will be recomputed from token 0 (preemption)."""
+        """Release the request and forget its policy state: it will be recomputed from token 0."""
         self.release(request)
         request.policy_state = None
         request.capture = None
         request.admitted = None
         request.gate_values = None
+
+    def preempt(self, request: Request) -> None:
+        """Free the request's pages and mark it waiting to be recomputed (its output tokens stay)."""
+        self.reset(request)
+        request.status = RequestStatus.WAITING
+        request.num_processed = 0
+        request.num_preemptions += 1
+
+    # ------------------------------------------------------------------ pool figures for the drivers
+
+    @property
+    def total_pages(self) -> int:
+        return self.cache.pool.num_pages
+
+    @property
+    def free_pages(self) -> int:
+        return self.cache.pool.num_free
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (of one layer and KV head)."""
+        return self.cache.page_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: K and V of `page_size` tokens of one (layer, KV head)."""
+        return self.cache.pool.bytes_per_page
+
+    def pages_held(self, request: Request) -> int:
+        """Pages the request's row references, over every (layer, KV head), ring included (0 without a row)."""
+        if request.row is None:
+            return 0
+        return int(self.cache.pages_per_head(request.request_id).sum())
+
+    def pages_to_decode(self, requests: list[Request]) -> int:
+        """Pages one more token for each of `requests` (all holding rows) allocates, copy-on-write included."""
+        rows = [r.row for r in requests]
+        if any(row is None for row in rows):
+            raise ValueError("every decoding request must hold a cache row")
+        return self.cache.pages_needed_to_append(torch.tensor(rows), 1)
+
+    def fits_in_empty_pool(self, num_tokens: int) -> bool:
+        """Whether `num_tokens` uncompressed entries in every (layer, KV head) fit in the whole pool."""
+        return self.cache.pages_for_prompt(num_tokens) <= self.cache.pool.num_pages
 
     def prefill_reservation(self, request: Request, first_chunk_end: int, chunk_tokens: int | None = None) -> int:
         """Pages to reserve for the request's prefill if its first chunk ends at `first_chunk_end`.

@@ -44,7 +44,6 @@ class Scheduler:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.runner = runner
-        self.cache = runner.cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -64,13 +63,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.active)
 
+    @property
+    def has_room(self) -> bool:
+        """Whether one more request may be admitted (`max_num_seqs`)."""
+        return len(self.active) < self.max_num_seqs
+
     def _pages_promised(self) -> int:
         """Pages that unfinished prefills may still allocate: their reservation less what they hold."""
         promised = 0
         for req in self.active:
             if req.status is RequestStatus.PREFILLING:
-                held = int(self.cache.pages_per_head(req.request_id).sum())
-                promised += max(0, req.reserved_pages - held)
+                promised += max(0, req.reserved_pages - self.runner.pages_held(req))
         return promised
 
     def schedule(self) -> SchedulerOutput:
@@ -82,9 +85,7 @@ class Scheduler:
             running = [r for r in self.active if r.status is RequestStatus.RUNNING]
             if not running:
                 return SchedulerOutput(prefill=[], decode=[], preempted=preempted)
-            rows = [r.row for r in running]
-            needed = self.cache.pages_needed_to_append(rows, 1)  # type: ignore[arg-type]
-            if needed <= self.cache.pool.num_free:
+            if self.runner.pages_to_decode(running) <= self.runner.free_pages:
                 return SchedulerOutput(prefill=[], decode=running, preempted=preempted)
             # Cached prefixes nobody runs on go first; a running request is preempted only after them.
             if self.runner.evict_cached_prefix() is None:
@@ -93,7 +94,7 @@ class Scheduler:
     def _schedule_prefill(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        free = self.cache.pool.num_free
+        free = self.runner.free_pages
         for req in self.active:
             if req.status is not RequestStatus.PREFILLING or budget == 0:
                 continue
@@ -129,11 +130,9 @@ class Scheduler:
 
     def preempt(self, request: Request) -> Request:
         """Free the request's pages and queue it for recomputation ahead of everything else."""
-        self._release(request)
-        self.runner.reset(request)
-        request.status = RequestStatus.WAITING
-        request.num_processed = 0
-        request.num_preemptions += 1
+        if request in self.active:
+            self.active.remove(request)
+        self.runner.preempt(request)
         self.waiting.appendleft(request)
         return request
 
