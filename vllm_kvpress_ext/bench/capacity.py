@@ -1,7 +1,7 @@
 """`kvpress bench capacity`: what compression buys in one fixed KV pool, end to end on the engine.
 
 `requests` prompts of `prompt_len` random tokens, each asking for `new_tokens` greedy tokens, are
-queued at once on an engine whose pool holds `kv_memory` bytes. The scheduler admits a request when
+queued at once on an engine whose pool holds `kv_memory` bytes. The scheduler starts a request when
 its uncompressed prefill peak fits; after compression its footprint shrinks and the next one fits.
 Reported per policy, all on the same engine and model, one after the other:
 

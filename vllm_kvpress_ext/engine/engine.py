@@ -188,7 +188,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued for admission (cheap; `stats()` has everything)."""
+        """Requests queued to start (cheap; `stats()` has everything)."""
         return len(self.scheduler.waiting)
 
     def stats(self) -> EngineStats:
@@ -216,7 +216,7 @@ class LLMEngine:
         """Ids of the requests the last step, or the step that just raised, may have touched.
 
         The step's own batch (prefill chunks, or decodes) when it got as far as planning; otherwise (it
-        failed while scheduling) every unfinished request except those cleanly queued for admission, which
+        failed while scheduling) every unfinished request except those cleanly queued to start, which
         hold no pages. Requests the step preempted went back to the queue intact and are not listed.
         """
         plan = self._plan
@@ -345,7 +345,7 @@ class LLMEngine:
             finished=request.finished,
             finish_reason=request.finish_reason,
             kv=dataclasses.replace(
-                request.kv, kept_per_layer=list(request.kv.kept_per_layer), counters=dict(request.kv.counters)
+                request.kv, mean_kept_per_layer=list(request.kv.mean_kept_per_layer), counters=dict(request.kv.counters)
             ),
             num_preemptions=request.num_preemptions,
             error=request.error,

@@ -1,7 +1,7 @@
 """`ModelRunner`: the forward pass, the per-(layer, KV head) page pool and the policy hooks, given a schedule.
 
 Two schedulers drive it: the embedded engine's (`LLMEngine.step`) and vLLM's (the plugin's worker,
-`vllm_kvpress_ext.vllm_plugin.worker`). A driver owns admission, preemption, sampling and stopping;
+`vllm_kvpress_ext.vllm_plugin.worker`). A driver owns starting, preempting, sampling and stopping;
 it hands the runner a `Schedule` (which requests prefill which token chunks, which decode one
 token) of requests that already hold a cache row, and gets back the logits of every request whose
 step produced a next token. The runner runs the prefill chunks as one forward pass and the decodes
@@ -342,7 +342,7 @@ class ModelRunner:
 
         The full prompt, or the policy's declared peak when the whole prefill is one layer-wise chunk,
         or, for a write-gated request whose chunks are at most `chunk_tokens`, its chunked prefill peak
-        (`layerwise.prefill_reservation`); the layer-wise prefill and the chunk-boundary admission
+        (`layerwise.prefill_reservation`); the layer-wise prefill and the chunk-boundary WG-KV admission
         limit (`_drop_unadmitted`) hold the request to the same figure.
         """
         return prefill_reservation(
@@ -682,6 +682,6 @@ class ModelRunner:
         kv.kv_bytes_peak = max(kv.kv_bytes_peak, usage.bytes, peak)
         per_head = usage.global_tokens + usage.ring_tokens
         kv.kept_per_head = per_head.tolist()
-        kv.kept_per_layer = (per_head.sum(-1) // per_head.shape[-1]).tolist()
+        kv.mean_kept_per_layer = (per_head.sum(-1) // per_head.shape[-1]).tolist()
         if isinstance(request.policy_state, dict):
             kv.counters = dict(request.policy_state.get("counters", {}))

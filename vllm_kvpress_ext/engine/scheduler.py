@@ -1,9 +1,12 @@
-"""Prefill-first continuous batching with admission by free pages and preemption by recompute.
+"""Prefill-first continuous batching: requests start by free pages and are preempted by recompute.
+
+Vocabulary: the scheduler *starts* a waiting request (gives it a cache row and reserves its prefill);
+"admission" is reserved for a write gate's decision to keep a token (WG-KV), as in its paper.
 
 Each step is either a prefill step or a decode step:
 
-- Prefill: chunks of admitted-but-unfinished prompts, then newly admitted requests, up to
-  `max_num_batched_tokens` tokens. A waiting request is admitted only when its prefill peak fits in
+- Prefill: chunks of started-but-unfinished prompts, then newly started requests, up to
+  `max_num_batched_tokens` tokens. A waiting request starts only when its prefill peak fits in
   what is free after the pages already promised to unfinished prefills. The peak is the whole
   prompt in every layer and head, except for a prefill that compresses layer by layer in one chunk:
   then it is what the policy declares (`KVPolicy.prefill_peak_pages`), and the engine fails the
@@ -11,7 +14,7 @@ Each step is either a prefill step or a decode step:
   and except for an admission policy (WG-KV) that keeps only admitted tokens past each chunk of at
   most `max_num_batched_tokens`: then its `chunked_prefill_peak_pages`.
 - Decode: one token for every running request. If the pool cannot take the step, the most
-  recently admitted request is preempted: its pages are freed and it goes back to the front of
+  recently started request is preempted: its pages are freed and it goes back to the front of
   the queue to be recomputed later (prompt and generated tokens alike), never dropped.
 
 - Cached compressed prefixes (`engine/prefix_store.py`): a waiting request whose context is cached
@@ -47,14 +50,14 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
-        self.active: list[Request] = []  # PREFILLING or RUNNING, in admission order
+        self.active: list[Request] = []  # PREFILLING or RUNNING, in the order they started
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def adopt(self, request: Request) -> None:
-        """A request given its cache row outside admission (a fork of another request's cache, a copy of a
-        prefilled prefix) joins the admitted set as if it had been admitted now."""
+        """A request given its cache row without being started here (a fork of another request's cache, a copy
+        of a prefilled prefix) joins the started set as if it had started now."""
         if request.row is None or request.status not in (RequestStatus.PREFILLING, RequestStatus.RUNNING):
             raise ValueError(f"request {request.request_id!r} must hold a cache row to be adopted")
         self.active.append(request)
@@ -65,7 +68,7 @@ class Scheduler:
 
     @property
     def has_room(self) -> bool:
-        """Whether one more request may be admitted (`max_num_seqs`)."""
+        """Whether one more request may start (`max_num_seqs`)."""
         return len(self.active) < self.max_num_seqs
 
     def _pages_promised(self) -> int:

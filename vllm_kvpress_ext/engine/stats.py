@@ -29,7 +29,7 @@ class EngineStats:
     """The pool, the queues and the last step, read between steps.
 
     `pages_used` counts every page referenced at least once (a page several rows share counts once).
-    `running` are the admitted requests (prefilling or decoding), `waiting` those queued for admission.
+    `running` are the started requests (prefilling or decoding), `waiting` those queued to start.
     `last_step` says what the last `step()` ran; `prefixes` is None when prefix caching is off.
     """
 

@@ -2,7 +2,7 @@
 
 `LLMEngine` is not thread-safe and its steps are CPU/GPU-bound, so it runs on a dedicated thread
 (running it on the asyncio loop would stall every connection for a whole step). Handlers put
-commands (add, abort) on a thread-safe queue; the thread drains them between steps, runs
+commands (add, abort) on a thread-safe queue; the thread takes them between steps, runs
 `engine.step()`, and posts each request's outputs to that request's `asyncio.Queue` on the event
 loop with `call_soon_threadsafe`.
 
@@ -64,7 +64,7 @@ def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
 
 
 class QueueFullError(Exception):
-    """The admission queue holds `max_queue` requests already (answered 429)."""
+    """The engine's waiting queue holds `max_queue` requests already (answered 429)."""
 
 
 class EngineUnavailableError(Exception):
@@ -89,7 +89,7 @@ class LoopTimings:
 
     `prefill_steps` / `decode_steps`: inside `engine.step()` (scheduling, forward pass, sampling, stops,
     detokenisation, snapshots); `deliver`: turning outputs into updates and handing them to the event
-    loop; `commands`: admitting and aborting; `idle`: blocked waiting for a command.
+    loop; `commands`: adding and aborting; `idle`: blocked waiting for a command.
     """
 
     prefill_steps: float = 0.0
@@ -267,7 +267,7 @@ class EngineLoop:
 
     @property
     def in_flight(self) -> int:
-        """Requests the loop tracks (admitted or waiting); read from any thread."""
+        """Requests the loop tracks (started or waiting); read from any thread."""
         return len(self._tracked)
 
     @property
@@ -324,7 +324,7 @@ class EngineLoop:
         try:
             while not self._stopping.is_set():
                 try:
-                    self._drain(block=not self.engine.has_unfinished_requests())
+                    self._take_commands(block=not self.engine.has_unfinished_requests())
                     if self._stopping.is_set():
                         break
                     if self.engine.has_unfinished_requests():
@@ -337,7 +337,7 @@ class EngineLoop:
         finally:
             self._shutdown()
 
-    def _drain(self, block: bool) -> None:
+    def _take_commands(self, block: bool) -> None:
         start = time.perf_counter()
         try:
             command = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
@@ -427,7 +427,7 @@ class EngineLoop:
             self.timings.decode_steps += stepped - start
             self.timings.num_decode_steps += 1
         if not outputs and stats.running == 0:
-            time.sleep(0.001)  # nothing admissible: do not spin
+            time.sleep(0.001)  # nothing can start: do not spin
 
     def _deliver(self, out: RequestOutput, now: float) -> int:
         tracked = self._tracked.get(out.request_id)

@@ -6,7 +6,7 @@ tokens, and reports the real pool back to the scheduler (`PoolReport`). vLLM alo
 request stops, so the runner's requests never stop on their own (`ignore_eos`, unbounded length).
 
 vLLM's own KV cache manager is given a dummy spec (one layer name, one KV head of size 1) and enough
-blocks for `max_num_seqs x max_model_len`, so it never limits anything; admission and preemption
+blocks for `max_num_seqs x max_model_len`, so it never limits anything; starting and preempting requests
 follow the real pool through `KVPressScheduler`.
 """
 
@@ -204,7 +204,7 @@ class KVPressWorker(WorkerBase):
         runner = self.runner
         assert runner is not None
         self._forget(scheduler_output)
-        failed = self._admit(scheduler_output)
+        failed = self._start_requests(scheduler_output)
         schedule = Schedule()
         for request_id, count in scheduler_output.num_scheduled_tokens.items():
             if request_id in failed:
@@ -291,7 +291,7 @@ class KVPressWorker(WorkerBase):
             if request is not None:
                 runner.preempt(request)
 
-    def _admit(self, scheduler_output: Any) -> dict[str, str]:
+    def _start_requests(self, scheduler_output: Any) -> dict[str, str]:
         """Add new and resumed requests to the runner; those that cannot be added fail alone (id -> why)."""
         runner = self.runner
         assert runner is not None
@@ -342,7 +342,7 @@ class KVPressWorker(WorkerBase):
         for request_id, request in self.requests.items():
             if request.row is None:
                 continue
-            report.held[request_id] = runner.pages_held(request)
+            report.pages_held[request_id] = runner.pages_held(request)
             if request.status is RequestStatus.RUNNING:
                 report.decode_pages[request_id] = runner.pages_to_decode([request])
             if request_id in sampled:
