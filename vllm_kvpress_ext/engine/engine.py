@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY, ModelRunner, RequestFailure
 from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestRejectedError
 from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
@@ -315,7 +314,7 @@ class LLMEngine:
         if request.row is not None:
             self.runner.update_kv_stats(request)
             if request.params.return_kept and reason != "error":  # read before `scheduler.finish` frees the row
-                request.kv.kept = kept_entries(self.cache, request.request_id)
+                self.runner.record_kept(request)
             if reason != "error":
                 for hook in self.finish_hooks:
                     hook(request)

@@ -669,6 +669,10 @@ class ModelRunner:
             self.cache.evict(rows, eviction.layers, eviction.heads, eviction.entries)
         request.kv.compression_seconds += self.clock() - start
 
+    def record_kept(self, request: Request) -> None:
+        """Set `request.kv.kept`: the positions every (layer, KV head) holds now (before its row is freed)."""
+        request.kv.kept = kept_entries(self.cache, request.request_id)
+
     def update_kv_stats(self, request: Request) -> None:
         """Refresh `request.kv` from the pool's own accounting (the request must hold a cache row)."""
         usage = self.cache.usage(request.request_id)

@@ -116,7 +116,6 @@ def capture_prefix(
                     finished[out.request_id] = out
     finally:
         engine.finish_hooks.remove(keep)
-    engine.requests.pop(request_id, None)
     return PrefixSnapshot(
         list(token_ids), snapshot["keys"], snapshot["values"], spec, snapshot["layers"], snapshot["next_token"]
     )
