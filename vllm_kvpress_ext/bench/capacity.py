@@ -108,7 +108,7 @@ def _one_policy(engine: LLMEngine, config: CapacityConfig, policy: KVPolicy, sha
             step_start = time.perf_counter()
             step_outputs = engine.step()
             step_seconds = time.perf_counter() - step_start
-            held_peak = max(held_peak, len(engine.scheduler.active) + len([o for o in step_outputs if o.finished]))
+            held_peak = max(held_peak, engine.stats().running + len([o for o in step_outputs if o.finished]))
             if scheduled and scheduled[-1].decode:
                 held_decode.append(len(scheduled[-1].decode))
                 decode_seconds += step_seconds
