@@ -248,23 +248,23 @@ def test_a_client_still_sending_reads_the_413(server: LiveServer) -> None:
     declared, streamed, after = asyncio.run(post_twice())
     for response in (declared, streamed):
         assert assert_error(response, 413)["code"] == "request_too_large"
-        assert response.headers.get("connection") != "close"  # drained: the connection is reused
+        assert response.headers.get("connection") != "close"  # read to its end: the connection is reused
     assert after.status_code == 200
 
 
-def test_a_body_past_the_drain_bound_is_answered_at_once_and_closed() -> None:
+def test_a_body_past_the_discard_bound_is_answered_at_once_and_closed() -> None:
     sent: list[Message] = []
 
     async def never_called(scope: Scope, receive: Receive, send: Send) -> None:
         raise AssertionError("the app must not see an oversized body")
 
     async def receive() -> Message:
-        raise AssertionError("a body past the drain bound is not read")
+        raise AssertionError("a body past the discard bound is not read")
 
     async def send(message: Message) -> None:
         sent.append(message)
 
-    limit = BodySizeLimit(never_called, max_bytes=10, drain_bytes=100)
+    limit = BodySizeLimit(never_called, max_bytes=10, discard_bytes=100)
     scope = {"type": "http", "headers": [(b"content-length", b"101")]}
     asyncio.run(limit(scope, receive, send))
     assert sent[0]["status"] == 413 and (b"connection", b"close") in sent[0]["headers"]

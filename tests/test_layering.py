@@ -68,3 +68,52 @@ def test_the_task_suite_imports_no_bench_training_or_cli() -> None:
 def test_no_policy_module_imports_the_engine_even_lazily() -> None:
     """A function-level import escapes the `sys.modules` check until it runs; the source tells at once."""
     assert not _offenders("policies", ("engine",))
+
+
+# What only the engine may reach: its runner, cache, pool, scheduler, prefix store and step plans. Its
+# drivers outside engine/ read `LLMEngine.stats()` and use the runner's lifecycle methods instead.
+ENGINE_INTERNALS = frozenset({"cache", "pool", "scheduler", "runner", "prefix_store", "last_plan", "_plan"})
+# The engine modules the server may import: the package's public names and plain data types.
+SERVER_MAY_IMPORT = frozenset(
+    {"engine", "engine.request", "engine.stats", "engine.sampling_params", "engine.sampler", "engine.llm"}
+)
+
+
+def internal_attribute_reads(source: str, where: str, internals: frozenset[str]) -> list[str]:
+    """Every `x.name` with `name` in `internals` in `source` (reads and writes alike)."""
+    tree = ast.parse(source)
+    return [
+        f"{where}:{node.lineno} .{node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in internals
+    ]
+
+
+def _package_reads(package: str, internals: frozenset[str]) -> list[str]:
+    paths = sorted((ROOT / "vllm_kvpress_ext" / package).rglob("*.py"))
+    assert paths
+    found: list[str] = []
+    for path in paths:
+        found += internal_attribute_reads(path.read_text(), str(path.relative_to(ROOT)), internals)
+    return found
+
+
+def test_the_check_for_engine_internals_sees_them() -> None:
+    planted = "stats = engine.cache.pool.num_free\nwaiting = engine.scheduler.waiting\nplan = engine.last_plan"
+    assert len(internal_attribute_reads(planted, "planted", ENGINE_INTERNALS)) == 4
+    assert not internal_attribute_reads("stats = engine.stats()\nn = stats.pages_free", "clean", ENGINE_INTERNALS)
+
+
+def test_the_http_server_reads_the_engine_only_through_its_api() -> None:
+    """server/ drives `LLMEngine` by its step API and reads it by `stats()`; never its pool, queues or plans."""
+    assert not _package_reads("server", ENGINE_INTERNALS)
+    imports = imported_modules("server")
+    engine_modules = {m.removeprefix("vllm_kvpress_ext.") for m in imports if m.split(".")[1] in ("engine", "cache")}
+    assert engine_modules, "the server imports the engine somewhere: the check would see nothing"
+    assert engine_modules <= SERVER_MAY_IMPORT, sorted(engine_modules - SERVER_MAY_IMPORT)
+
+
+def test_the_vllm_worker_uses_the_runner_not_its_cache() -> None:
+    """The plugin reaches pages and rows through `ModelRunner`'s lifecycle and pool methods."""
+    # `runner` is the worker's own; `scheduler` and `pool` name vLLM's scheduler and a metrics method there.
+    assert not _package_reads("vllm_plugin", ENGINE_INTERNALS - {"runner", "scheduler", "pool"})

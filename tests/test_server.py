@@ -167,7 +167,7 @@ def sse_events(lines: Iterator[str]) -> Iterator[str]:
 class HeldSteps:
     """An engine hook that holds steps: while held, `engine.step()` runs nothing and returns no output.
 
-    The engine loop keeps draining its commands between (empty) steps, so requests are admitted,
+    The engine loop keeps taking its commands between (empty) steps, so requests are admitted,
     queued, rejected and aborted as usual, but none advances: a test decides how many real steps run
     (`allow`) instead of hoping a generation outlasts a client's timeout.
     """

@@ -178,8 +178,8 @@ def test_both_schedulers_reserve_the_declared_chunked_peak(gates: Path) -> None:
     )
     policy = load_policy(capped(gates))
     declared = policy.chunked_prefill_peak_pages(300, layers, heads, PAGE, 32)
-    assert report.prefill_pages(300, policy, False, 32) == declared < report.peak_pages(300)
-    assert report.prefill_pages(300, policy, False) == report.peak_pages(300)  # chunk size unknown: full prompt
+    assert report.prefill_pages(300, policy, False, 32) == declared < report.full_prompt_pages(300)
+    assert report.prefill_pages(300, policy, False) == report.full_prompt_pages(300)  # chunk size unknown: full prompt
     assert prefill_reservation(policy, 300, False, layers, heads, PAGE, True, 32) == declared
 
 

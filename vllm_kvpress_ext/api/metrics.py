@@ -46,8 +46,8 @@ SERIES: dict[str, Series] = {
         Series("kvpress_kv_pages_free", "KV pool pages free", "gauge"),
         Series("kvpress_kv_pages_used", "KV pool pages held by requests", "gauge"),
         Series("kvpress_kv_page_bytes", "Bytes of K and V in one page", "gauge"),
-        Series("kvpress_requests_running", "Requests holding KV pages (admitted)", "gauge"),
-        Series("kvpress_requests_waiting", "Requests waiting for admission", "gauge"),
+        Series("kvpress_requests_running", "Requests holding KV pages (started)", "gauge"),
+        Series("kvpress_requests_waiting", "Requests waiting to start", "gauge"),
         Series("kvpress_requests_running_peak", "Most requests holding KV pages at once since start", "gauge"),
         Series(
             "kvpress_kv_retention_ratio",

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from vllm_kvpress_ext.attention import causal_attention
-from vllm_kvpress_ext.bench.budgets import budgets_for, make_policy, policy_label
+from vllm_kvpress_ext.bench.budgets import budgets_for, make_policy, policy_label, with_ratio
 from vllm_kvpress_ext.bench.report import format_table, markdown_table
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.engine.prefix import PrefixSnapshot, add_forked_request, capture_prefix, merged_capture_spec
@@ -192,7 +192,7 @@ def _score_sample(
             free_retention.append((policy_label(name), runs[-1].retention))
     for source, retention in free_retention:
         for name, base in zip(match_names, matched, strict=True):
-            policy = create_policy(base.name, **{**base.params(), "ratio": max(retention, 1e-3)})
+            policy = with_ratio(base, max(retention, 1e-3))
             kept = _kept_at_compression(engine, snapshot, policy, f"{name}={source}-{tag}")
             runs.append(_run(length, prompt, name, f"={source}", kept, future))
     return runs
@@ -205,7 +205,7 @@ def _full_answer(engine: LLMEngine, snapshot: PrefixSnapshot, prompt: NaturalPro
         return first
     params = SamplingParams(max_tokens=prompt.max_new_tokens - 1, temperature=0.0)
     rid = add_forked_request(engine, snapshot, [*prompt.token_ids, *first], params, f"full-answer-{tag}", None)
-    return first + list(_drain(engine)[rid].output_token_ids)
+    return first + list(_run_to_completion(engine)[rid].output_token_ids)
 
 
 def _kept_at_compression(
@@ -215,13 +215,13 @@ def _kept_at_compression(
     n = snapshot.length
     params = SamplingParams(max_tokens=1, temperature=0.0, return_kept=True)
     add_forked_request(engine, snapshot, [*snapshot.token_ids, snapshot.next_token], params, rid, policy)
-    out = _drain(engine)[rid]
+    out = _run_to_completion(engine)[rid]
     kept = out.kv.kept_at_compression or out.kv.kept
     assert kept is not None
     return kept.mask(n)
 
 
-def _drain(engine: LLMEngine) -> dict[str, RequestOutput]:
+def _run_to_completion(engine: LLMEngine) -> dict[str, RequestOutput]:
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -1,7 +1,7 @@
 """Policies at a memory budget, as every bench builds them.
 
 - `budgets_for`: the budgets a policy runs at (budget-free policies and `full` once);
-- `make_policy`: a policy (name or preset) with its `ratio` field set to a budget;
+- `make_policy`: a policy (name or preset) with its `ratio` field set to a budget (`with_ratio`);
 - `budgeted_policy`: a policy at `ratio` of a given prompt, WG-KV included (its cap);
 - `policy_label`: how a policy is named in a bench's results.
 """
@@ -32,11 +32,16 @@ def policy_label(policy: str) -> str:
     return path.stem if path.suffix in (".yaml", ".yml") else policy
 
 
+def with_ratio(policy: KVPolicy, ratio: float) -> KVPolicy:
+    """`policy` with every hyperparameter as it is but its `ratio`."""
+    return create_policy(policy.name, **{**policy.params(), "ratio": ratio})
+
+
 def make_policy(policy: str, budget: float | None) -> KVPolicy:
     """The policy (name or preset) with its ratio set to `budget` when one is given."""
     resolved = load_policy(policy)
     assert resolved is not None
-    return resolved if budget is None else create_policy(resolved.name, **{**resolved.params(), "ratio": budget})
+    return resolved if budget is None else with_ratio(resolved, budget)
 
 
 def budgeted_policy(name: str, ratio: float, prompt_len: int) -> KVPolicy:

@@ -1,7 +1,7 @@
 """`kvpress bench capacity`: what compression buys in one fixed KV pool, end to end on the engine.
 
 `requests` prompts of `prompt_len` random tokens, each asking for `new_tokens` greedy tokens, are
-queued at once on an engine whose pool holds `kv_memory` bytes. The scheduler admits a request when
+queued at once on an engine whose pool holds `kv_memory` bytes. The scheduler starts a request when
 its uncompressed prefill peak fits; after compression its footprint shrinks and the next one fits.
 Reported per policy, all on the same engine and model, one after the other:
 
@@ -108,7 +108,7 @@ def _one_policy(engine: LLMEngine, config: CapacityConfig, policy: KVPolicy, sha
             step_start = time.perf_counter()
             step_outputs = engine.step()
             step_seconds = time.perf_counter() - step_start
-            held_peak = max(held_peak, len(engine.scheduler.active) + len([o for o in step_outputs if o.finished]))
+            held_peak = max(held_peak, engine.stats().running + len([o for o in step_outputs if o.finished]))
             if scheduled and scheduled[-1].decode:
                 held_decode.append(len(scheduled[-1].decode))
                 decode_seconds += step_seconds

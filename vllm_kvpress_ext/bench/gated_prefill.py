@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvpress_ext.bench.harness import run_alone
 from vllm_kvpress_ext.bench.models import model_or_bench_model, write_untrained_gates
 from vllm_kvpress_ext.bench.prefill_peak import PAGE_SIZE, _prose_prompt
 from vllm_kvpress_ext.bench.report import format_table
@@ -165,15 +166,9 @@ def _time_prefill(config: GatedPrefillConfig, model_dir: Path, length: int) -> l
 
 def _one_prefill(engine: LLMEngine, prompt: list[int], policy: Any) -> tuple[float, float, int]:
     """Wall and process CPU seconds of one request's prefill (and first token), and the KV bytes it then held."""
-    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), policy=policy)
-    outputs = []
-    start, cpu_start = time.perf_counter(), time.process_time()
-    while engine.has_unfinished_requests():
-        outputs += [o for o in engine.step() if o.finished]
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    if outputs[0].finish_reason == "error":
-        raise ValueError(f"policy {policy}: the request failed: {outputs[0].error}")
-    return seconds, cpu_seconds, outputs[0].kv.kv_bytes
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    output, seconds, cpu_seconds = run_alone(engine, prompt, params, policy)
+    return seconds, cpu_seconds, output.kv.kv_bytes
 
 
 def _time_attention(config: GatedPrefillConfig, length: int, heads: tuple[int, int, int]) -> dict[str, Any]:

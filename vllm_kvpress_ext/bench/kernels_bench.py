@@ -208,7 +208,22 @@ def run_kernels_bench(config: KernelsBenchConfig) -> dict[str, float]:
     copy_bps = copy_bandwidth(c.copy_mib * 2**20, c.warmup, c.repeats)
     figures["copy_GBps"] = copy_bps / 1e9
 
-    # 1. Decode bandwidth at the nominal size.
+    query = _decode_bandwidth(c, dtype, scale, copy_bps, gen, figures)
+    _decode_speedup(c, query, dtype, scale, gen, figures)
+    _vertical_slash_speedup(c, dtype, scale, gen, figures)
+    return figures
+
+
+def _decode_bandwidth(
+    c: KernelsBenchConfig,
+    dtype: torch.dtype,
+    scale: float,
+    copy_bps: float,
+    gen: torch.Generator,
+    figures: dict[str, float],
+) -> torch.Tensor:
+    """1. Decode bandwidth at the nominal size, as a share of the device's copy bandwidth; returns the
+    decode queries, which the speedup section reuses."""
     cache = ragged_cache(c.requests, c.num_kv_heads, c.kept_tokens, c.jitter, c.page_size, c.head_dim, dtype, gen)
     query = torch.randn(c.requests, c.num_q_heads, c.head_dim, device="cuda", dtype=dtype)
     rows: list[list[object]] = [["device copy (clone)", "-", f"{copy_bps / 1e9:,.0f}", "100.0%"]]
@@ -224,8 +239,18 @@ def run_kernels_bench(config: KernelsBenchConfig) -> dict[str, float]:
     )
     print(format_table(["kernel", "ms", "GB/s", "share of copy bandwidth"], rows))
     del cache
+    return query
 
-    # 2. Decode speedup over dense attention on the unpruned cache.
+
+def _decode_speedup(
+    c: KernelsBenchConfig,
+    query: torch.Tensor,
+    dtype: torch.dtype,
+    scale: float,
+    gen: torch.Generator,
+    figures: dict[str, float],
+) -> None:
+    """2. Decode speedup over dense attention on the unpruned cache, per retention."""
     from vllm_kvpress_ext.kernels import decode_attention
 
     dense_ms = _dense_decode_ms(query, c, scale)
@@ -244,7 +269,11 @@ def run_kernels_bench(config: KernelsBenchConfig) -> dict[str, float]:
     )
     print(format_table(["retention", "kept tokens/head", "dense ms", "paged triton ms", "speedup"], rows))
 
-    # 3. Vertical-slash prefill vs dense causal SDPA.
+
+def _vertical_slash_speedup(
+    c: KernelsBenchConfig, dtype: torch.dtype, scale: float, gen: torch.Generator, figures: dict[str, float]
+) -> None:
+    """3. Vertical-slash prefill against dense causal SDPA, for clustered and scattered admission."""
     from vllm_kvpress_ext.kernels import vertical_slash
 
     rows = []
@@ -273,4 +302,3 @@ def run_kernels_bench(config: KernelsBenchConfig) -> dict[str, float]:
         f"{c.num_q_heads}/{c.num_kv_heads} heads, d={c.head_dim}"
     )
     print(format_table(["tokens", "admission pattern", "dense ms", "vertical-slash ms", "speedup"], rows))
-    return figures

@@ -266,32 +266,33 @@ def hf_directory(model: str) -> Path:
 # ----------------------------------------------------------------------------- the bench
 
 
-def run_parity(config: ParityConfig) -> list[ParityRow]:
-    import torch
+#: One run of this project on every prompt: (job id, policy name, variant, kept ratio, setting overrides);
+#: overrides None is the uncompressed `full` job.
+Job = tuple[str, str, str, float | None, dict[str, Any] | None]
+#: The figures of one row: (context length, policy, variant, kept ratio).
+RowKey = tuple[int, str, str, float | None]
 
-    from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
-    from vllm_kvpress_ext.engine.prefix import add_forked_request, capture_prefix, merged_capture_spec
-    from vllm_kvpress_ext.engine.request import RequestOutput
-    from vllm_kvpress_ext.policies import load_policy
-    from vllm_kvpress_ext.tasks.natural import render, score
+
+@dataclass
+class _ProjectSide:
+    """What this project's engine produced: finished outputs, the forks still answering (request id ->
+    prompt id, job, policy, variant, ratio) and each fork's kept mask `[L, H, n]` right after compression."""
+
+    results: dict[str, Any] = field(default_factory=dict)
+    pending: dict[str, tuple[str, str, str, str, float | None]] = field(default_factory=dict)
+    kept: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def run_parity(config: ParityConfig) -> list[ParityRow]:
+    from vllm_kvpress_ext.tasks.natural import render
 
     validate_config(config)
     start = time.perf_counter()
     model_dir = hf_directory(config.model)
-    from vllm_kvpress_ext.models import load_config
-
-    model_config = load_config(model_dir)
-    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim * 4
     runs = [(p, r) for p in config.policies for r in config.ratios]
     variant_runs = [(p, r) for p, r in runs if config.variants and p in VARIANTS]
-    copies = 2 * (3 + len(runs) + len(variant_runs))
-    engine = LLMEngine(
-        model_dir,
-        dtype="float32",
-        kv_memory=int(per_token * (max(config.context_lens) + 256) * copies),
-        max_num_seqs=2 * (len(runs) + len(variant_runs)) + 4,
-        max_num_batched_tokens=max(config.context_lens) + 256,
-    )
+    engine = _parity_engine(model_dir, config, len(runs) + len(variant_runs))
     if engine.tokenizer is None:
         raise ValueError(f"{config.model} has no tokenizer; the natural-language prompts need one")
     prompts = [
@@ -301,19 +302,69 @@ def run_parity(config: ParityConfig) -> list[ParityRow]:
         for i in range(config.samples)
     ]
     prompt_ids = {f"{length}-{p.task}-{p.seed}": (length, p) for length, p in prompts}
-
-    # This project: one shared context prefill per prompt, one fork per (policy, ratio, variant).
-    print(f"this project: {len(prompt_ids)} prompts ...", flush=True)
+    jobs = _parity_jobs(runs, variant_runs)
+    ours = _run_project(engine, config, prompt_ids, jobs)
+    request = _kvpress_request(model_dir, engine, config, prompt_ids, runs)
+    print(f"kvpress side: {len(request['prompts'])} prompts x {len(request['runs'])} runs ...", flush=True)
     t0 = time.perf_counter()
-    jobs: list[tuple[str, str, str, float | None, dict[str, Any] | None]] = [("full", "full", "matched", None, None)]
+    with tempfile.TemporaryDirectory(prefix="kvpress-parity-") as tmp:
+        result = run_worker(config.kvpress_python, request, Path(tmp))
+    kvpress_seconds = time.perf_counter() - t0
+    ref = {(item["prompt"], item["run"]): item for item in result["results"]}
+    stats: dict[RowKey, list[dict[str, float]]] = defaultdict(list)
+    for pid, (length, _) in prompt_ids.items():
+        for job, name, variant, ratio, _ in jobs:
+            if (pid, job) in ours.kept:
+                item = ref[(pid, kvpress_run(name, ratio)["id"])]
+                theirs = unpack_mask(item["kept"], item["shape"])
+                stats[(length, name, variant, ratio)].append(overlap_stats(ours.kept[(pid, job)], theirs))
+    scores_ours, scores_ref, answers = (
+        _accuracy(engine, prompt_ids, ours, ref) if config.accuracy else (defaultdict(list), defaultdict(list), [])
+    )
+    rows = _parity_rows(config, stats, scores_ours, scores_ref)
+    seconds = time.perf_counter() - start
+    _report(rows, config, result.get("versions", {}), seconds, kvpress_seconds, ours.seconds, answers)
+    return rows
+
+
+def _parity_engine(model_dir: Path, config: ParityConfig, num_runs: int) -> Any:
+    """An engine with room for every fork of one prompt at once (float32, as the kvpress side loads it)."""
+    from vllm_kvpress_ext.engine import LLMEngine
+    from vllm_kvpress_ext.models import load_config
+
+    model_config = load_config(model_dir)
+    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim * 4
+    copies = 2 * (3 + num_runs)
+    return LLMEngine(
+        model_dir,
+        dtype="float32",
+        kv_memory=int(per_token * (max(config.context_lens) + 256) * copies),
+        max_num_seqs=2 * num_runs + 4,
+        max_num_batched_tokens=max(config.context_lens) + 256,
+    )
+
+
+def _parity_jobs(runs: list[tuple[str, float]], variant_runs: list[tuple[str, float]]) -> list[Job]:
+    jobs: list[Job] = [("full", "full", "matched", None, None)]
     for policy_name, kept in runs:
         jobs.append((f"{policy_name}-{kept:g}", policy_name, "matched", kept, {}))
         if (policy_name, kept) in variant_runs:
             setting = ", ".join(f"{k}={v}" for k, v in VARIANTS[policy_name].items())
             jobs.append((f"{policy_name}-{kept:g}-variant", policy_name, setting, kept, VARIANTS[policy_name]))
-    results: dict[str, RequestOutput] = {}
-    pending: dict[str, tuple[str, str, str, str, float | None]] = {}  # rid -> (prompt id, run id, policy, ...)
-    ours_kept: dict[tuple[str, str], torch.Tensor] = {}  # (prompt id, job) -> kept mask [L, H, n]
+    return jobs
+
+
+def _run_project(engine: Any, config: ParityConfig, prompt_ids: dict[str, Any], jobs: list[Job]) -> _ProjectSide:
+    """This project: one shared context prefill per prompt, one fork per job, run to the end."""
+    import torch
+
+    from vllm_kvpress_ext.engine import SamplingParams
+    from vllm_kvpress_ext.engine.prefix import add_forked_request, capture_prefix, merged_capture_spec
+    from vllm_kvpress_ext.policies import load_policy
+
+    print(f"this project: {len(prompt_ids)} prompts ...", flush=True)
+    t0 = time.perf_counter()
+    side = _ProjectSide()
     for pid, (_, prompt) in prompt_ids.items():
         n = prompt.compress_after
         assert n is not None
@@ -322,29 +373,35 @@ def run_parity(config: ParityConfig) -> list[ParityRow]:
             for job, name, _, ratio, overrides in jobs
         }
         spec = merged_capture_spec([p for p in specs.values() if p is not None])
-        snapshot = capture_prefix(engine, prompt.token_ids[:n], spec, f"prefix-{pid}", finished=results)
+        snapshot = capture_prefix(engine, prompt.token_ids[:n], spec, f"prefix-{pid}", finished=side.results)
         for job, name, variant, ratio, _ in jobs:
             if job == "full" and not config.accuracy:
                 continue
             rid = f"{job}@{pid}"
             params = SamplingParams(max_tokens=prompt.max_new_tokens if config.accuracy else 1, temperature=0.0)
-            _fork(engine, snapshot, prompt.token_ids, params, rid, specs[job], results, add_forked_request)
+            _fork(engine, snapshot, prompt.token_ids, params, rid, specs[job], side.results, add_forked_request)
             if specs[job] is not None:
                 positions, _ = engine.cache.entry_positions(rid)  # [L, H, N] right after compression, -1 padding
-                ours = torch.zeros(positions.shape[0], positions.shape[1], n + 1, dtype=torch.bool)
-                ours.scatter_(-1, torch.where(positions >= 0, positions, n).to(torch.int64), True)
-                ours_kept[(pid, job)] = ours[..., :n].clone()
+                kept = torch.zeros(positions.shape[0], positions.shape[1], n + 1, dtype=torch.bool)
+                kept.scatter_(-1, torch.where(positions >= 0, positions, n).to(torch.int64), True)
+                side.kept[(pid, job)] = kept[..., :n].clone()
             if config.accuracy:
-                pending[rid] = (pid, job, name, variant, ratio)
+                side.pending[rid] = (pid, job, name, variant, ratio)
             else:
                 engine.abort(rid)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                results[out.request_id] = out
-    project_seconds = time.perf_counter() - t0
-    # kvpress in one subprocess for everything; its kept sets are compared with this project's below.
-    request: dict[str, Any] = {
+                side.results[out.request_id] = out
+    side.seconds = time.perf_counter() - t0
+    return side
+
+
+def _kvpress_request(
+    model_dir: Path, engine: Any, config: ParityConfig, prompt_ids: dict[str, Any], runs: list[tuple[str, float]]
+) -> dict[str, Any]:
+    """kvpress's side in one subprocess request for everything; its kept sets are compared with this project's."""
+    return {
         "model_dir": str(model_dir.resolve()),
         "stop_ids": sorted(engine.eos_token_ids),
         "accuracy": config.accuracy,
@@ -359,36 +416,37 @@ def run_parity(config: ParityConfig) -> list[ParityRow]:
         ],
         "runs": ([kvpress_run("full", None)] if config.accuracy else []) + [kvpress_run(p, r) for p, r in runs],
     }
-    print(f"kvpress side: {len(request['prompts'])} prompts x {len(request['runs'])} runs ...", flush=True)
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kvpress-parity-") as tmp:
-        result = run_worker(config.kvpress_python, request, Path(tmp))
-    kvpress_seconds = time.perf_counter() - t0
-    ref = {(item["prompt"], item["run"]): item for item in result["results"]}
-    stats: dict[tuple[int, str, str, float | None], list[dict[str, float]]] = defaultdict(list)
-    for pid, (length, _) in prompt_ids.items():
-        for job, name, variant, ratio, _ in jobs:
-            if (pid, job) in ours_kept:
-                item = ref[(pid, kvpress_run(name, ratio)["id"])]
-                theirs = unpack_mask(item["kept"], item["shape"])
-                stats[(length, name, variant, ratio)].append(overlap_stats(ours_kept[(pid, job)], theirs))
 
-    scores_ours: dict[tuple[int, str, str, float | None], list[float]] = defaultdict(list)
+
+def _accuracy(
+    engine: Any, prompt_ids: dict[str, Any], ours: _ProjectSide, ref: dict[tuple[str, str], Any]
+) -> tuple[dict[RowKey, list[float]], dict[tuple[int, str, float | None], list[float]], list[dict[str, Any]]]:
+    """Both systems' scores per row, and every answer."""
+    from vllm_kvpress_ext.tasks.natural import score
+
+    scores_ours: dict[RowKey, list[float]] = defaultdict(list)
     scores_ref: dict[tuple[int, str, float | None], list[float]] = defaultdict(list)
     answers: list[dict[str, Any]] = []
-    if config.accuracy:
-        for rid, (pid, _, name, variant, ratio) in pending.items():
-            length, prompt = prompt_ids[pid]
-            text = engine.tokenizer.decode(list(results[rid].output_token_ids), skip_special_tokens=True)
-            scores_ours[(length, name, variant, ratio)].append(score(prompt, text))
-            answers.append({"prompt": pid, "policy": name, "variant": variant, "ratio": ratio, "ours": text})
-        for (pid, run_id), item in ref.items():
-            length, prompt = prompt_ids[pid]
-            name = "full" if run_id == "full" else item_policy(run_id)
-            ratio = None if run_id == "full" else float(run_id.rsplit("-", 1)[1])
-            scores_ref[(length, name, ratio)].append(score(prompt, item["answer"] or ""))
-            answers.append({"prompt": pid, "policy": name, "ratio": ratio, "kvpress": item["answer"]})
+    for rid, (pid, _, name, variant, ratio) in ours.pending.items():
+        length, prompt = prompt_ids[pid]
+        text = engine.tokenizer.decode(list(ours.results[rid].output_token_ids), skip_special_tokens=True)
+        scores_ours[(length, name, variant, ratio)].append(score(prompt, text))
+        answers.append({"prompt": pid, "policy": name, "variant": variant, "ratio": ratio, "ours": text})
+    for (pid, run_id), item in ref.items():
+        length, prompt = prompt_ids[pid]
+        name = "full" if run_id == "full" else item_policy(run_id)
+        ratio = None if run_id == "full" else float(run_id.rsplit("-", 1)[1])
+        scores_ref[(length, name, ratio)].append(score(prompt, item["answer"] or ""))
+        answers.append({"prompt": pid, "policy": name, "ratio": ratio, "kvpress": item["answer"]})
+    return scores_ours, scores_ref, answers
 
+
+def _parity_rows(
+    config: ParityConfig,
+    stats: dict[RowKey, list[dict[str, float]]],
+    scores_ours: dict[RowKey, list[float]],
+    scores_ref: dict[tuple[int, str, float | None], list[float]],
+) -> list[ParityRow]:
     rows = []
     for length in config.context_lens:
         if config.accuracy:
@@ -418,8 +476,6 @@ def run_parity(config: ParityConfig) -> list[ParityRow]:
                     _mean(scores_ref.get((length, name, ratio), [])) if variant == "matched" else math.nan,
                 )
             )
-    seconds = time.perf_counter() - start
-    _report(rows, config, result.get("versions", {}), seconds, kvpress_seconds, project_seconds, answers)
     return rows
 
 

@@ -154,7 +154,7 @@ def run_natural_accuracy(config: NaturalAccuracyConfig) -> list[NaturalRow]:
                     prefill_seconds += time.perf_counter() - t0
                     pending |= _submit_sample(engine, prompt, snapshot, policies, length, results)
                     bar.update(1)
-    _drain(engine, results)
+    _run_to_completion(engine, results)
     runs = []
     for rid, (prompt, first, name, budget, length) in pending.items():
         out = results[rid]
@@ -225,7 +225,7 @@ def _submit_sample(
     return pending
 
 
-def _drain(engine: LLMEngine, results: dict[str, RequestOutput]) -> None:
+def _run_to_completion(engine: LLMEngine, results: dict[str, RequestOutput]) -> None:
     with tqdm(desc="decode steps", unit="step") as bar:
         while engine.has_unfinished_requests():
             for out in engine.step():

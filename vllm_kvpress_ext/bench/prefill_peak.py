@@ -10,13 +10,14 @@ the pool's own accounting:
 - prefill peak: the request's high-water mark of pages held (`KVStats.kv_bytes_peak`; exact, the
   cache updates it at every allocation) with `max_tokens=1`, so no decode step adds to it;
 - after prefill: what the request holds once compression is done;
-- reserved at admission: what the scheduler sets aside for the request: the uncompressed prompt,
+- reserved at admission (the scheduler's start, in the column's established name): what the scheduler
+  sets aside for the request when it starts: the uncompressed prompt,
   or, for a layer-wise policy whose prompt is one prefill chunk, the peak the policy declares
   (`KVPolicy.prefill_peak_pages`, a bound valid for any prompt of this length);
-- admitted at once: with a pool of `ADMISSION_POOL_PROMPTS` uncompressed prompts and 16 copies of the
-  request waiting, how many the scheduler admits into its first step, each then prefilled and
+- admitted at once: with a pool of `CAPACITY_POOL_PROMPTS` uncompressed prompts and 16 copies of the
+  request waiting, how many the scheduler starts in its first step, each then prefilled and
   compressed without error (whole-prompt chunks; not measured with `--max-batched-tokens`, where a
-  step's token budget, not the pool, limits admission).
+  step's token budget, not the pool, limits how many start).
 
 Rows (`rows="layerwise"`, the default): full (no compression); XKV with its per-request allocation
 (Algorithm 1 ranks every layer's scores together, so it compresses at the end of prefill); XKV with
@@ -32,9 +33,9 @@ gates reject after each chunk of `--max-batched-tokens`, default 256 here) again
 `--gates`); WG-KV with a cap of `ratio x context_len` global entries per head and an explicit window,
 whose chunked prefill peak is declared and reserved. The prompt is English prose (the language
 reference's sentences, `tasks/natural/filler.py`) when the model has a tokenizer, since what a
-gate admits depends on the text; random token ids otherwise. Instead of the one-step admission
+gate admits depends on the text; random token ids otherwise. Instead of the one-step "admitted at once"
 column, "held at once" runs `waiting` copies of the request (each generating `decode_tokens`
-tokens) through the scheduler with a pool of `ADMISSION_POOL_PROMPTS` uncompressed prompts and
+tokens) through the scheduler with a pool of `CAPACITY_POOL_PROMPTS` uncompressed prompts and
 reports the most requests it held at once (prefilling or decoding) and how many it preempted
 (`waiting=0` skips it). "prefill s" is the wall time of the single request's prefill (first token
 included; one untimed warm-up request first), "prefill CPU s" the process CPU time it took (on a
@@ -45,13 +46,13 @@ the causal prefill of full and SnapKV on the same prompt.
 from __future__ import annotations
 
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from vllm_kvpress_ext.bench.harness import run_alone
 from vllm_kvpress_ext.bench.models import model_or_bench_model, write_untrained_gates
 from vllm_kvpress_ext.bench.report import format_table
 from vllm_kvpress_ext.bench.xkv_profile import profile_xkv
@@ -61,7 +62,7 @@ from vllm_kvpress_ext.models import load_config
 from vllm_kvpress_ext.policies import load_policy
 
 PAGE_SIZE = 16
-ADMISSION_POOL_PROMPTS = 4  # the admission column's pool, in uncompressed prompts
+CAPACITY_POOL_PROMPTS = 4  # the "admitted at once" column's pool, in uncompressed prompts
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def _run(config: PrefillPeakConfig, model_dir: Path, tmp: Path) -> list[dict[str
         ("lava cascading", "layer-wise (cascade)", {"name": "lava", "ratio": r, "cascading": True}),
     ]
     engine = LLMEngine(model_dir, **kwargs)
-    page_bytes = engine.cache.pool.bytes_per_page
+    page_bytes = engine.stats().page_bytes
     whole_prompt = config.max_batched_tokens is None or config.max_batched_tokens >= config.context_len
     print(f"config: {asdict(config)}")
     print(
@@ -169,7 +170,7 @@ def _run(config: PrefillPeakConfig, model_dir: Path, tmp: Path) -> list[dict[str
                 "prefill_peak_bytes": kv.kv_bytes_peak,
                 "final_bytes": kv.kv_bytes,
                 "reserved_bytes": reserved * page_bytes,
-                "admitted_at_once": _admitted_at_once(model_dir, kwargs, prompt, policy) if whole_prompt else None,
+                "admitted_at_once": _started_in_first_step(model_dir, kwargs, prompt, policy) if whole_prompt else None,
             }
         )
     full_peak = results[0]["prefill_peak_bytes"]
@@ -192,14 +193,14 @@ def _run(config: PrefillPeakConfig, model_dir: Path, tmp: Path) -> list[dict[str
         "after prefill",
         "peak / full",
         "reserved at admission",
-        f"admitted at once (pool of {ADMISSION_POOL_PROMPTS} prompts)",
+        f"admitted at once (pool of {CAPACITY_POOL_PROMPTS} prompts)",
     ]
     print(format_table(headers, rows))
     return results
 
 
-def _admitted_at_once(model_dir: Path, kwargs: dict[str, Any], prompt: list[int], policy: Any) -> int:
-    """Requests the scheduler takes into its first step from 16 waiting, pool = `ADMISSION_POOL_PROMPTS` prompts.
+def _started_in_first_step(model_dir: Path, kwargs: dict[str, Any], prompt: list[int], policy: Any) -> int:
+    """Requests the scheduler takes into its first step from 16 waiting, pool = `CAPACITY_POOL_PROMPTS` prompts.
 
     Each of them must finish that step (prefill, compression, first token) without error to count.
     """
@@ -209,7 +210,7 @@ def _admitted_at_once(model_dir: Path, kwargs: dict[str, Any], prompt: list[int]
         model_dir,
         **{
             **kwargs,
-            "num_pages": ADMISSION_POOL_PROMPTS * layers_heads_pages * -(-len(prompt) // PAGE_SIZE),
+            "num_pages": CAPACITY_POOL_PROMPTS * layers_heads_pages * -(-len(prompt) // PAGE_SIZE),
             "max_num_seqs": waiting,
             "max_num_batched_tokens": waiting * len(prompt),
         },
@@ -254,28 +255,10 @@ def _run_admission(config: PrefillPeakConfig, model_dir: Path) -> list[dict[str,
         "max_num_batched_tokens": chunk,
         "max_model_len": config.context_len + config.decode_tokens + 1,
     }
-    prompt = _prose_prompt(model_dir, config.context_len, config.seed)
-    prompt_kind = "English prose"
-    if prompt is None:
-        g = torch.Generator().manual_seed(config.seed)
-        prompt = torch.randint(0, model_config.vocab_size, (config.context_len,), generator=g).tolist()
-        prompt_kind = "random token ids"
-    cap = max(1, round(config.ratio * config.context_len))
-    gates = {"gates": config.gates} if config.gates is not None else {}
-    if config.model is None and config.gates is None:
-        write_untrained_gates(model_dir)  # the random bench model: WG-KV's layout, not a trained choice
-    rows_spec: list[tuple[str, str, Any]] = [
-        ("full", "none", "full"),
-        ("snapkv", f"end of prefill (ratio {config.ratio:g})", {"name": "snapkv", "ratio": config.ratio}),
-        ("wgkv", "admission after each chunk", {"name": "wgkv", **gates}),
-        (
-            f"wgkv + cap {cap}",
-            f"admission after each chunk, cap {cap}, W {config.local_window}",
-            {"name": "wgkv", "cap": cap, "local_window": config.local_window, **gates},
-        ),
-    ]
+    prompt, prompt_kind = _admission_prompt(model_dir, config, model_config.vocab_size)
+    rows_spec = _admission_rows(config, model_dir)
     engine = LLMEngine(model_dir, **kwargs)
-    page_bytes = engine.cache.pool.bytes_per_page
+    page_bytes = engine.stats().page_bytes
     print(f"config: {asdict(config)}")
     print(
         f"model: {model_dir} ({layers} layers, {kv_heads} KV heads, head_dim {model_config.head_dim}), "
@@ -288,15 +271,8 @@ def _run_admission(config: PrefillPeakConfig, model_dir: Path) -> list[dict[str,
         engine.step()
     results: list[dict[str, Any]] = []
     for label, form, policy in rows_spec:
-        engine.add_request(prompt, params, policy=policy)
-        outputs = []
-        start, cpu_start = time.perf_counter(), time.process_time()
-        while engine.has_unfinished_requests():
-            outputs += [o for o in engine.step() if o.finished]
-        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-        if outputs[0].finish_reason == "error":
-            raise ValueError(f"{label}: the request failed: {outputs[0].error}")
-        kv = outputs[0].kv
+        output, seconds, cpu_seconds = run_alone(engine, prompt, params, policy)
+        kv = output.kv
         reserved = prefill_reservation(
             load_policy(policy), config.context_len, False, layers, kv_heads, PAGE_SIZE, label != "full", chunk
         )
@@ -314,6 +290,40 @@ def _run_admission(config: PrefillPeakConfig, model_dir: Path) -> list[dict[str,
                 "preempted": preempted,
             }
         )
+    _print_admission_table(results, config)
+    return results
+
+
+def _admission_prompt(model_dir: Path, config: PrefillPeakConfig, vocab_size: int) -> tuple[list[int], str]:
+    """English prose when the model has a tokenizer (what a gate admits depends on the text), else random ids."""
+    prompt = _prose_prompt(model_dir, config.context_len, config.seed)
+    prompt_kind = "English prose"
+    if prompt is None:
+        g = torch.Generator().manual_seed(config.seed)
+        prompt = torch.randint(0, vocab_size, (config.context_len,), generator=g).tolist()
+        prompt_kind = "random token ids"
+    return prompt, prompt_kind
+
+
+def _admission_rows(config: PrefillPeakConfig, model_dir: Path) -> list[tuple[str, str, Any]]:
+    """(label, compression, policy spec) of each row: full, SnapKV, WG-KV, and WG-KV with a declared cap."""
+    cap = max(1, round(config.ratio * config.context_len))
+    gates = {"gates": config.gates} if config.gates is not None else {}
+    if config.model is None and config.gates is None:
+        write_untrained_gates(model_dir)  # the random bench model: WG-KV's layout, not a trained choice
+    return [
+        ("full", "none", "full"),
+        ("snapkv", f"end of prefill (ratio {config.ratio:g})", {"name": "snapkv", "ratio": config.ratio}),
+        ("wgkv", "admission after each chunk", {"name": "wgkv", **gates}),
+        (
+            f"wgkv + cap {cap}",
+            f"admission after each chunk, cap {cap}, W {config.local_window}",
+            {"name": "wgkv", "cap": cap, "local_window": config.local_window, **gates},
+        ),
+    ]
+
+
+def _print_admission_table(results: list[dict[str, Any]], config: PrefillPeakConfig) -> None:
     full_peak = results[0]["prefill_peak_bytes"]
     rows = [
         [
@@ -337,13 +347,12 @@ def _run_admission(config: PrefillPeakConfig, model_dir: Path) -> list[dict[str,
         "after prefill",
         "peak / full",
         "reserved at admission",
-        f"held at once (pool of {ADMISSION_POOL_PROMPTS} prompts, {config.waiting} waiting)",
+        f"held at once (pool of {CAPACITY_POOL_PROMPTS} prompts, {config.waiting} waiting)",
         "preempted",
         "prefill s",
         "prefill CPU s",
     ]
     print(format_table(headers, rows))
-    return results
 
 
 def _held_at_once(
@@ -356,7 +365,7 @@ def _held_at_once(
         model_dir,
         **{
             **kwargs,
-            "num_pages": ADMISSION_POOL_PROMPTS * layers_heads * per_prompt,
+            "num_pages": CAPACITY_POOL_PROMPTS * layers_heads * per_prompt,
             "max_num_seqs": config.waiting,
         },
     )
@@ -370,7 +379,7 @@ def _held_at_once(
                 raise ValueError(f"a request failed while {policy} ran {config.waiting} at once: {output.error}")
             if output.finished:
                 preempted += output.num_preemptions
-        most = max(most, len(engine.scheduler.active))
+        most = max(most, engine.stats().running)
     return most, preempted
 
 

@@ -34,9 +34,6 @@ import contextlib
 import json
 import os
 import random
-import re
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +44,7 @@ from typing import Any
 
 import httpx
 
+from vllm_kvpress_ext.bench.harness import HOST, free_port, scrape_metric, served
 from vllm_kvpress_ext.bench.models import suite_bench_model_dir
 from vllm_kvpress_ext.bench.report import format_table
 from vllm_kvpress_ext.tasks.tokenizer import FILLER_WORDS
@@ -136,11 +134,6 @@ def _prompts(config: ServeBenchConfig) -> list[tuple[str, int | None]]:
     return [*prompts, (text(words), None)]
 
 
-def _metric(text: str, name: str) -> float | None:
-    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else None
-
-
 # ---------------------------------------------------------------------- load
 
 
@@ -178,7 +171,7 @@ async def _one(client: httpx.AsyncClient, body: dict[str, Any], result: _Result)
 async def _poll_running(client: httpx.AsyncClient, seen: list[float], stop: asyncio.Event) -> None:
     while not stop.is_set():
         with contextlib.suppress(httpx.HTTPError):
-            value = _metric((await client.get("/metrics")).text, "kvpress_requests_running")
+            value = scrape_metric((await client.get("/metrics")).text, "kvpress_requests_running")
             if value is not None:
                 seen.append(value)
         with contextlib.suppress(TimeoutError):
@@ -192,25 +185,13 @@ async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig, la
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
 
         def body(prompt: tuple[str, int | None]) -> dict[str, Any]:
-            text, boundary = prompt
-            extra = {} if boundary is None else {"kv_prefix_tokens": boundary}
-            return {
-                **extra,
-                "model": model,
-                "prompt": text,
-                "max_tokens": config.max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "kv_policy": policy,
-            }
+            return _request_body(prompt, model, policy, config)
 
         warm = _Result()
         await _one(client, {**body(prompts[-1]), "max_tokens": 2}, warm)  # first forward passes are slow
         if warm.error:
             raise RuntimeError(f"policy {policy}: warm-up request failed: {warm.error}")
-        peak_before = _metric((await client.get("/metrics")).text, "kvpress_requests_running_peak") or 0.0
+        peak_before = scrape_metric((await client.get("/metrics")).text, "kvpress_requests_running_peak") or 0.0
         samples: list[float] = []
         stop = asyncio.Event()
         poller = asyncio.create_task(_poll_running(client, samples, stop))
@@ -246,16 +227,41 @@ async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig, la
         await poller
         metrics_text = (await client.get("/metrics")).text
 
-    completed = [r for r in results if r.completed]
     elapsed = (max(finish_times) if finish_times else time.perf_counter()) - start
-    peak_after = _metric(metrics_text, "kvpress_requests_running_peak") or 0.0
-    peak = peak_after if peak_after > peak_before else max(samples, default=0.0)
+    peak_after = scrape_metric(metrics_text, "kvpress_requests_running_peak") or 0.0
+    if peak_after > peak_before:
+        peak, peak_from = peak_after, "server peak gauge"
+    else:
+        peak, peak_from = max(samples, default=0.0), "polled running gauge"
+    return _summary(label or policy, results, elapsed, int(peak), peak_from)
+
+
+def _request_body(prompt: tuple[str, int | None], model: str, policy: str, config: ServeBenchConfig) -> dict[str, Any]:
+    """A streamed completion of `prompt` under `policy`; a shared context names its end (`kv_prefix_tokens`)."""
+    text, boundary = prompt
+    extra = {} if boundary is None else {"kv_prefix_tokens": boundary}
+    return {
+        **extra,
+        "model": model,
+        "prompt": text,
+        "max_tokens": config.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "kv_policy": policy,
+    }
+
+
+def _summary(label: str, results: list[_Result], elapsed: float, peak: int, peak_from: str) -> dict[str, Any]:
+    """One phase's figures: throughput, latency percentiles, the peak of requests running, the KV usage."""
+    completed = [r for r in results if r.completed]
     ttfts = [r.ttft for r in completed if r.ttft is not None]
     itls = [x for r in completed for x in r.itls]
     usages = [r.usage for r in completed if r.usage]
     errors = [r.error for r in results if r.error]
     return {
-        "policy": label or policy,
+        "policy": label,
         "sent": len(results),
         "completed": len(completed),
         "errors": len(errors),
@@ -264,8 +270,8 @@ async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig, la
         "requests_per_s": len(completed) / elapsed if elapsed > 0 else 0.0,
         "ttft_s": {f"p{q}": _percentile(ttfts, q) for q in (50, 90, 99)},
         "itl_s": {f"p{q}": _percentile(itls, q) for q in (50, 90, 99)},
-        "peak_running": int(peak),
-        "peak_from": "server peak gauge" if peak_after > peak_before else "polled running gauge",
+        "peak_running": peak,
+        "peak_from": peak_from,
         "mean_kv_bytes": sum(u.get("kv_bytes", 0) for u in usages) / len(usages) if usages else 0.0,
         "mean_kv_bytes_peak": sum(u.get("kv_bytes_peak", 0) for u in usages) / len(usages) if usages else 0.0,
         "mean_retention": sum(u.get("kv_retention", 1.0) for u in usages) / len(usages) if usages else float("nan"),
@@ -277,19 +283,12 @@ async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig, la
 # ---------------------------------------------------------------------- servers
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextlib.contextmanager
 def _server(
     model_dir: Path, policy: str, config: ServeBenchConfig, log_dir: Path, prefix_caching: bool = True
 ) -> Iterator[str]:
     """`kvpress serve` in a subprocess on 127.0.0.1; yields its base URL once /health answers."""
-    port = _free_port()
+    port = free_port()
     log_path = log_dir / f"serve-{policy}-{'reuse' if prefix_caching else 'noreuse'}.log"
     cmd = [
         sys.executable,
@@ -298,7 +297,7 @@ def _server(
         "serve",
         str(model_dir),
         "--host",
-        "127.0.0.1",
+        HOST,
         "--port",
         str(port),
         "--served-model-name",
@@ -323,28 +322,9 @@ def _server(
         "--log-level",
         "warning",
     ]
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.monotonic() + config.startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvpress serve exited ({proc.returncode}):\n{log_path.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvpress serve did not start in {config.startup_timeout}s:\n{log_path.read_text()}")
-            time.sleep(0.1)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with served(cmd, port, log_path, name="kvpress serve", startup_timeout=config.startup_timeout, env=env) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ---------------------------------------------------------------------- report
@@ -411,8 +391,7 @@ def run_vllm_comparison(config: ServeBenchConfig) -> list[dict[str, Any]]:
     and loaded by `vllm bench serve --dataset-name random` (chat, `--ignore-eos`, greedy) with
     `prompt_len` input and `max_tokens` output tokens, `num_requests` prompts, `concurrency` at once.
     """
-    from vllm_kvpress_ext.bench.vllm_serve_bench import VllmServeBenchConfig, run_one
-    from vllm_kvpress_ext.bench.vllm_serve_bench import format_table as vllm_table
+    from vllm_kvpress_ext.bench.vllm_serve_bench import VllmServeBenchConfig, results_table, run_interleaved
     from vllm_kvpress_ext.vllm_plugin.gguf_model import is_gguf_spec, prepare_gguf_model
 
     model = config.model or "smollm2-135m"
@@ -430,14 +409,9 @@ def run_vllm_comparison(config: ServeBenchConfig) -> list[dict[str, Any]]:
         seed=config.seed,
         tokenizer=tokenizer,
     )
-    rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="kvpress-bench-serve-vllm-") as tmp:
-        for policy in config.policies:
-            for server in bench.servers:
-                print(f"[{server} serve, {policy}] ...", flush=True)
-                rows.append(run_one(server, policy, model, Path(tmp), bench))
+    rows = run_interleaved(model, bench)
     print(f"config: {asdict(bench)}")
-    print(vllm_table(rows))
+    print(results_table(rows))
     headers = [
         "policy",
         "req/s vllm",

@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +21,8 @@ from typing import Any
 import httpx
 
 from vllm_kvpress_ext.assets import default_model_dir
+from vllm_kvpress_ext.bench.harness import free_port, scrape_metric, served
+from vllm_kvpress_ext.bench.report import markdown_table
 
 SERVERS = ("vllm", "kvpress")
 _STARTUP_S = 600
@@ -44,12 +42,6 @@ class VllmServeBenchConfig:
     seed: int = 0
     out: str | None = None
     tokenizer: str | None = None  # for `vllm bench serve` (default: the model path)
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _bin(name: str) -> str:
@@ -87,35 +79,6 @@ def server_command(server: str, policy: str, model: str, port: int, config: Vllm
             *common,
         ]
     raise ValueError(f"unknown server {server!r}; choose from {', '.join(SERVERS)}")
-
-
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + _STARTUP_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server not healthy after {_STARTUP_S}s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-
-
-def _metric(text: str, name: str) -> float | None:
-    match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else None
 
 
 def bench_command(url: str, model: str, result: Path, config: VllmServeBenchConfig) -> list[str]:
@@ -158,20 +121,11 @@ def bench_command(url: str, model: str, result: Path, config: VllmServeBenchConf
 
 
 def run_one(server: str, policy: str, model: str, workdir: Path, config: VllmServeBenchConfig) -> dict[str, Any]:
-    port = _port()
-    url = f"http://127.0.0.1:{port}"
-    log = workdir / f"{server}-{policy}.log"
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_TARGET_DEVICE", "KVPRESS_METRICS_FILE")}
-    with open(log, "wb") as handle:
-        process = subprocess.Popen(
-            server_command(server, policy, model, port, config),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    try:
-        _wait_healthy(url, process, log)
+    command = server_command(server, policy, model, port, config)
+    log = workdir / f"{server}-{policy}.log"
+    with served(command, port, log, name=f"{server} serve", startup_timeout=_STARTUP_S, env=env) as url:
         result = workdir / f"{server}-{policy}.json"
         bench = subprocess.run(
             bench_command(url, model, result, config), capture_output=True, text=True, timeout=3600, check=False
@@ -179,8 +133,6 @@ def run_one(server: str, policy: str, model: str, workdir: Path, config: VllmSer
         if bench.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed:\n{bench.stdout[-3000:]}\n{bench.stderr[-3000:]}")
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    finally:
-        _stop(process)
     data = json.loads(result.read_text())
     return {
         "server": f"{server} serve",
@@ -194,42 +146,53 @@ def run_one(server: str, policy: str, model: str, workdir: Path, config: VllmSer
         "output_tokens_per_s": data.get("output_throughput"),
         "tpot_ms_mean": data.get("mean_tpot_ms"),
         "client_concurrency_peak": data.get("max_concurrent_requests"),
-        "running_peak": _metric(metrics, "kvpress_requests_running_peak"),
-        "pool_preemptions": _metric(metrics, "kvpress_pool_preemptions_total"),
+        "running_peak": scrape_metric(metrics, "kvpress_requests_running_peak"),
+        "pool_preemptions": scrape_metric(metrics, "kvpress_pool_preemptions_total"),
         "load_average": os.getloadavg()[0],
     }
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    header = (
-        "| policy | server | req/s | TTFT mean ms | TTFT p99 ms | ITL mean ms | ITL p99 ms | peak running | load avg |"
-    )
-    lines = [header, "|" + "---|" * 9]
+RESULT_HEADERS = ("policy", "server", "req/s", "TTFT mean ms", "TTFT p99 ms", "ITL mean ms", "ITL p99 ms")
+
+
+def results_table(rows: list[dict[str, Any]]) -> str:
+    """One Markdown row per (policy, server) run."""
 
     def num(value: Any, digits: int = 1) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    for r in rows:
-        peak = "-" if r["running_peak"] is None else str(int(r["running_peak"]))
-        lines.append(
-            f"| {r['policy']} | {r['server']} | {num(r['requests_per_s'], 2)} | {num(r['ttft_ms_mean'])} "
-            f"| {num(r['ttft_ms_p99'])} | {num(r['itl_ms_mean'])} | {num(r['itl_ms_p99'])} | {peak} "
-            f"| {num(r.get('load_average'))} |"
-        )
-    return "\n".join(lines)
+    cells = [
+        [
+            r["policy"],
+            r["server"],
+            num(r["requests_per_s"], 2),
+            num(r["ttft_ms_mean"]),
+            num(r["ttft_ms_p99"]),
+            num(r["itl_ms_mean"]),
+            num(r["itl_ms_p99"]),
+            "-" if r["running_peak"] is None else str(int(r["running_peak"])),
+            num(r.get("load_average")),
+        ]
+        for r in rows
+    ]
+    return "\n".join(markdown_table([*RESULT_HEADERS, "peak running", "load avg"], cells))
 
 
-def run_vllm_serve_bench(config: VllmServeBenchConfig) -> list[dict[str, Any]]:
-    model = config.model or str(default_model_dir())
+def run_interleaved(model: str, config: VllmServeBenchConfig) -> list[dict[str, Any]]:
+    """`run_one` for every (policy, server), policy by policy, so that the servers of one policy run side by
+    side and see similar machine load (the 1-minute load average after each run is kept with it)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvpress-vllm-bench-") as tmp:
-        # Interleaved (policy by policy, both servers) so that the two servers of a row pair see similar
-        # machine load; the 1-minute load average after each run is printed with it.
         for policy in config.policies:
             for server in config.servers:
                 print(f"[{server} serve, {policy}] ...", flush=True)
                 rows.append(run_one(server, policy, model, Path(tmp), config))
-    print(format_table(rows))
+    return rows
+
+
+def run_vllm_serve_bench(config: VllmServeBenchConfig) -> list[dict[str, Any]]:
+    rows = run_interleaved(config.model or str(default_model_dir()), config)
+    print(results_table(rows))
     if config.out:
         Path(config.out).write_text(json.dumps(rows, indent=2))
     return rows

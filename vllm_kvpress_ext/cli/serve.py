@@ -21,6 +21,14 @@ def register(sub: Subparsers) -> None:
         'with the body field kv_policy ("snapkv" or {"name": "snapkv", "ratio": 0.1}) or vllm_xargs; usage '
         "reports the KV figures the page pool held. See docs/server.md.",
     )
+    _add_model_arguments(serve)
+    _add_engine_arguments(serve)
+    _add_http_arguments(serve)
+    serve.set_defaults(handler=run)
+
+
+def _add_model_arguments(serve: argparse.ArgumentParser) -> None:
+    """What is served, how it is loaded, and the policy of requests that choose none."""
     serve.add_argument(
         "--random-model",
         action="store_true",
@@ -43,8 +51,26 @@ def register(sub: Subparsers) -> None:
         metavar="POLICY",
         help="default policy for requests that do not choose one: " + OPERATOR_POLICY_HELP + " (default: full)",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    serve.add_argument("--port", type=port, default=8000, help="port to bind (default: 8000)")
+    serve.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="model dtype (default: auto)",
+    )
+    serve.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    serve.add_argument(
+        "--served-model-name", default=None, help="model id clients send (default: the model directory's name)"
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="log level (default: info)",
+    )
+
+
+def _add_engine_arguments(serve: argparse.ArgumentParser) -> None:
+    """The KV pool, the scheduler's limits and the compressed-prefix store."""
     pool = serve.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=at_least(1), default=None, help="KV pool size in pages")
     pool.add_argument(
@@ -81,6 +107,12 @@ def register(sub: Subparsers) -> None:
         default=16,
         help="most compressed contexts kept at once (default: 16)",
     )
+
+
+def _add_http_arguments(serve: argparse.ArgumentParser) -> None:
+    """Where the server listens and what it accepts."""
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument("--port", type=port, default=8000, help="port to bind (default: 8000)")
     serve.add_argument(
         "--max-request-size",
         type=size,
@@ -108,25 +140,8 @@ def register(sub: Subparsers) -> None:
         "--max-queue",
         type=at_least(1),
         default=1024,
-        help="requests waiting for admission before new ones get 429 (default: 1024)",
+        help="requests waiting to start before new ones get 429 (default: 1024)",
     )
-    serve.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="model dtype (default: auto)",
-    )
-    serve.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
-    serve.add_argument(
-        "--served-model-name", default=None, help="model id clients send (default: the model directory's name)"
-    )
-    serve.add_argument(
-        "--log-level",
-        default="info",
-        choices=("critical", "error", "warning", "info", "debug"),
-        help="log level (default: info)",
-    )
-    serve.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,15 +17,13 @@ from typing import Any
 
 import torch
 
-from vllm_kvpress_ext.cache.manager import RequestCapacityError
-from vllm_kvpress_ext.cache.pool import PoolExhaustedError
-from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY, ModelRunner, RequestFailure
-from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestRejectedError, RequestStatus
+from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestRejectedError
 from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
-from vllm_kvpress_ext.engine.samples import can_share, start_as_fork
+from vllm_kvpress_ext.engine.samples import can_share
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.engine.scheduler import Scheduler, SchedulerOutput
+from vllm_kvpress_ext.engine.stats import EngineStats, PrefixStoreStats, StepKind
 from vllm_kvpress_ext.models import load_tokenizer
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
 from vllm_kvpress_ext.policies.base import LayerPrefill
@@ -92,7 +90,7 @@ class LLMEngine:
         # Called with each request as it finishes, while its entries are still in the cache (for reading
         # more than `SamplingParams(return_kept=True)` returns, e.g. the K/V of a shared prefix).
         self.finish_hooks: list[Callable[[Request], None]] = []
-        self.last_plan: SchedulerOutput | None = None  # the plan of the step running (or last run)
+        self._plan: SchedulerOutput | None = None  # the plan of the step running (or last run)
 
     # ------------------------------------------------------------------ requests
 
@@ -149,7 +147,7 @@ class LLMEngine:
         for waiting in self._samples.values():
             if request in waiting:
                 waiting.remove(request)
-                request.status = RequestStatus.FINISHED
+                self.scheduler.finish(request)  # it holds nothing yet
                 request.finish_reason = "abort"
                 return
         self._release_samples(request)
@@ -166,30 +164,76 @@ class LLMEngine:
         no row or page run on their own instead."""
         forked = []
         for child in self._samples.pop(parent.request_id, []):
-            if len(self.scheduler.active) >= self.scheduler.max_num_seqs:
+            if not self.scheduler.has_room or not self.runner.fork(parent, child):
                 self.scheduler.add(child)
                 continue
-            try:
-                row = self.cache.fork_request(parent.request_id, child.request_id)
-            except (RequestCapacityError, PoolExhaustedError):
-                self.scheduler.add(child)
-                continue
-            start_as_fork(parent, child, row)
             self.scheduler.adopt(child)
             forked.append(child)
         return forked
 
+    def adopt_prefilled(self, request: Request) -> None:
+        """Run a request whose prompt prefix the runner already holds (`ModelRunner.load_prefill`): it joins the
+        running set, and its policy compresses now, as at the end of its own prefill (`engine/prefix.py`)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.adopt(request)
+        self.runner.complete_prefill(request)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
+
+    # ------------------------------------------------------------------ what callers may read
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued to start (cheap; `stats()` has everything)."""
+        return len(self.scheduler.waiting)
+
+    def stats(self) -> EngineStats:
+        """The pool, the queues and the last step as of now (between steps)."""
+        pool = self.cache.pool
+        plan = self._plan
+        last_step: StepKind = "idle" if plan is None or plan.empty else "prefill" if plan.prefill else "decode"
+        store = self.runner.prefix_store
+        prefixes = None
+        if store is not None:
+            prefixes = PrefixStoreStats(store.hits, store.tokens_reused, store.pages_held(), len(store.entries))
+        return EngineStats(
+            pages_total=pool.num_pages,
+            pages_used=pool.num_used,
+            pages_free=pool.num_free,
+            page_bytes=pool.bytes_per_page,
+            page_size=self.cache.page_size,
+            running=len(self.scheduler.active),
+            waiting=len(self.scheduler.waiting),
+            last_step=last_step,
+            prefixes=prefixes,
+        )
+
+    def requests_in_last_step(self) -> list[str]:
+        """Ids of the requests the last step, or the step that just raised, may have touched.
+
+        The step's own batch (prefill chunks, or decodes) when it got as far as planning; otherwise (it
+        failed while scheduling) every unfinished request except those cleanly queued to start, which
+        hold no pages. Requests the step preempted went back to the queue intact and are not listed.
+        """
+        plan = self._plan
+        if plan is not None:
+            batch = [c.request for c in plan.prefill] if plan.prefill else list(plan.decode)
+            return [r.request_id for r in batch]
+        waiting = {r.request_id for r in self.scheduler.waiting}
+        touched = [rid for rid in self.requests if rid not in waiting]
+        return touched + [r.request_id for r in self.scheduler.active]
 
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return a snapshot of every request that produced a token or finished."""
-        self.last_plan = None
+        self._plan = None
         plan = self.scheduler.schedule()
         # Kept so that a caller whose step raised knows which requests the failed batch held.
-        self.last_plan = plan
+        self._plan = plan
         # A preempted request that could not take another token even in an empty pool ends here
         # (with "length": it ran out of room), and is reported like any other finished request.
         touched = [r for r in plan.preempted if self._stop_if_pool_too_small(r)]
@@ -203,7 +247,7 @@ class LLMEngine:
         return [self._snapshot(r) for r in touched]
 
     def _stop_if_pool_too_small(self, request: Request) -> bool:
-        if self.cache.pages_for_prompt(request.num_tokens + 1) <= self.cache.pool.num_pages:
+        if self.runner.fits_in_empty_pool(request.num_tokens + 1):
             return False
         self._finish(request, "length")
         return True
@@ -270,7 +314,7 @@ class LLMEngine:
         if request.row is not None:
             self.runner.update_kv_stats(request)
             if request.params.return_kept and reason != "error":  # read before `scheduler.finish` frees the row
-                request.kv.kept = kept_entries(self.cache, request.request_id)
+                self.runner.record_kept(request)
             if reason != "error":
                 for hook in self.finish_hooks:
                     hook(request)
@@ -300,7 +344,7 @@ class LLMEngine:
             finished=request.finished,
             finish_reason=request.finish_reason,
             kv=dataclasses.replace(
-                request.kv, kept_per_layer=list(request.kv.kept_per_layer), counters=dict(request.kv.counters)
+                request.kv, mean_kept_per_layer=list(request.kv.mean_kept_per_layer), counters=dict(request.kv.counters)
             ),
             num_preemptions=request.num_preemptions,
             error=request.error,

@@ -98,7 +98,7 @@ class LayerwiseCompression:
         self.results: list[Any] = []
         # Per layer, which prompt entries it still holds ([H, n]; None while it holds them all): how the
         # policy's masks over prompt entries map onto the layer's current (compacted) entries.
-        self.held: list[torch.Tensor | None] = [None] * config.num_hidden_layers
+        self.kept_masks: list[torch.Tensor | None] = [None] * config.num_hidden_layers
         self.seconds = 0.0
         self.error: Exception | None = None
         self.start, self.end = start, end
@@ -160,18 +160,18 @@ class LayerwiseCompression:
             raise ValueError(f"plan_layer after layer {layer} may only cover layers 0..{layer}, got {keep.layers}")
         relative = []
         for m, mask in zip(keep.layers, masks, strict=True):
-            held = self.held[m]
-            if held is None:
+            kept_before = self.kept_masks[m]
+            if kept_before is None:
                 relative.append(mask)
             else:
-                if bool((mask & ~held).any()):
+                if bool((mask & ~kept_before).any()):
                     raise ValueError(f"plan_layer re-planned layer {m} with entries it had already dropped")
-                # Entry e of the prompt now sits at index (number of held entries before it) of its head.
-                h_idx, e_idx = held.nonzero(as_tuple=True)
+                # Entry e of the prompt now sits at index (number of entries kept before it) of its head.
+                h_idx, e_idx = kept_before.nonzero(as_tuple=True)
                 current = torch.zeros(heads, n, dtype=torch.bool)
-                current[h_idx, (held.cumsum(-1) - 1)[h_idx, e_idx]] = mask[h_idx, e_idx]
+                current[h_idx, (kept_before.cumsum(-1) - 1)[h_idx, e_idx]] = mask[h_idx, e_idx]
                 relative.append(current)
-            self.held[m] = mask
+            self.kept_masks[m] = mask
         plan = KeepPlan.from_mask(torch.stack(relative))
         self.runner.cache.apply_keep_plan(self.request.request_id, plan, layers=list(keep.layers))
 

@@ -1,7 +1,7 @@
 """`ModelRunner`: the forward pass, the per-(layer, KV head) page pool and the policy hooks, given a schedule.
 
 Two schedulers drive it: the embedded engine's (`LLMEngine.step`) and vLLM's (the plugin's worker,
-`vllm_kvpress_ext.vllm_plugin.worker`). A driver owns admission, preemption, sampling and stopping;
+`vllm_kvpress_ext.vllm_plugin.worker`). A driver owns starting, preempting, sampling and stopping;
 it hands the runner a `Schedule` (which requests prefill which token chunks, which decode one
 token) of requests that already hold a cache row, and gets back the logits of every request whose
 step produced a next token. The runner runs the prefill chunks as one forward pass and the decodes
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vllm_kvpress_ext.cache import PagedKVCache, PagePool
+from vllm_kvpress_ext.cache import PagedKVCache, PagePool, RequestCapacityError
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
 from vllm_kvpress_ext.engine.kept import kept_entries
@@ -34,6 +34,7 @@ from vllm_kvpress_ext.engine.prefix_store import PrefixStore
 from vllm_kvpress_ext.engine.reconstruction import score_by_reconstruction
 from vllm_kvpress_ext.engine.request import Request, RequestRejectedError, RequestStatus
 from vllm_kvpress_ext.engine.sampler import token_logprobs
+from vllm_kvpress_ext.engine.samples import start_as_fork
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.hub.pull import resolve_model
 from vllm_kvpress_ext.models import load_model
@@ -231,6 +232,35 @@ class ModelRunner:
         request.num_processed = 0
         request.cached_tokens = 0
 
+    def resume(self, request: Request, output_token_ids: list[int]) -> None:
+        """Restart a preempted request with the tokens its driver has kept for it: it recomputes them all."""
+        request.output_token_ids = list(output_token_ids)
+        self.add(request)
+
+    def load_prefill(
+        self, request: Request, keys: torch.Tensor, values: torch.Tensor, capture: PrefillCapture | None
+    ) -> None:
+        """Give the request a row holding `keys` / `values` (`[L, H, n, d]`) as its first n prompt entries and
+        `capture` as what its prefill recorded, ready for `complete_prefill` (a copy of a shared prefix,
+        `engine/prefix.py`). The caller checks that the pool has the pages."""
+        n = keys.shape[2]
+        self.add(request)
+        assert request.row is not None
+        slots = self.cache.append_slots([request.row], torch.arange(n).view(1, -1))  # [L, 1, H, n]
+        self.cache.write(slots[:, 0], keys, values)
+        request.num_processed = n
+        request.capture = capture
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Start `child` (another sample of `parent`'s prompt) on a fork of the parent's row, with its state
+        after the prompt (`engine/samples.py`); False, with nothing changed, when no row or page is free."""
+        try:
+            row = self.cache.fork_request(parent.request_id, child.request_id)
+        except (RequestCapacityError, PoolExhaustedError):
+            return False
+        start_as_fork(parent, child, row)
+        return True
+
     def release(self, request: Request) -> None:
         """Return the request's pages and row (its policy state stays readable, e.g. after it finished)."""
         if request.row is not None:
@@ -256,19 +286,63 @@ class ModelRunner:
         return None if self.prefix_store is None else self.prefix_store.evict_one()
 
     def reset(self, request: Request) -> None:
-        """Release the request and forget its policy state: it will be recomputed from token 0 (preemption)."""
+        """Release the request and forget its policy state: it will be recomputed from token 0."""
         self.release(request)
         request.policy_state = None
         request.capture = None
         request.admitted = None
         request.gate_values = None
 
+    def preempt(self, request: Request) -> None:
+        """Free the request's pages and mark it waiting to be recomputed (its output tokens stay)."""
+        self.reset(request)
+        request.status = RequestStatus.WAITING
+        request.num_processed = 0
+        request.num_preemptions += 1
+
+    # ------------------------------------------------------------------ pool figures for the drivers
+
+    @property
+    def total_pages(self) -> int:
+        return self.cache.pool.num_pages
+
+    @property
+    def free_pages(self) -> int:
+        return self.cache.pool.num_free
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (of one layer and KV head)."""
+        return self.cache.page_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: K and V of `page_size` tokens of one (layer, KV head)."""
+        return self.cache.pool.bytes_per_page
+
+    def pages_held(self, request: Request) -> int:
+        """Pages the request's row references, over every (layer, KV head), ring included (0 without a row)."""
+        if request.row is None:
+            return 0
+        return int(self.cache.pages_per_head(request.request_id).sum())
+
+    def pages_to_decode(self, requests: list[Request]) -> int:
+        """Pages one more token for each of `requests` (all holding rows) allocates, copy-on-write included."""
+        rows = [r.row for r in requests]
+        if any(row is None for row in rows):
+            raise ValueError("every decoding request must hold a cache row")
+        return self.cache.pages_needed_to_append(torch.tensor(rows), 1)
+
+    def fits_in_empty_pool(self, num_tokens: int) -> bool:
+        """Whether `num_tokens` uncompressed entries in every (layer, KV head) fit in the whole pool."""
+        return self.cache.pages_for_prompt(num_tokens) <= self.cache.pool.num_pages
+
     def prefill_reservation(self, request: Request, first_chunk_end: int, chunk_tokens: int | None = None) -> int:
         """Pages to reserve for the request's prefill if its first chunk ends at `first_chunk_end`.
 
         The full prompt, or the policy's declared peak when the whole prefill is one layer-wise chunk,
         or, for a write-gated request whose chunks are at most `chunk_tokens`, its chunked prefill peak
-        (`layerwise.prefill_reservation`); the layer-wise prefill and the chunk-boundary admission
+        (`layerwise.prefill_reservation`); the layer-wise prefill and the chunk-boundary WG-KV admission
         limit (`_drop_unadmitted`) hold the request to the same figure.
         """
         return prefill_reservation(
@@ -595,6 +669,10 @@ class ModelRunner:
             self.cache.evict(rows, eviction.layers, eviction.heads, eviction.entries)
         request.kv.compression_seconds += self.clock() - start
 
+    def record_kept(self, request: Request) -> None:
+        """Set `request.kv.kept`: the positions every (layer, KV head) holds now (before its row is freed)."""
+        request.kv.kept = kept_entries(self.cache, request.request_id)
+
     def update_kv_stats(self, request: Request) -> None:
         """Refresh `request.kv` from the pool's own accounting (the request must hold a cache row)."""
         usage = self.cache.usage(request.request_id)
@@ -608,6 +686,6 @@ class ModelRunner:
         kv.kv_bytes_peak = max(kv.kv_bytes_peak, usage.bytes, peak)
         per_head = usage.global_tokens + usage.ring_tokens
         kv.kept_per_head = per_head.tolist()
-        kv.kept_per_layer = (per_head.sum(-1) // per_head.shape[-1]).tolist()
+        kv.mean_kept_per_layer = (per_head.sum(-1) // per_head.shape[-1]).tolist()
         if isinstance(request.policy_state, dict):
             kv.counters = dict(request.policy_state.get("counters", {}))

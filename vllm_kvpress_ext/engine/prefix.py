@@ -116,7 +116,6 @@ def capture_prefix(
                     finished[out.request_id] = out
     finally:
         engine.finish_hooks.remove(keep)
-    engine.requests.pop(request_id, None)
     return PrefixSnapshot(
         list(token_ids), snapshot["keys"], snapshot["values"], spec, snapshot["layers"], snapshot["next_token"]
     )
@@ -180,16 +179,12 @@ def add_forked_request(
         raise ValueError(f"the prefix was captured with {snapshot.spec}, which lacks what {resolved} needs ({spec})")
     if request_id in engine.requests:
         raise ValueError(f"request id {request_id!r} is already in use")
-    if engine.cache.pages_for_prompt(n) > engine.cache.pool.num_free:
+    if engine.cache.pages_for_prompt(n) > engine.runner.free_pages:
         raise RuntimeError(f"the pool has no room for a copy of the {n}-token prefix")
-    request = Request(request_id, list(prompt), params, compress_after=n, policy=resolved)
-    engine.runner.add(request)  # a cache row, status PREFILLING
-    assert request.row is not None
-    slots = engine.cache.append_slots([request.row], torch.arange(n).view(1, -1))  # [L, 1, H, n]
-    engine.cache.write(slots[:, 0], snapshot.keys, snapshot.values)
-    request.num_processed = n
-    request.capture = _own_capture(snapshot, spec, engine)
-    engine.requests[request_id] = request
-    engine.scheduler.adopt(request)
-    engine.runner.complete_prefill(request)  # compresses (when there is a policy) and marks it running
+    # The checks every request passes (vocabulary, length, boundary, pool), as if it were added whole.
+    request = engine.runner.new_request(
+        request_id, list(prompt), params, resolved, max_model_len=engine.max_model_len, compress_after=n
+    )
+    engine.runner.load_prefill(request, snapshot.keys, snapshot.values, _own_capture(snapshot, spec, engine))
+    engine.adopt_prefilled(request)  # compresses (when there is a policy) and marks it running
     return request_id

@@ -34,7 +34,8 @@ class KVStats:
     kv_bytes: int = 0  # share of the pool: private pages x page bytes + shared pages / their holders
     kv_bytes_peak: int = 0  # most pages referenced at once (shared ones whole) x page bytes
     compression_seconds: float = 0.0
-    kept_per_layer: list[int] = field(default_factory=list)  # mean entries per KV head of each layer
+    # Per layer, the entries its KV heads keep on average (floored); `kept.per_layer` sums them instead.
+    mean_kept_per_layer: list[int] = field(default_factory=list)
     kept_per_head: list[list[int]] = field(default_factory=list)  # [layer][KV head] entries, ring included
     counters: dict[str, int] = field(default_factory=dict)  # policy event counts, e.g. eviction triggers
     # With `SamplingParams(return_kept=True)`: the positions held when the request finished, and those held
@@ -45,6 +46,11 @@ class KVStats:
     @property
     def retention(self) -> float:
         return self.tokens_kept / self.tokens_full if self.tokens_full else 1.0
+
+    @property
+    def kept_per_layer(self) -> list[int]:
+        """`mean_kept_per_layer` under the name the offline API has always given it."""
+        return self.mean_kept_per_layer
 
 
 class IncrementalText:
@@ -106,7 +112,7 @@ class Request:
     text: str = ""
     generator: torch.Generator | None = None
     num_preemptions: int = 0
-    reserved_pages: int = 0  # what the embedded scheduler set aside for this prefill at admission
+    reserved_pages: int = 0  # what the embedded scheduler set aside for this prefill when it started
     kv: KVStats = field(default_factory=KVStats)
     policy_state: Any = None
     capture: Any = None  # PrefillCapture while a compressing policy's prefill runs

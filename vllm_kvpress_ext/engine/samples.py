@@ -51,6 +51,6 @@ def start_as_fork(parent: Request, sample: Request, row: int) -> None:
     sample.kv = dataclasses.replace(
         parent.kv,
         compression_seconds=0.0,
-        kept_per_layer=list(parent.kv.kept_per_layer),
+        mean_kept_per_layer=list(parent.kv.mean_kept_per_layer),
         counters=dict(parent.kv.counters),
     )

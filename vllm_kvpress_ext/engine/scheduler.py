@@ -1,9 +1,12 @@
-"""Prefill-first continuous batching with admission by free pages and preemption by recompute.
+"""Prefill-first continuous batching: requests start by free pages and are preempted by recompute.
+
+Vocabulary: the scheduler *starts* a waiting request (gives it a cache row and reserves its prefill);
+"admission" is reserved for a write gate's decision to keep a token (WG-KV), as in its paper.
 
 Each step is either a prefill step or a decode step:
 
-- Prefill: chunks of admitted-but-unfinished prompts, then newly admitted requests, up to
-  `max_num_batched_tokens` tokens. A waiting request is admitted only when its prefill peak fits in
+- Prefill: chunks of started-but-unfinished prompts, then newly started requests, up to
+  `max_num_batched_tokens` tokens. A waiting request starts only when its prefill peak fits in
   what is free after the pages already promised to unfinished prefills. The peak is the whole
   prompt in every layer and head, except for a prefill that compresses layer by layer in one chunk:
   then it is what the policy declares (`KVPolicy.prefill_peak_pages`), and the engine fails the
@@ -11,7 +14,7 @@ Each step is either a prefill step or a decode step:
   and except for an admission policy (WG-KV) that keeps only admitted tokens past each chunk of at
   most `max_num_batched_tokens`: then its `chunked_prefill_peak_pages`.
 - Decode: one token for every running request. If the pool cannot take the step, the most
-  recently admitted request is preempted: its pages are freed and it goes back to the front of
+  recently started request is preempted: its pages are freed and it goes back to the front of
   the queue to be recomputed later (prompt and generated tokens alike), never dropped.
 
 - Cached compressed prefixes (`engine/prefix_store.py`): a waiting request whose context is cached
@@ -44,18 +47,17 @@ class Scheduler:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.runner = runner
-        self.cache = runner.cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
-        self.active: list[Request] = []  # PREFILLING or RUNNING, in admission order
+        self.active: list[Request] = []  # PREFILLING or RUNNING, in the order they started
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def adopt(self, request: Request) -> None:
-        """A request given its cache row outside admission (a fork of another request's cache, a copy of a
-        prefilled prefix) joins the admitted set as if it had been admitted now."""
+        """A request given its cache row without being started here (a fork of another request's cache, a copy
+        of a prefilled prefix) joins the started set as if it had started now."""
         if request.row is None or request.status not in (RequestStatus.PREFILLING, RequestStatus.RUNNING):
             raise ValueError(f"request {request.request_id!r} must hold a cache row to be adopted")
         self.active.append(request)
@@ -64,13 +66,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.active)
 
+    @property
+    def has_room(self) -> bool:
+        """Whether one more request may start (`max_num_seqs`)."""
+        return len(self.active) < self.max_num_seqs
+
     def _pages_promised(self) -> int:
         """Pages that unfinished prefills may still allocate: their reservation less what they hold."""
         promised = 0
         for req in self.active:
             if req.status is RequestStatus.PREFILLING:
-                held = int(self.cache.pages_per_head(req.request_id).sum())
-                promised += max(0, req.reserved_pages - held)
+                promised += max(0, req.reserved_pages - self.runner.pages_held(req))
         return promised
 
     def schedule(self) -> SchedulerOutput:
@@ -82,9 +88,7 @@ class Scheduler:
             running = [r for r in self.active if r.status is RequestStatus.RUNNING]
             if not running:
                 return SchedulerOutput(prefill=[], decode=[], preempted=preempted)
-            rows = [r.row for r in running]
-            needed = self.cache.pages_needed_to_append(rows, 1)  # type: ignore[arg-type]
-            if needed <= self.cache.pool.num_free:
+            if self.runner.pages_to_decode(running) <= self.runner.free_pages:
                 return SchedulerOutput(prefill=[], decode=running, preempted=preempted)
             # Cached prefixes nobody runs on go first; a running request is preempted only after them.
             if self.runner.evict_cached_prefix() is None:
@@ -93,7 +97,7 @@ class Scheduler:
     def _schedule_prefill(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        free = self.cache.pool.num_free
+        free = self.runner.free_pages
         for req in self.active:
             if req.status is not RequestStatus.PREFILLING or budget == 0:
                 continue
@@ -129,11 +133,9 @@ class Scheduler:
 
     def preempt(self, request: Request) -> Request:
         """Free the request's pages and queue it for recomputation ahead of everything else."""
-        self._release(request)
-        self.runner.reset(request)
-        request.status = RequestStatus.WAITING
-        request.num_processed = 0
-        request.num_preemptions += 1
+        if request in self.active:
+            self.active.remove(request)
+        self.runner.preempt(request)
         self.waiting.appendleft(request)
         return request
 

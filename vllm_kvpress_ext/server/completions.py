@@ -61,10 +61,8 @@ def prompt_batch(state: ServerState, prompt: Prompt) -> list[list[int]]:
     return [_one_prompt(state, prompt, "prompt")]  # type: ignore[arg-type]
 
 
-async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    arrival = time.monotonic()
-    state: ServerState = request.app.state.kvpress
-    check_model(state, body.model)
+def _check_request(body: CompletionRequest) -> bool:
+    """Refuse what this endpoint cannot do; True for a prompt-scoring request (`max_tokens=0` with `echo`)."""
     check_unsupported(body)
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "only best_of=1 is supported")
@@ -77,6 +75,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     score_only = body.max_tokens == 0
     if score_only and not body.echo:
         raise bad_request("max_tokens=0 needs echo=true: it returns the prompt (and its logprobs)", param="max_tokens")
+    return score_only
+
+
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    state: ServerState = request.app.state.kvpress
+    check_model(state, body.model)
+    score_only = _check_request(body)
     # Off the event loop: a long prompt must not stall other connections (or /health) while it tokenizes.
     prompts = await asyncio.to_thread(prompt_batch, state, body.prompt)
     # The engine always generates at least one token; a prompt-scoring request's is dropped below.
@@ -87,72 +93,86 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     samples = sample_params(body, max_tokens, len(prompts), body.logprobs, prompt_logprobs)
     handles = await submit_all(state, body, prompts, samples, arrival, "prompt")
     prompt_tokens = sum(len(p) for p in prompts)
-    completion_id = new_id("cmpl")
-    created = int(time.time())
-
-    def payload(*choices: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": created,
-            "model": state.model_name,
-            "choices": list(choices),
-        }
-
-    def echoed_text(prompt_index: int) -> str:
-        given = body.prompt if isinstance(body.prompt, str) else None
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-            given = str(body.prompt[prompt_index])
-        if given is not None:
-            return given
-        return str(state.tokenizer.decode(prompts[prompt_index])) if state.tokenizer is not None else ""
-
-    def echo_chunk(index: int, first: Update) -> dict[str, Any]:
-        """A stream's first chunk of a choice with `echo`: the prompt, with its logprobs when asked."""
-        prompt_index = index // len(samples)
-        logprobs = None
-        if body.logprobs is not None:
-            entries = first.prompt_logprobs or []
-            logprobs = completion_logprobs(state.tokenizer, prompts[prompt_index], entries, body.logprobs)
-        return {"index": index, "text": echoed_text(prompt_index), "logprobs": logprobs, "finish_reason": None}
-
+    view = _Choices(body, state, prompts, len(samples), new_id("cmpl"), int(time.time()))
     if body.stream:
         return AbortingStreamingResponse(
             _stream(
                 handles,
-                payload,
+                view.payload,
                 samples[0].stop,
                 include_usage(body),
                 prompt_tokens,
                 state.tokenizer,
                 body.logprobs,
-                echo_chunk if body.echo else None,
+                view.echo_chunk if body.echo else None,
             ),
             on_close=abort_all(handles),
         )
+    finalize = _without_generation if score_only else None
+    return await final_response(handles, request, view.payload, view.choice, prompt_tokens, finalize)
 
-    def choice(index: int, final: Update) -> dict[str, Any]:
-        prompt_index = index // len(samples)
-        text = (echoed_text(prompt_index) if body.echo else "") + final.text
+
+def _without_generation(final: Update) -> Update:
+    return dataclasses.replace(final, token_ids=[], text="", logprobs=[] if final.logprobs is not None else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choices:
+    """How one completion request's choices are written: choice `index` answers prompt `index // n`."""
+
+    body: CompletionRequest
+    state: ServerState
+    prompts: list[list[int]]
+    n: int  # samples per prompt
+    completion_id: str
+    created: int
+
+    def payload(self, *choices: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.completion_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": list(choices),
+        }
+
+    def echoed_text(self, prompt_index: int) -> str:
+        prompt = self.body.prompt
+        given = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            given = str(prompt[prompt_index])
+        if given is not None:
+            return given
+        tokenizer = self.state.tokenizer
+        return str(tokenizer.decode(self.prompts[prompt_index])) if tokenizer is not None else ""
+
+    def echo_chunk(self, index: int, first: Update) -> dict[str, Any]:
+        """A stream's first chunk of a choice with `echo`: the prompt, with its logprobs when asked."""
+        prompt_index = index // self.n
+        logprobs = None
+        if self.body.logprobs is not None:
+            entries = first.prompt_logprobs or []
+            logprobs = completion_logprobs(
+                self.state.tokenizer, self.prompts[prompt_index], entries, self.body.logprobs
+            )
+        return {"index": index, "text": self.echoed_text(prompt_index), "logprobs": logprobs, "finish_reason": None}
+
+    def choice(self, index: int, final: Update) -> dict[str, Any]:
+        body, prompt_index = self.body, index // self.n
+        text = (self.echoed_text(prompt_index) if body.echo else "") + final.text
         logprobs = None
         if body.logprobs is not None:
             token_ids, entries = list(final.token_ids), list(final.logprobs or [])
             if body.echo:
-                token_ids = prompts[prompt_index] + token_ids
+                token_ids = self.prompts[prompt_index] + token_ids
                 entries = list(final.prompt_logprobs or []) + entries
-            logprobs = completion_logprobs(state.tokenizer, token_ids, entries, body.logprobs)
+            logprobs = completion_logprobs(self.state.tokenizer, token_ids, entries, body.logprobs)
         answer = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": final.finish_reason}
         if body.prompt_logprobs is not None:
             answer["prompt_logprobs"] = vllm_prompt_logprobs(
-                state.tokenizer, prompts[prompt_index], final.prompt_logprobs or [], body.prompt_logprobs
+                self.state.tokenizer, self.prompts[prompt_index], final.prompt_logprobs or [], body.prompt_logprobs
             )
         return answer
-
-    def without_generation(final: Update) -> Update:
-        return dataclasses.replace(final, token_ids=[], text="", logprobs=[] if final.logprobs is not None else None)
-
-    finalize = without_generation if score_only else None
-    return await final_response(handles, request, payload, choice, prompt_tokens, finalize)
 
 
 async def _stream(

@@ -80,7 +80,7 @@ def resolve_model_dir(model_dir: str | Path | None) -> Path:
 class ServerConfig:
     """Everything `kvpress serve` needs: the engine's settings and the HTTP front's.
 
-    `max_queue` bounds the requests accepted but not yet admitted by the engine (no pages yet);
+    `max_queue` bounds the requests accepted but not yet started by the engine (no pages yet);
     beyond it the server answers 429 so clients back off instead of piling up latency.
     `max_request_bytes` bounds a request body (413 beyond it, before any parsing). `shutdown_grace`
     is how long in-flight requests may run on after SIGTERM before they get the shutdown error.

@@ -2,7 +2,7 @@
 
 `LLMEngine` is not thread-safe and its steps are CPU/GPU-bound, so it runs on a dedicated thread
 (running it on the asyncio loop would stall every connection for a whole step). Handlers put
-commands (add, abort) on a thread-safe queue; the thread drains them between steps, runs
+commands (add, abort) on a thread-safe queue; the thread takes them between steps, runs
 `engine.step()`, and posts each request's outputs to that request's `asyncio.Queue` on the event
 loop with `call_soon_threadsafe`.
 
@@ -15,12 +15,15 @@ Failure policy, innermost first:
   (500 `engine_error`, or the error event on a stream); the rest of the batch finishes normally.
 - An exception from the step itself (the batched forward pass) cannot be pinned on one request
   within its batch: it fails and aborts the requests of that step's batch (the engine's
-  `last_plan`: the prefill chunks, or the decode batch; their cache state after a half-run step is
-  undefined), frees their pages, and the loop keeps serving the rest. A step is either prefill or
+  `requests_in_last_step()`: the prefill chunks, or the decode batch; their cache state after a half-run
+  step is undefined), frees their pages, and the loop keeps serving the rest. A step is either prefill or
   decode, so requests decoding while a new prompt's prefill fails are not touched; a batch of one
   request fails exactly the request that caused it.
 
 Nothing an HTTP request does can kill the thread.
+
+The loop reads the engine only through its step API and its read API (`LLMEngine.stats()`,
+`requests_in_last_step()`, `num_waiting`): never its pool, scheduler or plans (tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import Any
 from vllm_kvpress_ext.api.policy_spec import policy_label
 from vllm_kvpress_ext.engine import LLMEngine, RequestOutput, SamplingParams
 from vllm_kvpress_ext.engine.request import KVStats
+from vllm_kvpress_ext.engine.stats import EngineStats
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.server.metrics import ServerMetrics
 
@@ -60,7 +64,7 @@ def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
 
 
 class QueueFullError(Exception):
-    """The admission queue holds `max_queue` requests already (answered 429)."""
+    """The engine's waiting queue holds `max_queue` requests already (answered 429)."""
 
 
 class EngineUnavailableError(Exception):
@@ -85,7 +89,7 @@ class LoopTimings:
 
     `prefill_steps` / `decode_steps`: inside `engine.step()` (scheduling, forward pass, sampling, stops,
     detokenisation, snapshots); `deliver`: turning outputs into updates and handing them to the event
-    loop; `commands`: admitting and aborting; `idle`: blocked waiting for a command.
+    loop; `commands`: adding and aborting; `idle`: blocked waiting for a command.
     """
 
     prefill_steps: float = 0.0
@@ -235,10 +239,10 @@ class EngineLoop:
         self.timings = LoopTimings()
         # While a step's outputs are delivered: the updates for each event loop, posted together at the end.
         self._batch: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Update | Failure]]] | None = None
-        pool = engine.cache.pool
-        metrics.pages_total.set(pool.num_pages)
-        metrics.page_bytes.set(pool.bytes_per_page)
-        self.snapshot = self._take_snapshot(0, 0)
+        stats = engine.stats()
+        metrics.pages_total.set(stats.pages_total)
+        metrics.page_bytes.set(stats.page_bytes)
+        self.snapshot = self._take_snapshot(stats)
         self._publish()
         self.default_policy = policy_label(engine.default_policy)
 
@@ -263,7 +267,7 @@ class EngineLoop:
 
     @property
     def in_flight(self) -> int:
-        """Requests the loop tracks (admitted or waiting); read from any thread."""
+        """Requests the loop tracks (started or waiting); read from any thread."""
         return len(self._tracked)
 
     @property
@@ -320,7 +324,7 @@ class EngineLoop:
         try:
             while not self._stopping.is_set():
                 try:
-                    self._drain(block=not self.engine.has_unfinished_requests())
+                    self._take_commands(block=not self.engine.has_unfinished_requests())
                     if self._stopping.is_set():
                         break
                     if self.engine.has_unfinished_requests():
@@ -333,7 +337,7 @@ class EngineLoop:
         finally:
             self._shutdown()
 
-    def _drain(self, block: bool) -> None:
+    def _take_commands(self, block: bool) -> None:
         start = time.perf_counter()
         try:
             command = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
@@ -374,7 +378,7 @@ class EngineLoop:
     def _add(self, add: _Add) -> None:
         if not add.future.set_running_or_notify_cancel():
             return  # the client gave up before we got here
-        if len(self.engine.scheduler.waiting) >= self.max_queue:
+        if self.engine.num_waiting >= self.max_queue:
             self.metrics.requests.labels(status="queue_full").inc()
             add.future.set_exception(
                 QueueFullError(f"the server's queue is full ({self.max_queue} requests waiting); retry later")
@@ -407,13 +411,6 @@ class EngineLoop:
         start = time.perf_counter()
         outputs = self.engine.step()  # an exception fails the batch, in `_run`
         stepped = time.perf_counter()
-        plan = getattr(self.engine, "last_plan", None)
-        if plan is not None and plan.prefill:
-            self.timings.prefill_steps += stepped - start
-            self.timings.num_prefill_steps += 1
-        else:
-            self.timings.decode_steps += stepped - start
-            self.timings.num_decode_steps += 1
         self._steps += 1
         now = time.monotonic()
         self._batch = {}
@@ -422,11 +419,15 @@ class EngineLoop:
         finally:
             self._flush()
         self.timings.deliver += time.perf_counter() - stepped
-        running = len(self.engine.scheduler.active)
-        # Requests that finished in this step held pages during it.
-        self._publish(held_during_step=running + finished)
-        if not outputs and running == 0:
-            time.sleep(0.001)  # nothing admissible: do not spin
+        stats = self._publish(finished_in_step=finished)
+        if stats.last_step == "prefill":
+            self.timings.prefill_steps += stepped - start
+            self.timings.num_prefill_steps += 1
+        else:
+            self.timings.decode_steps += stepped - start
+            self.timings.num_decode_steps += 1
+        if not outputs and stats.running == 0:
+            time.sleep(0.001)  # nothing can start: do not spin
 
     def _deliver(self, out: RequestOutput, now: float) -> int:
         tracked = self._tracked.get(out.request_id)
@@ -485,24 +486,10 @@ class EngineLoop:
             ),
         )
 
-    def _batch_of_failed_step(self) -> list[str]:
-        """The requests the failed step may have touched.
-
-        The step's own batch when the engine recorded its plan; otherwise (it failed while scheduling)
-        every tracked request except those still cleanly waiting for admission (they hold no pages),
-        plus any admitted request the loop does not track.
-        """
-        plan = getattr(self.engine, "last_plan", None)
-        if plan is not None:
-            batch = [c.request for c in plan.prefill] if plan.prefill else list(plan.decode)
-            return [r.request_id for r in batch]  # preempted ones went back to waiting, intact
-        waiting = {r.request_id for r in self.engine.scheduler.waiting}
-        affected = [rid for rid in self._tracked if rid not in waiting]
-        return affected + [r.request_id for r in self.engine.scheduler.active]
-
     def _fail_batch(self, exc: Exception) -> None:
-        """Abort every request the failed step may have touched (`_batch_of_failed_step`) and tell their clients."""
-        affected = self._batch_of_failed_step()
+        """Abort every request the failed step may have touched (`LLMEngine.requests_in_last_step`) and tell
+        their clients."""
+        affected = self.engine.requests_in_last_step()
         message = f"the engine failed while running this request ({type(exc).__name__}: {exc}); it was aborted"
         for request_id in dict.fromkeys(affected):
             try:
@@ -529,44 +516,47 @@ class EngineLoop:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_put_all, items)
 
-    def _take_snapshot(self, running: int, waiting: int) -> PoolSnapshot:
-        pool = self.engine.cache.pool
+    def _take_snapshot(self, stats: EngineStats) -> PoolSnapshot:
         return PoolSnapshot(
-            pages_total=pool.num_pages,
-            pages_used=pool.num_used,
-            pages_free=pool.num_free,
-            page_bytes=pool.bytes_per_page,
-            running=running,
-            waiting=waiting,
+            pages_total=stats.pages_total,
+            pages_used=stats.pages_used,
+            pages_free=stats.pages_free,
+            page_bytes=stats.page_bytes,
+            running=stats.running,
+            waiting=stats.waiting,
             running_peak=self._peak,
             steps=self._steps,
             failed_steps=self._failed_steps,
         )
 
-    def _publish(self, held_during_step: int = 0) -> None:
-        running = len(self.engine.scheduler.active)
-        waiting = len(self.engine.scheduler.waiting)
-        self._peak = max(self._peak, held_during_step, running)
-        snap = self._take_snapshot(running, waiting)
+    def _publish(self, finished_in_step: int = 0) -> EngineStats:
+        """Refresh the snapshot and the gauges from the engine; returns what it read.
+
+        `finished_in_step`: requests that finished in the step just run; they held pages during it, so they
+        count towards the peak of requests held at once."""
+        stats = self.engine.stats()
+        self._peak = max(self._peak, stats.running + finished_in_step)
+        snap = self._take_snapshot(stats)
         self.snapshot = snap
-        self._publish_prefix_store()
+        self._publish_prefix_store(stats)
         m = self.metrics
         m.pages_used.set(snap.pages_used)
         m.pages_free.set(snap.pages_free)
-        m.running.set(running)
-        m.waiting.set(waiting)
+        m.running.set(stats.running)
+        m.waiting.set(stats.waiting)
         m.running_peak.set(self._peak)
+        return stats
 
-    def _publish_prefix_store(self) -> None:
-        store = self.engine.runner.prefix_store
+    def _publish_prefix_store(self, stats: EngineStats) -> None:
+        store = stats.prefixes
         if store is None:
             return
         m = self.metrics
         m.prefix_hits.inc(store.hits - self._prefix_seen[0])
         m.prefix_tokens.inc(store.tokens_reused - self._prefix_seen[1])
         self._prefix_seen = (store.hits, store.tokens_reused)
-        m.prefix_pages.set(store.pages_held())
-        m.prefix_entries.set(len(store.entries))
+        m.prefix_pages.set(store.pages)
+        m.prefix_entries.set(store.entries)
 
     def _shutdown(self) -> None:
         """Abort everything and release every waiter, so no handler hangs on a dead loop."""

@@ -2,10 +2,10 @@
 
 `BodySizeLimit` answers 413 before a large body is parsed (by `Content-Length`, or by counting a
 chunked body as it arrives), so a 50 MB upload never reaches the JSON parser or the tokenizer. The
-rest of the body is read and dropped (up to `DRAIN_BYTES`) before the answer goes out: a server that
+rest of the body is read and dropped (up to `DISCARD_BYTES`) before the answer goes out: a server that
 closes while the client is still sending resets the connection, and a client that writes the whole
 body before reading (httpx's AsyncClient, so the async openai SDK) then sees a `ReadError` instead
-of the 413. Past `DRAIN_BYTES` the server answers at once and closes.
+of the 413. Past `DISCARD_BYTES` the server answers at once and closes.
 
 `GuardedRoute` turns an unexpected exception in a handler into a 500 with OpenAI's error shape
 *inside* the route. Starlette's last-resort handler re-raises after answering, which makes the
@@ -39,22 +39,22 @@ class _TooLarge(HTTPException):
 
 
 #: Bytes of an oversized body read and dropped so that its sender reads the 413 (see the module doc).
-DRAIN_BYTES = 64 << 20
+DISCARD_BYTES = 64 << 20
 
 
 class BodySizeLimit:
     """ASGI middleware: HTTP requests whose body exceeds `max_bytes` get 413 and are never parsed."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, drain_bytes: int = DRAIN_BYTES) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, discard_bytes: int = DISCARD_BYTES) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.drain_bytes = drain_bytes
+        self.discard_bytes = discard_bytes
 
     def _message(self) -> str:
         return f"the request body exceeds this server's limit of {self.max_bytes} bytes"
 
-    async def _drain(self, receive: Receive, seen: int) -> bool:
-        """Read and drop the rest of the body; False when the client left or the body passed `drain_bytes`."""
+    async def _discard_rest(self, receive: Receive, seen: int) -> bool:
+        """Read and drop the rest of the body; False when the client left or the body passed `discard_bytes`."""
         while True:
             message = await receive()
             if message["type"] != "http.request":
@@ -62,13 +62,13 @@ class BodySizeLimit:
             seen += len(message.get("body", b""))
             if not message.get("more_body", False):
                 return True
-            if seen > self.drain_bytes:
+            if seen > self.discard_bytes:
                 return False
 
-    async def _reject(self, send: Send, drained: bool) -> None:
+    async def _reject(self, send: Send, body_read: bool) -> None:
         body = json.dumps(error_body(self._message(), code="request_too_large")).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        if not drained:
+        if not body_read:
             headers.append((b"connection", b"close"))  # unread body bytes: the connection cannot be reused
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})
@@ -79,8 +79,8 @@ class BodySizeLimit:
             return
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            drained = int(declared) <= self.drain_bytes and await self._drain(receive, 0)
-            await self._reject(send, drained)
+            body_read = int(declared) <= self.discard_bytes and await self._discard_rest(receive, 0)
+            await self._reject(send, body_read)
             return
         seen = 0
         started = False
@@ -103,7 +103,7 @@ class BodySizeLimit:
             await self.app(scope, counted_receive, tracked_send)
         except _TooLarge:
             if not started:
-                await self._reject(send, await self._drain(receive, seen))
+                await self._reject(send, await self._discard_rest(receive, seen))
 
 
 class GuardedRoute(APIRoute):

@@ -83,12 +83,12 @@ def serve(config: ServerConfig) -> None:
 
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = build_engine(config)
-    pool = engine.cache.pool
+    pool = engine.stats()
     c = engine.config
     print(
         f"kvpress serve: model {config.model_name!r} from {config.model_dir} ({c.num_hidden_layers} layers, "
-        f"{c.num_key_value_heads} KV heads, max_model_len {engine.max_model_len}); KV pool {pool.num_pages} pages x "
-        f"{pool.bytes_per_page} B = {pool.num_pages * pool.bytes_per_page / 2**20:.1f} MiB; default policy "
+        f"{c.num_key_value_heads} KV heads, max_model_len {engine.max_model_len}); KV pool {pool.pages_total} pages x "
+        f"{pool.page_bytes} B = {pool.pages_total * pool.page_bytes / 2**20:.1f} MiB; default policy "
         f"{engine.default_policy.name if engine.default_policy else 'full'}; http://{config.host}:{config.port}",
         flush=True,
     )

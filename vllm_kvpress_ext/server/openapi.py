@@ -41,7 +41,7 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _error("Invalid request: schema violation, unsupported parameter, bad prompt or kv_policy"),
     404: _error("`model` names a model this server does not serve"),
     413: _error("The request body exceeds the server's size limit"),
-    429: _error("The admission queue is full; retry later"),
+    429: _error("The waiting queue is full; retry later"),
     500: _error("The engine failed while running this request (it alone was aborted)"),
     503: _error("The engine loop is not running, or the server is shutting down"),
 }

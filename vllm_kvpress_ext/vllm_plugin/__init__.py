@@ -10,7 +10,7 @@ Installing the package registers two entry points under the one name `kvpress` (
 
 Inside, the worker (`worker.KVPressWorker`) runs the project's `ModelRunner` (forward pass, per-
 (layer, KV head) page pool, policy hooks) on the schedules vLLM's scheduler makes, and a scheduler
-subclass (`scheduler.KVPressScheduler`) admits and preempts by that pool. See docs/vllm.md.
+subclass (`scheduler.KVPressScheduler`) starts and preempts requests by that pool. See docs/vllm.md.
 """
 
 from __future__ import annotations

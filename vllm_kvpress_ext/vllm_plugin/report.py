@@ -15,7 +15,7 @@ class PoolReport:
 
     `decode_pages[r]` is exactly what request r's next token will allocate (heads are ragged after
     compression, so it varies per request); a request absent from it is still prefilling and was
-    reserved its prefill peak at admission (`prefill_pages`). `pages_per_token_block` is layers x KV
+    reserved its prefill peak when it started (`prefill_pages`). `pages_per_token_block` is layers x KV
     heads: one page per (layer, head) for every `page_size` uncompressed tokens.
     """
 
@@ -24,14 +24,14 @@ class PoolReport:
     page_size: int
     pages_per_token_block: int
     page_bytes: int
-    held: dict[str, int] = field(default_factory=dict)
+    pages_held: dict[str, int] = field(default_factory=dict)
     decode_pages: dict[str, int] = field(default_factory=dict)
     kv: dict[str, dict[str, Any]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     num_layers: int = 0  # layers x KV heads = pages_per_token_block; 0 where a report does not say
     num_kv_heads: int = 0
 
-    def peak_pages(self, num_tokens: int) -> int:
+    def full_prompt_pages(self, num_tokens: int) -> int:
         """Pages a request needs to prefill `num_tokens` tokens uncompressed."""
         return self.pages_per_token_block * -(-num_tokens // self.page_size)
 
@@ -45,7 +45,7 @@ class PoolReport:
         admission policy whose chunks are at most `chunk_tokens` tokens, its chunked prefill peak.
         """
         if not self.num_layers or not self.num_kv_heads:
-            return self.peak_pages(num_tokens)
+            return self.full_prompt_pages(num_tokens)
         return prefill_reservation(
             policy,
             num_tokens,

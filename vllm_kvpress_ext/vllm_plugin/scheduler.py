@@ -1,4 +1,4 @@
-"""`KVPressScheduler`: vLLM's scheduler, admitting and preempting by the real per-(layer, KV head) pool.
+"""`KVPressScheduler`: vLLM's scheduler, starting and preempting requests by the real per-(layer, KV head) pool.
 
 vLLM's own logic stays in charge (FCFS queue, chunked prefill mixed with decodes, preemption by
 recompute of the most recent request); only its answer to "do this request's new tokens fit?" is
@@ -65,7 +65,7 @@ class KVPressScheduler(Scheduler):
         self.available = 0
         # Pages subtracted from `available` for each request during the current schedule().
         self.charged: dict[str, int] = {}
-        # Requests mid-prefill -> the peak reserved for them at admission.
+        # Requests mid-prefill -> the peak reserved for them when they started.
         self.prefill_peaks: dict[str, int] = {}
         self._default_policy: Any = _UNSET
         # Pages of requests finished or aborted since the last report (the worker frees them first thing).
@@ -90,7 +90,7 @@ class KVPressScheduler(Scheduler):
             return
         available = report.pages_free + self.freed_since_report
         for request_id, peak in self.prefill_peaks.items():
-            remaining = max(peak - report.held.get(request_id, 0), 0)
+            remaining = max(peak - report.pages_held.get(request_id, 0), 0)
             available -= remaining
             self.charged[request_id] = remaining
         self.available = available
@@ -102,13 +102,13 @@ class KVPressScheduler(Scheduler):
         if report is None:
             return
         for request in list(self.waiting):
-            if report.peak_pages(request.num_tokens) <= report.pages_total:
+            if report.full_prompt_pages(request.num_tokens) <= report.pages_total:
                 continue
             self.waiting.remove_requests([request])
             # With output already, it ran out of room mid-generation (the embedded engine's "length").
             status = RequestStatus.FINISHED_LENGTH_CAPPED if request.num_output_tokens else RequestStatus.FINISHED_ERROR
             message = (
-                f"request needs {report.peak_pages(request.num_tokens)} KV pages before compression; "
+                f"request needs {report.full_prompt_pages(request.num_tokens)} KV pages before compression; "
                 f"the pool has {report.pages_total}"
             )
             self.pending_errors.append((request, message))
@@ -132,7 +132,7 @@ class KVPressScheduler(Scheduler):
         report = self.report
         request_id = request.request_id
         if report is None:
-            # No step has run, so the pool's size is not known here yet: admit a single request, whose
+            # No step has run, so the pool's size is not known here yet: start a single request, whose
             # step brings the first report.
             if self.charged:
                 return False
@@ -146,7 +146,7 @@ class KVPressScheduler(Scheduler):
             need = report.prefill_pages(request.num_tokens, self._policy_of(request), whole, chunk)
             starting = True
         else:
-            need = report.decode_pages.get(request_id, 0)  # 0: a later prefill chunk, reserved at admission
+            need = report.decode_pages.get(request_id, 0)  # 0: a later prefill chunk, reserved when it started
             starting = False
         if need > self.available:
             return False
@@ -162,7 +162,7 @@ class KVPressScheduler(Scheduler):
 
     def _preempt_request(self, request: Any, timestamp: float, drop_stale_output: bool = False) -> None:
         request_id = request.request_id
-        held = self.report.held.get(request_id, 0) if self.report is not None else 0
+        held = self.report.pages_held.get(request_id, 0) if self.report is not None else 0
         self.available += held + self.charged.pop(request_id, 0)
         self.prefill_peaks.pop(request_id, None)
         self.metrics.preempted_by_pool()
@@ -170,7 +170,7 @@ class KVPressScheduler(Scheduler):
 
     def _credit_finished(self, request_id: str) -> None:
         if self.report is not None:
-            self.freed_since_report += self.report.held.pop(request_id, 0)
+            self.freed_since_report += self.report.pages_held.pop(request_id, 0)
         self.prefill_peaks.pop(request_id, None)
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:

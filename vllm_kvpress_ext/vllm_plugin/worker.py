@@ -6,7 +6,7 @@ tokens, and reports the real pool back to the scheduler (`PoolReport`). vLLM alo
 request stops, so the runner's requests never stop on their own (`ignore_eos`, unbounded length).
 
 vLLM's own KV cache manager is given a dummy spec (one layer name, one KV head of size 1) and enough
-blocks for `max_num_seqs x max_model_len`, so it never limits anything; admission and preemption
+blocks for `max_num_seqs x max_model_len`, so it never limits anything; starting and preempting requests
 follow the real pool through `KVPressScheduler`.
 """
 
@@ -129,9 +129,9 @@ class KVPressWorker(WorkerBase):
         )
         logger.info(
             "vllm-kvpress-ext: %d KV pages of %d tokens (%d bytes each); default policy %s",
-            self.runner.cache.pool.num_pages,
-            self.runner.cache.page_size,
-            self.runner.cache.pool.bytes_per_page,
+            self.runner.total_pages,
+            self.runner.page_size,
+            self.runner.page_bytes,
             policy_label(self.default_policy),
         )
 
@@ -186,7 +186,7 @@ class KVPressWorker(WorkerBase):
 
     def get_cache_block_size_bytes(self) -> int:
         assert self.runner is not None
-        return self.runner.cache.pool.bytes_per_page
+        return self.runner.page_bytes
 
     def update_max_model_len(self, max_model_len: int) -> None:
         self.model_config.max_model_len = max_model_len
@@ -204,7 +204,7 @@ class KVPressWorker(WorkerBase):
         runner = self.runner
         assert runner is not None
         self._forget(scheduler_output)
-        failed = self._admit(scheduler_output)
+        failed = self._start_requests(scheduler_output)
         schedule = Schedule()
         for request_id, count in scheduler_output.num_scheduled_tokens.items():
             if request_id in failed:
@@ -289,12 +289,9 @@ class KVPressWorker(WorkerBase):
         for request_id in scheduler_output.preempted_req_ids or ():
             request = self.requests.get(request_id)
             if request is not None:
-                runner.reset(request)
-                request.status = RequestStatus.WAITING
-                request.num_processed = 0
-                request.num_preemptions += 1
+                runner.preempt(request)
 
-    def _admit(self, scheduler_output: Any) -> dict[str, str]:
+    def _start_requests(self, scheduler_output: Any) -> dict[str, str]:
         """Add new and resumed requests to the runner; those that cannot be added fail alone (id -> why)."""
         runner = self.runner
         assert runner is not None
@@ -321,9 +318,8 @@ class KVPressWorker(WorkerBase):
         for request_id in cached.resumed_req_ids:
             request = self.requests[request_id]
             tokens = cached.all_token_ids[request_id]
-            request.output_token_ids = list(tokens[len(request.prompt_token_ids) :])
             try:
-                runner.add(request)
+                runner.resume(request, list(tokens[len(request.prompt_token_ids) :]))
             except Exception as exc:
                 failed[request_id] = f"{type(exc).__name__}: {exc}"
                 del self.requests[request_id]
@@ -332,23 +328,23 @@ class KVPressWorker(WorkerBase):
     def _report(self, sampled: dict[str, int], failed: dict[str, str]) -> PoolReport:
         runner = self.runner
         assert runner is not None
-        cache = runner.cache
+        num_layers, num_kv_heads = runner.config.num_hidden_layers, runner.config.num_key_value_heads
         report = PoolReport(
-            pages_total=cache.pool.num_pages,
-            pages_free=cache.pool.num_free,
-            page_size=cache.page_size,
-            pages_per_token_block=cache.num_layers * cache.num_kv_heads,
-            page_bytes=cache.pool.bytes_per_page,
+            pages_total=runner.total_pages,
+            pages_free=runner.free_pages,
+            page_size=runner.page_size,
+            pages_per_token_block=num_layers * num_kv_heads,
+            page_bytes=runner.page_bytes,
             failed=failed,
-            num_layers=cache.num_layers,
-            num_kv_heads=cache.num_kv_heads,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
         )
         for request_id, request in self.requests.items():
             if request.row is None:
                 continue
-            report.held[request_id] = int(cache.pages_per_head(request_id).sum())
+            report.pages_held[request_id] = runner.pages_held(request)
             if request.status is RequestStatus.RUNNING:
-                report.decode_pages[request_id] = cache.pages_needed_to_append(torch.tensor([request.row]), 1)
+                report.decode_pages[request_id] = runner.pages_to_decode([request])
             if request_id in sampled:
                 runner.update_kv_stats(request)
                 report.kv[request_id] = kv_figures(policy_label(request.policy), request.kv, request.num_preemptions)
