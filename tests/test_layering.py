@@ -115,5 +115,7 @@ def test_the_http_server_reads_the_engine_only_through_its_api() -> None:
 
 def test_the_vllm_worker_uses_the_runner_not_its_cache() -> None:
     """The plugin reaches pages and rows through `ModelRunner`'s lifecycle and pool methods."""
-    # `runner` is the worker's own; `scheduler` and `pool` name vLLM's scheduler and a metrics method there.
-    assert not _package_reads("vllm_plugin", ENGINE_INTERNALS - {"runner", "scheduler", "pool"})
+    # `runner` is the worker's own; `scheduler` and `pool` name vLLM's scheduler and a metrics method there;
+    # `prefix_store` is the runner's index of stored prefixes, which the plugin's scheduler mirrors (it answers
+    # vLLM's cached-block queries from it) and the worker pins for the requests it promised them to.
+    assert not _package_reads("vllm_plugin", ENGINE_INTERNALS - {"runner", "scheduler", "pool", "prefix_store"})

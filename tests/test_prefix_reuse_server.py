@@ -109,3 +109,44 @@ def test_chat_names_its_context_by_messages(server: LiveServer) -> None:
         ):
             response = chat("x", **bad)
             assert response.status_code == 400, bad
+
+
+def test_auto_matching_chat_turns_attach_to_the_previous_turn(model_dir: Path) -> None:
+    """`--prefix-matching auto`: a chat naming no context takes every message but the last as its context
+    on its first turn; the next turn attaches to what that turn left (its context compressed, the rest
+    as written) and answers as a fresh run naming the first turn's context does."""
+    system = {"role": "system", "content": LONG_PROMPT}
+    turns = ["what is key trout ?", "what is the sky ?", "what is the mill ?"]
+
+    def chat(http: httpx.Client, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+        fields = {"messages": messages, "max_tokens": 4, "temperature": 0, "kv_policy": POLICY, **extra}
+        response = http.post("/v1/chat/completions", json=fields)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    history: list[dict[str, str]] = [system]
+    answers, cached = [], []
+    with _start(model_dir, prefix_matching="auto") as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        tokenizer = live.engine.tokenizer
+        for question in turns:
+            history.append({"role": "user", "content": question})
+            reply = chat(http, history)
+            answers.append(reply["choices"][0]["message"]["content"])
+            cached.append(reply["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+            history.append({"role": "assistant", "content": answers[-1]})
+        rendered = tokenizer.apply_chat_template([system], add_generation_prompt=False, tokenize=True)
+        system_tokens = len(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+        assert cached[0] == 0 and cached[1] > system_tokens and cached[2] > cached[1]
+    with _start(model_dir, enable_prefix_caching=False) as fresh, httpx.Client(base_url=fresh.url, timeout=60) as http:
+        for turn in range(len(turns)):
+            messages = history[: 2 + 2 * turn]
+            alone = chat(http, messages, kv_prefix_tokens=system_tokens)
+            assert alone["choices"][0]["message"]["content"] == answers[turn], turn
+
+
+def test_prefix_matching_flag() -> None:
+    assert ServerConfig(model_dir=Path(".")).prefix_matching == "named"
+    with pytest.raises(ValueError, match="prefix_matching must be named or auto"):
+        ServerConfig(model_dir=Path("."), prefix_matching="longest")
+    with pytest.raises(SystemExit):
+        main(["serve", "some-model", "--prefix-matching", "longest"])

@@ -51,3 +51,32 @@ def test_shared_context_workload_names_each_context() -> None:
     for bad in ({"shared_contexts": -1}, {"question_len": 0}, {"shared_contexts": 2, "url": "http://x"}):
         with pytest.raises(ValueError):
             ServeBenchConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_multi_turn_workload_compares_three_servers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "turns.json"
+    argv = ["bench", "serve", "--policies", "snapkv", "--sessions", "2", "--turns", "3", "--concurrency", "2"]
+    argv += ["--prompt-len", "48", "--question-len", "4", "--max-tokens", "4", "--kv-memory", "4MiB"]
+    argv += ["--duration", "3600", "--out", str(out)]
+    assert main(argv) == 0
+    assert "cached tok" in capsys.readouterr().out
+    results = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"snapkv, reuse off", "snapkv, reuse named", "snapkv, reuse auto"}
+    for r in results.values():
+        assert r["completed"] == r["sent"] == 6 and r["errors"] == 0
+    # Off: nothing cached. Named: turns 2 and 3 of each conversation read the context (48 tokens).
+    # Auto: they read the previous turn, which holds the context and more.
+    assert results["snapkv, reuse off"]["cached_prompt_tokens"] == 0
+    assert results["snapkv, reuse named"]["cached_prompt_tokens"] == 2 * 2 * 48
+    assert results["snapkv, reuse auto"]["cached_prompt_tokens"] > 2 * 2 * 48
+
+
+def test_multi_turn_settings_are_checked() -> None:
+    from vllm_kvpress_ext.bench.serve_bench import ServeBenchConfig
+
+    assert ServeBenchConfig(sessions=3, turns=5).requests == 15
+    for bad in ({"sessions": -1}, {"sessions": 2, "turns": 0}, {"sessions": 2, "url": "http://x"}):
+        with pytest.raises(ValueError):
+            ServeBenchConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="excludes --shared-contexts"):
+        ServeBenchConfig(sessions=2, shared_contexts=2)

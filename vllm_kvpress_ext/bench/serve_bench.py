@@ -25,6 +25,15 @@ each asked `questions_per_context` questions of `question_len` tokens (`num_requ
 product), every request naming its context with `kv_prefix_tokens`. Requests go out question-major
 (every context's first question, then every context's second, ...). Each policy runs twice, on a
 fresh server with prefix caching off and on, side by side, so the two rows differ in reuse alone.
+
+Multi-turn workload (`sessions` > 0): `sessions` conversations of `turns` turns each. A conversation
+opens with a context of `prompt_len` tokens; turn t sends the context, every earlier question and
+the answer text the server returned for it, and a new question of `question_len` tokens, naming the
+context with `kv_prefix_tokens` (so every turn compresses the same context and the rest stays as
+written, and all three runs produce the same answers). Turns of one conversation run one after the
+other; conversations run side by side up to `concurrency`. Each policy runs on three fresh servers:
+prefix caching off, on with named matching (the context is reused), and on with
+`--prefix-matching auto` (each turn attaches to what the previous turn left).
 """
 
 from __future__ import annotations
@@ -75,6 +84,8 @@ class ServeBenchConfig:
     shared_contexts: int = 0
     questions_per_context: int = 8
     question_len: int = 16
+    sessions: int = 0
+    turns: int = 4
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -88,10 +99,21 @@ class ServeBenchConfig:
             raise ValueError("shared_contexts must be >= 0, questions_per_context and question_len >= 1")
         if self.shared_contexts and self.url:
             raise ValueError("the shared-context workload starts its own servers (prefix caching off, then on)")
+        if self.sessions < 0 or self.turns < 1:
+            raise ValueError("sessions must be >= 0 and turns >= 1")
+        if self.sessions and (self.url or self.shared_contexts):
+            raise ValueError("the multi-turn workload starts its own servers and excludes --shared-contexts")
 
     @property
     def requests(self) -> int:
+        if self.sessions:
+            return self.sessions * self.turns
         return self.shared_contexts * self.questions_per_context if self.shared_contexts else self.num_requests
+
+    @property
+    def max_model_len(self) -> int:
+        per_turn = self.question_len + self.max_tokens + 2
+        return self.prompt_len + per_turn * (self.turns if self.sessions else 1) + 8
 
 
 @dataclass
@@ -101,6 +123,7 @@ class _Result:
     itls: list[float] = field(default_factory=list)
     usage: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    text: str = ""
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -157,6 +180,7 @@ async def _one(client: httpx.AsyncClient, body: dict[str, Any], result: _Result)
                 for choice in event.get("choices", []):
                     now = time.perf_counter()
                     if choice.get("text"):
+                        result.text += choice["text"]
                         if last is None:
                             result.ttft = now - start
                         else:
@@ -178,6 +202,69 @@ async def _poll_running(client: httpx.AsyncClient, seen: list[float], stop: asyn
             await asyncio.wait_for(stop.wait(), timeout=0.05)
 
 
+def _request_body(config: ServeBenchConfig, model: str, policy: str, text: str, boundary: int | None) -> dict[str, Any]:
+    extra = {} if boundary is None else {"kv_prefix_tokens": boundary}
+    return {
+        **extra,
+        "model": model,
+        "prompt": text,
+        "max_tokens": config.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "kv_policy": policy,
+    }
+
+
+async def _session_phase(url: str, model: str, policy: str, config: ServeBenchConfig, label: str) -> dict[str, Any]:
+    """The multi-turn workload: each conversation's turns in order, conversations side by side."""
+    rng = random.Random(config.seed)
+
+    def words(count: int) -> str:
+        return " ".join(rng.choice(FILLER_WORDS) for _ in range(count))
+
+    context_words = max(1, config.prompt_len - 1)  # the tokenizer prepends <bos>
+    contexts = [words(context_words) for _ in range(config.sessions)]
+    questions = [[words(config.question_len) for _ in range(config.turns)] for _ in contexts]
+    limits = httpx.Limits(max_connections=config.concurrency + 4, max_keepalive_connections=config.concurrency + 4)
+    results: list[_Result] = []
+    finish_times: list[float] = []
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(config.duration + 120.0), limits=limits) as client:
+        warm = _Result()
+        await _one(client, {**_request_body(config, model, policy, words(context_words), None), "max_tokens": 2}, warm)
+        if warm.error:
+            raise RuntimeError(f"policy {policy}: warm-up request failed: {warm.error}")
+        gate = asyncio.Semaphore(config.concurrency)
+        start = time.perf_counter()
+        deadline = start + config.duration
+
+        async def conversation(index: int) -> None:
+            history = contexts[index]
+            for question in questions[index]:
+                if time.perf_counter() >= deadline:
+                    return
+                history = f"{history} {question}"
+                result = _Result()
+                results.append(result)
+                async with gate:
+                    await _one(client, _request_body(config, model, policy, history, context_words + 1), result)
+                finish_times.append(time.perf_counter())
+                if not result.completed:
+                    return
+                history = f"{history} {result.text.strip()}"
+
+        tasks = [asyncio.create_task(conversation(i)) for i in range(config.sessions)]
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        metrics_text = (await client.get("/metrics")).text
+    elapsed = (max(finish_times) if finish_times else time.perf_counter()) - start
+    peak = int(scrape_metric(metrics_text, "kvpress_requests_running_peak") or 0)
+    return _summary(label, results, elapsed, peak, "server peak gauge")
+
+
 async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig, label: str = "") -> dict[str, Any]:
     prompts = _prompts(config)
     limits = httpx.Limits(max_connections=config.concurrency + 4, max_keepalive_connections=config.concurrency + 4)
@@ -185,7 +272,7 @@ async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig, la
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
 
         def body(prompt: tuple[str, int | None]) -> dict[str, Any]:
-            return _request_body(prompt, model, policy, config)
+            return _request_body(config, model, policy, *prompt)
 
         warm = _Result()
         await _one(client, {**body(prompts[-1]), "max_tokens": 2}, warm)  # first forward passes are slow
@@ -236,23 +323,6 @@ async def _phase(url: str, model: str, policy: str, config: ServeBenchConfig, la
     return _summary(label or policy, results, elapsed, int(peak), peak_from)
 
 
-def _request_body(prompt: tuple[str, int | None], model: str, policy: str, config: ServeBenchConfig) -> dict[str, Any]:
-    """A streamed completion of `prompt` under `policy`; a shared context names its end (`kv_prefix_tokens`)."""
-    text, boundary = prompt
-    extra = {} if boundary is None else {"kv_prefix_tokens": boundary}
-    return {
-        **extra,
-        "model": model,
-        "prompt": text,
-        "max_tokens": config.max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "kv_policy": policy,
-    }
-
-
 def _summary(label: str, results: list[_Result], elapsed: float, peak: int, peak_from: str) -> dict[str, Any]:
     """One phase's figures: throughput, latency percentiles, the peak of requests running, the KV usage."""
     completed = [r for r in results if r.completed]
@@ -285,11 +355,16 @@ def _summary(label: str, results: list[_Result], elapsed: float, peak: int, peak
 
 @contextlib.contextmanager
 def _server(
-    model_dir: Path, policy: str, config: ServeBenchConfig, log_dir: Path, prefix_caching: bool = True
+    model_dir: Path,
+    policy: str,
+    config: ServeBenchConfig,
+    log_dir: Path,
+    prefix_caching: bool = True,
+    prefix_matching: str = "named",
 ) -> Iterator[str]:
     """`kvpress serve` in a subprocess on 127.0.0.1; yields its base URL once /health answers."""
     port = free_port()
-    log_path = log_dir / f"serve-{policy}-{'reuse' if prefix_caching else 'noreuse'}.log"
+    log_path = log_dir / f"serve-{policy}-{prefix_matching if prefix_caching else 'noreuse'}.log"
     cmd = [
         sys.executable,
         "-m",
@@ -313,8 +388,10 @@ def _server(
         "--max-queue",
         str(max(1024, config.num_requests)),
         "--max-model-len",
-        str(config.prompt_len + config.question_len + config.max_tokens + 8),
+        str(config.max_model_len),
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+        "--prefix-matching",
+        prefix_matching,
         "--dtype",
         config.dtype,
         "--device",
@@ -444,6 +521,15 @@ def run_vllm_comparison(config: ServeBenchConfig) -> list[dict[str, Any]]:
     return rows
 
 
+def _session_runs(model_dir: Path, policy: str, config: ServeBenchConfig, log_dir: Path) -> list[dict[str, Any]]:
+    """The multi-turn workload on three fresh servers: reuse off, the named context only, every turn."""
+    results = []
+    for label, caching, matching in (("off", False, "named"), ("named", True, "named"), ("auto", True, "auto")):
+        with _server(model_dir, policy, config, log_dir, caching, matching) as url:
+            results.append(asyncio.run(_session_phase(url, "bench", policy, config, f"{policy}, reuse {label}")))
+    return results
+
+
 def run_serve_bench(config: ServeBenchConfig) -> list[dict[str, Any]]:
     """Run every policy and print one table; returns the per-policy figures (also written to `out`)."""
     if config.compare_vllm:
@@ -459,6 +545,9 @@ def run_serve_bench(config: ServeBenchConfig) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory(prefix="kvpress-bench-serve-") as tmp:
             model_dir = Path(config.model) if config.model else suite_bench_model_dir(Path(tmp) / "model", config.seed)
             for policy in config.policies:
+                if config.sessions:
+                    results += _session_runs(model_dir, policy, config, Path(tmp))
+                    continue
                 for reuse in (False, True) if config.shared_contexts else (True,):
                     label = f"{policy}, reuse {'on' if reuse else 'off'}" if config.shared_contexts else policy
                     with _server(model_dir, policy, config, Path(tmp), reuse) as url:

@@ -560,6 +560,27 @@ class PagedKVCache:
         self._write_lens(rows, new_lens, layers)
         return freed.numel()
 
+    def truncate_request(self, request_id: Hashable, end_position: int) -> int:
+        """Drop every global entry at position `end_position` or later; return the page references dropped.
+
+        Meant for a row forked from a longer one (a later turn attaching to part of an earlier turn's
+        cache): those entries must form the tail of each (layer, head) list, as decode appends leave
+        them when nothing was evicted after `end_position`, else `InvalidPlanError` and nothing changes.
+        Pages past a head's new length lose this row's reference; a shared partial last page stays
+        shared until the row writes into it (copy-on-write then).
+        """
+        row = self.row_of(request_id)
+        if int((self.ring_tables[:, row] >= 0).sum()):
+            raise InvalidPlanError("a row with a local ring cannot be truncated by position")
+        positions, lens = self.entry_positions(request_id)
+        late = positions >= end_position  # padding is -1: never late
+        new_lens = lens - late.sum(-1)
+        entry = torch.arange(positions.shape[-1])
+        if bool((late != (entry >= new_lens.unsqueeze(-1)) & (entry < lens.unsqueeze(-1))).any()):
+            raise InvalidPlanError(f"entries at position {end_position} or later are not the tail of every head")
+        rows = torch.tensor([row])
+        return self._truncate(rows, lens.unsqueeze(1), new_lens.unsqueeze(1))
+
     def evict(
         self,
         rows: torch.Tensor | list[int],

@@ -97,15 +97,27 @@ def _add_engine_arguments(serve: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="keep compressed contexts of requests that set kv_prefix_tokens for later requests with the same "
-        "context, policy and model to reuse; they are dropped, least recently used first, before any running "
-        "request is preempted (default: on; docs/prefix_reuse.md)",
+        help="keep compressed contexts of requests that set kv_prefix_tokens (with --prefix-matching auto, also "
+        "every finished request's cache) for later requests with the same context, policy and model to reuse; they "
+        "are dropped, least recently used first, before any running request is preempted (default: on; "
+        "docs/prefix_reuse.md)",
     )
     serve.add_argument(
         "--max-cached-prefixes",
         type=at_least(1),
         default=16,
-        help="most compressed contexts kept at once (default: 16)",
+        help="most compressed contexts (and, with --prefix-matching auto, finished conversations) kept at once "
+        "(default: 16)",
+    )
+    serve.add_argument(
+        "--prefix-matching",
+        choices=("named", "auto"),
+        default="named",
+        help="named: only requests that name their context (kv_prefix_tokens / kv_prefix_messages) store or "
+        "reuse it; auto: also attach any request to the longest stored prefix of its prompt with the same policy "
+        "and parameters, keep each finished request's cache for the next turn of its conversation, and in chat "
+        "take every message but the last as the context when none is named; this changes what a compressing "
+        "policy sees (default: named; docs/prefix_reuse.md)",
     )
 
 
@@ -214,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         enable_prefix_caching=args.enable_prefix_caching,
         max_cached_prefixes=args.max_cached_prefixes,
+        prefix_matching=args.prefix_matching,
     )
     from vllm_kvpress_ext.server.launch import serve
 

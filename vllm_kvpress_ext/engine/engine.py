@@ -52,10 +52,15 @@ class LLMEngine:
         kv_policy: PolicySpec | None = None,
         enable_prefix_caching: bool = False,
         max_cached_prefixes: int = 16,
+        prefix_matching: str = "named",
     ) -> None:
         """`enable_prefix_caching` keeps up to `max_cached_prefixes` compressed contexts (requests with a
         context/question boundary, `compress_after` < prompt length) for later requests with the same
-        context, policy and model to attach to instead of prefilling (`engine/prefix_store.py`)."""
+        context, policy and model to attach to instead of prefilling (`engine/prefix_store.py`).
+
+        `prefix_matching="auto"` (opt-in: it changes what a compressing policy sees) also attaches
+        requests that name no context to the longest stored prefix of their prompt, and keeps each
+        finished request's cache for a later turn that extends it (docs/prefix_reuse.md)."""
         if max_cached_prefixes < 1:
             raise ValueError(f"max_cached_prefixes must be >= 1, got {max_cached_prefixes}")
         self.default_policy = load_policy(kv_policy)
@@ -69,6 +74,7 @@ class LLMEngine:
             max_num_seqs=max_num_seqs,
             kv_dtype=kv_dtype,
             max_cached_prefixes=max_cached_prefixes if enable_prefix_caching else 0,
+            prefix_matching=prefix_matching,
         )
         self.model_dir = self.runner.model_dir
         self.device = self.runner.device
@@ -103,6 +109,7 @@ class LLMEngine:
         compress_after: int | None = None,
         policy: PolicySpec | None = None,
         sample_of: str | None = None,
+        context_is_fallback: bool = False,
     ) -> str:
         """Queue a request; `policy` overrides the engine's default (`"full"` turns compression off).
 
@@ -113,6 +120,9 @@ class LLMEngine:
         `sample_of` names a request with the same prompt, policy and `compress_after` whose compressed
         prompt this one starts from instead of prefilling its own (another sample of one prompt,
         `samples.py`); where that cannot be, it runs on its own with the same result.
+
+        `context_is_fallback` makes `compress_after` a default that automatic prefix matching may
+        override with a stored prefix's boundary (chat's "every message but the last").
         """
         params = params or SamplingParams()
         resolved = self.default_policy if policy is None else load_policy(policy)
@@ -125,6 +135,7 @@ class LLMEngine:
         request = self.runner.new_request(
             request_id, token_ids, params, resolved, max_model_len=self.max_model_len, compress_after=compress_after
         )
+        request.context_is_fallback = context_is_fallback and compress_after is not None
         self.requests[request_id] = request
         parent = self.requests.get(sample_of) if sample_of is not None else None
         if parent is not None and can_share(parent, request):
@@ -318,6 +329,7 @@ class LLMEngine:
             if reason != "error":
                 for hook in self.finish_hooks:
                     hook(request)
+                self.runner.keep_session(request)
         request.finish_reason = reason
         request.stop_reason = stop_reason
         self._release_samples(request)

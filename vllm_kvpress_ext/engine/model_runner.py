@@ -102,6 +102,7 @@ class ModelRunner:
         max_num_seqs: int = 64,
         kv_dtype: torch.dtype | str | None = None,
         max_cached_prefixes: int = 0,
+        prefix_matching: str = "named",
     ) -> None:
         # A catalog name ("smollm2-135m") works wherever a model path does: its cached GGUF file, pulled
         # first if needed. An existing path always wins over a catalog name.
@@ -128,7 +129,9 @@ class ModelRunner:
             device=self.device,
         )
         self.prefix_store = (
-            PrefixStore(self.cache, self.model_dir, max_cached_prefixes) if max_cached_prefixes > 0 else None
+            PrefixStore(self.cache, self.model_dir, max_cached_prefixes, prefix_matching)
+            if max_cached_prefixes > 0
+            else None
         )
         self.scale = self.config.head_dim**-0.5
         # The write gates this runner's requests use (WG-KV): loaded once per file, never shared with another runner.
@@ -231,6 +234,7 @@ class ModelRunner:
         request.status = RequestStatus.PREFILLING
         request.num_processed = 0
         request.cached_tokens = 0
+        request.compressed_at = None
 
     def resume(self, request: Request, output_token_ids: list[int]) -> None:
         """Restart a preempted request with the tokens its driver has kept for it: it recomputes them all."""
@@ -281,6 +285,20 @@ class ModelRunner:
         self.update_kv_stats(request)
         return True
 
+    def attach_prefix_at(self, request: Request, key: str, length: int) -> bool:
+        """Start a request from the first `length` tokens of stored prefix `key` (pinned for it by the driver
+        that chose it, `PrefixStore.pin`); False if that cannot be (the pin is then released)."""
+        if self.prefix_store is None or not self.prefix_store.attach_at(request, key, length):
+            return False
+        request.status = RequestStatus.RUNNING
+        self.update_kv_stats(request)
+        return True
+
+    def keep_session(self, request: Request) -> None:
+        """A request finished normally: with automatic prefix matching, its cache stays for a later turn."""
+        if self.prefix_store is not None and request.row is not None and request.compressed_at is not None:
+            self.prefix_store.store_session(request, request.compressed_at)
+
     def evict_cached_prefix(self) -> int | None:
         """Drop the least recently used unused cached prefix: pages freed, or None if none can go."""
         return None if self.prefix_store is None else self.prefix_store.evict_one()
@@ -326,12 +344,12 @@ class ModelRunner:
             return 0
         return int(self.cache.pages_per_head(request.request_id).sum())
 
-    def pages_to_decode(self, requests: list[Request]) -> int:
-        """Pages one more token for each of `requests` (all holding rows) allocates, copy-on-write included."""
+    def pages_to_decode(self, requests: list[Request], tokens: int = 1) -> int:
+        """Pages `tokens` more tokens for each of `requests` (all holding rows) allocate, copy-on-write included."""
         rows = [r.row for r in requests]
         if any(row is None for row in rows):
             raise ValueError("every decoding request must hold a cache row")
-        return self.cache.pages_needed_to_append(torch.tensor(rows), 1)
+        return self.cache.pages_needed_to_append(torch.tensor(rows), tokens)
 
     def fits_in_empty_pool(self, num_tokens: int) -> bool:
         """Whether `num_tokens` uncompressed entries in every (layer, KV head) fit in the whole pool."""
@@ -580,6 +598,7 @@ class ModelRunner:
         With `layerwise`, every layer was already compressed during the forward pass.
         """
         request.status = RequestStatus.RUNNING
+        request.compressed_at = request.num_processed
         policy = request.policy
         if layerwise is not None:
             layerwise.finish()

@@ -10,6 +10,25 @@ tokens go to its own pages, copy-on-write at the shared partial last page) with 
 policy state, and continues from token c exactly as the first request did right after compressing,
 so it produces the tokens it would produce from the same compressed cache built fresh.
 
+Automatic matching (`matching="auto"`, opt-in because it changes what a compressing policy sees):
+
+- Entries are also indexed by chained page hashes of their tokens (page i's hash covers the
+  namespace, i.e. model and policy repr, and every token of pages 0..i, as vLLM's block hashes do).
+  A request attaches to the stored entry that gives the longest usable prefix of its prompt; the
+  hashes only narrow the candidates, the tokens themselves are compared, so a collision cannot
+  attach wrong tokens. At least one whole page must match, and at least one prompt token must be left
+  to run (a prompt equal to a stored context does not attach; a session entry, below, is cut short).
+- When a request finishes normally, its row stays as a *session* entry: the compressed context plus
+  every token written after it (question, answer), with its compression boundary b. A later request
+  (the next turn) attaches to the longest part of it that is a token prefix of its prompt, at m
+  tokens with b <= m <= the entry's length; the entries at positions >= m are cut from its fork
+  (`PagedKVCache.truncate_request`). A policy that evicts during decode (H2O, ...) changes its
+  entries and state at every token, so its session entries attach only whole (m = their length).
+- The attached request then behaves exactly as if it had named b as its context (`compress_after` =
+  b): tokens m.. of its prompt run as decode steps from the cache. A request that names its context
+  only attaches to entries compressed at that same boundary; one whose boundary is a fallback
+  (`context_is_fallback`: chat's "every message but the last") takes any match first.
+
 Memory stays the scheduler's: entries are dropped least recently used first (their references
 released) before any running request is preempted and before a waiting prefill is refused; an
 entry that a running request attached to is never dropped. Not cached: requests whose policy gates
@@ -20,24 +39,39 @@ is skipped for requests that ask for prompt log-probabilities (those come from t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vllm_kvpress_ext.cache import PagedKVCache, RequestCapacityError
 from vllm_kvpress_ext.engine.request import KVStats, Request
+
+MATCHING_MODES = ("named", "auto")
 
 
 @dataclass
 class CachedPrefix:
     key: str
     row_id: str  # the store's own row in the cache
-    length: int
+    length: int  # tokens whose K/V went into the row: positions 0 .. length - 1
     policy_state: Any
     kv: KVStats
     users: int = 0  # running requests attached to it
+    tokens: tuple[int, ...] = ()  # the token ids of positions 0 .. length - 1
+    namespace: str = ""  # model and policy repr (`prefix_namespace`)
+    boundary: int = 0  # tokens prefilled before the policy compressed; the rest was written by decode steps
+    truncatable: bool = False  # whether a request may attach to a part of it (m in [boundary, length])
+    page_hashes: tuple[bytes, ...] = ()  # its whole pages' chained hashes, under which the index lists it
+
+
+def prefix_namespace(model_dir: str | Path, policy: Any) -> str:
+    """What two entries must share to be interchangeable: the model and the policy with all its parameters."""
+    return f"{model_dir}\0{policy!r}"
 
 
 def prefix_key(model_dir: str | Path, policy: Any, token_ids: list[int]) -> str:
@@ -49,20 +83,150 @@ def prefix_key(model_dir: str | Path, policy: Any, token_ids: list[int]) -> str:
     return digest.hexdigest()
 
 
-class PrefixStore:
+def page_hashes(namespace: str, token_ids: list[int] | tuple[int, ...], page_size: int) -> list[bytes]:
+    """Chained hash of every whole page: page i's covers the namespace and the tokens of pages 0..i."""
+    hashes: list[bytes] = []
+    previous = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        page = ",".join(map(str, token_ids[start : start + page_size])).encode()
+        previous = hashlib.blake2b(previous + page, digest_size=16).digest()
+        hashes.append(previous)
+    return hashes
+
+
+def common_prefix_length(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def session_entry(
+    model_dir: str | Path, page_size: int, policy: Any, tokens: list[int], boundary: int
+) -> CachedPrefix | None:
+    """What a finished request's row is stored as (without its row, state and figures), or None when it
+    is not kept (no whole page, so no hash could ever find it). The vLLM plugin's scheduler predicts its
+    mirror's entries with it, so its keys are the store's."""
+    length = len(tokens)
+    if length < max(boundary, page_size):
+        return None
+    key = prefix_key(model_dir, policy, tokens)
+    if boundary != length:
+        key += f"@{boundary}"
+    namespace = prefix_namespace(model_dir, policy)
+    # A policy that evicts during decode moves its entries and state at every token: attach whole only.
+    evicts = policy is not None and policy.wants_decode_steps
+    return CachedPrefix(
+        key,
+        "",
+        length,
+        None,
+        KVStats(),
+        tokens=tuple(tokens),
+        namespace=namespace,
+        boundary=boundary,
+        truncatable=not evicts,
+        page_hashes=tuple(page_hashes(namespace, tokens, page_size)),
+    )
+
+
+class PrefixIndex:
+    """What matching needs of the stored prefixes (tokens, boundaries, page hashes), without cache rows.
+
+    `PrefixStore` is one with the rows; the vLLM plugin's scheduler keeps another as a mirror of its
+    worker's store, so that it can tell vLLM how many prompt tokens a request will find computed.
+    """
+
+    def __init__(self, model_dir: str | Path, page_size: int, matching: str = "named") -> None:
+        if matching not in MATCHING_MODES:
+            raise ValueError(f"prefix matching must be one of {', '.join(MATCHING_MODES)}, got {matching!r}")
+        self.model_dir = str(model_dir)
+        self.page_size = page_size
+        self.matching = matching
+        self.entries: OrderedDict[str, CachedPrefix] = OrderedDict()
+        self.index: dict[bytes, set[str]] = {}  # page hash -> keys of the entries holding that page (auto)
+
+    @property
+    def auto(self) -> bool:
+        return self.matching == "auto"
+
+    def register(self, entry: CachedPrefix) -> None:
+        self.entries[entry.key] = entry
+        for page_hash in entry.page_hashes:
+            self.index.setdefault(page_hash, set()).add(entry.key)
+
+    def unregister(self, key: str) -> CachedPrefix:
+        entry = self.entries.pop(key)
+        for page_hash in entry.page_hashes:
+            holders = self.index[page_hash]
+            holders.discard(key)
+            if not holders:
+                del self.index[page_hash]
+        return entry
+
+    def find(self, prompt: list[int], policy: Any, named: int | None) -> tuple[CachedPrefix, int] | None:
+        """The entry and token count a prompt can start from, longest first; None if there is none.
+
+        `named`: the context boundary the request names (it then attaches only to entries compressed
+        there); None when it names none or its boundary is only a fallback.
+        """
+        best: tuple[CachedPrefix, int] | None = None
+        if named is not None and named < len(prompt):
+            entry = self.entries.get(prefix_key(self.model_dir, policy, prompt[:named]))
+            if entry is not None:
+                best = (entry, entry.length)
+        if not self.auto:
+            return best
+        namespace = prefix_namespace(self.model_dir, policy)
+        hashes = page_hashes(namespace, prompt, self.page_size)
+        depth = 0
+        while depth < len(hashes) and hashes[depth] in self.index:
+            depth += 1
+        seen: set[str] = set()
+        for level in range(depth - 1, -1, -1):  # deepest shared page first
+            for candidate in self.index[hashes[level]] - seen:
+                seen.add(candidate)
+                entry = self.entries[candidate]
+                usable = self.usable_length(entry, namespace, prompt, named)
+                if usable and (best is None or usable > best[1]):
+                    best = (entry, usable)
+        return best
+
+    def usable_length(self, entry: CachedPrefix, namespace: str, prompt: list[int], named: int | None) -> int:
+        """Tokens of `entry` a request with `prompt` can start from (0: none), compared token by token."""
+        if entry.namespace != namespace or (named is not None and entry.boundary != named):
+            return 0
+        common = common_prefix_length(entry.tokens, prompt)
+        if common < self.page_size:  # diverges inside the first page (or a hash collision)
+            return 0
+        usable = min(common, len(prompt) - 1)  # at least one prompt token must be left to run
+        if usable < entry.boundary:  # the compressed context is used whole or not at all
+            return 0
+        if not entry.truncatable and usable != entry.length:
+            return 0
+        return usable
+
+
+class PrefixStore(PrefixIndex):
     """Up to `capacity` compressed prefixes, each held by a cache row of its own, in LRU order."""
 
-    def __init__(self, cache: PagedKVCache, model_dir: str | Path, capacity: int) -> None:
+    def __init__(self, cache: PagedKVCache, model_dir: str | Path, capacity: int, matching: str = "named") -> None:
         if capacity < 1:
             raise ValueError(f"the prefix store needs a capacity >= 1, got {capacity}")
+        super().__init__(model_dir, cache.page_size, matching)
         self.cache = cache
-        self.model_dir = str(model_dir)
         self.capacity = capacity
-        self.entries: OrderedDict[str, CachedPrefix] = OrderedDict()
         self.hits = 0
         self.tokens_reused = 0
         self.stored = 0
         self.evicted = 0
+
+    def cacheable(self, request: Request) -> bool:
+        """Whether the request's cache may be stored or attached to at all."""
+        if request.admission is not None:  # a write gate's ring is per request
+            return False
+        return request.policy is not None or self.auto
 
     @staticmethod
     def boundary(request: Request) -> int | None:
@@ -83,6 +247,21 @@ class PrefixStore:
         key = self.key_of(request)
         if key is None or key in self.entries or request.num_processed != request.compress_after:
             return
+        tokens = tuple(request.prompt_token_ids[: request.num_processed])
+        self._add_entry(request, key, tokens, request.num_processed, truncatable=False)
+
+    def store_session(self, request: Request, boundary: int) -> None:
+        """Keep what a finished request left (auto matching): its compressed context plus every token
+        written after it, for a later turn to attach to. `boundary` is where its policy compressed."""
+        if not self.auto or not self.cacheable(request) or request.row is None:
+            return
+        tokens = request.all_token_ids[: request.num_processed]
+        entry = session_entry(self.model_dir, self.page_size, request.policy, tokens, boundary)
+        if entry is None or entry.key in self.entries:
+            return
+        self._add_entry(request, entry.key, entry.tokens, boundary, entry.truncatable)
+
+    def _add_entry(self, request: Request, key: str, tokens: tuple[int, ...], boundary: int, truncatable: bool) -> None:
         if len(self.entries) >= self.capacity and self.evict_one() is None:
             return
         row_id = f"prefix:{key}"
@@ -90,37 +269,98 @@ class PrefixStore:
             self.cache.fork_request(request.request_id, row_id)
         except RequestCapacityError:
             return
-        self.entries[key] = CachedPrefix(
-            key, row_id, request.num_processed, copy.deepcopy(request.policy_state), copy.deepcopy(request.kv)
+        namespace = prefix_namespace(self.model_dir, request.policy)
+        hashes = tuple(page_hashes(namespace, tokens, self.cache.page_size)) if self.auto else ()
+        kv = copy.deepcopy(dataclasses.replace(request.kv, kept=None))
+        entry = CachedPrefix(
+            key,
+            row_id,
+            len(tokens),
+            copy.deepcopy(request.policy_state),
+            kv,
+            tokens=tokens,
+            namespace=namespace,
+            boundary=boundary,
+            truncatable=truncatable,
+            page_hashes=hashes,
         )
+        self.register(entry)
         self.stored += 1
+
+    def match(self, request: Request) -> tuple[CachedPrefix, int] | None:
+        """The entry and token count a request can attach to, longest first; None if there is none."""
+        if request.params.prompt_logprobs is not None or not self.cacheable(request):
+            return None
+        # A boundary only names a context for a compressing policy (without one the whole prompt is prefilled).
+        named = None if request.context_is_fallback or request.policy is None else request.compress_after
+        if named is not None and self.boundary(request) is None:
+            return None  # a context that is the whole prompt: nothing to share
+        return self.find(request.prompt_token_ids, request.policy, named)
 
     def attach(self, request: Request) -> bool:
         """Start `request` from a stored prefix if there is one for it; True if it was attached.
 
-        On success the request holds a forked row with the prefix, `num_processed` = its length, and
-        the policy state it had right after compressing; the caller marks it running.
+        On success the request holds a forked row with the prefix (cut at the matched length),
+        `num_processed` = that length, `compress_after` = the entry's boundary, and the policy state the
+        entry holds; the caller marks it running.
         """
-        if request.params.prompt_logprobs is not None:
+        found = self.match(request)
+        if found is None:
             return False
-        key = self.key_of(request)
-        entry = self.entries.get(key) if key is not None else None
+        entry, length = found
+        entry.users += 1  # attach_at releases it if it fails
+        return self.attach_at(request, entry.key, length)
+
+    def pin(self, key: str) -> bool:
+        """Count a request about to attach to `key` as its user, so that nothing evicts it first."""
+        entry = self.entries.get(key)
         if entry is None:
+            return False
+        entry.users += 1
+        return True
+
+    def unpin(self, key: str) -> None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            entry.users -= 1
+
+    def attach_at(self, request: Request, key: str, length: int) -> bool:
+        """Start `request` from the first `length` tokens of entry `key`, already pinned for it (`pin`).
+
+        False (the pin released, nothing changed) when the entry is gone, no row is free, or the entry
+        cannot give those tokens: the request then computes them itself.
+        """
+        entry = self.entries.get(key)
+        if entry is None:
+            return False
+        tokens = request.all_token_ids
+        valid = entry.boundary <= length <= entry.length and length < len(tokens)
+        if (
+            not valid
+            or (length != entry.length and not entry.truncatable)
+            or entry.tokens[:length] != tuple(tokens[:length])
+        ):
+            entry.users -= 1
             return False
         try:
             request.row = self.cache.fork_request(entry.row_id, request.request_id)
         except RequestCapacityError:
+            entry.users -= 1
             return False
+        if length < entry.length:
+            self.cache.truncate_request(request.request_id, length)
         self.entries.move_to_end(entry.key)
-        entry.users += 1
         request.prefix_key = entry.key
-        request.num_processed = entry.length
-        request.cached_tokens = entry.length
+        request.num_processed = length
+        request.cached_tokens = length
+        request.compress_after = entry.boundary
+        request.context_is_fallback = False
+        request.compressed_at = entry.boundary
         request.policy_state = copy.deepcopy(entry.policy_state)
         request.kv = copy.deepcopy(entry.kv)
         request.kv.prompt_tokens = len(request.prompt_token_ids)
         self.hits += 1
-        self.tokens_reused += entry.length
+        self.tokens_reused += length
         return True
 
     def detach(self, request: Request) -> None:
@@ -140,10 +380,26 @@ class PrefixStore:
             if entry.users == 0:
                 before = self.cache.pool.num_free
                 self.cache.free_request(entry.row_id)
-                del self.entries[key]
+                self.unregister(key)
                 self.evicted += 1
                 return self.cache.pool.num_free - before
         return None
+
+    def evict_until(self, free_pages: int) -> None:
+        """Drop unused entries, least recently used first, until the pool has `free_pages` free (or none is left)."""
+        while self.cache.pool.num_free < free_pages and self.evict_one() is not None:
+            pass
+
+    def evictable_pages(self) -> int:
+        """Pages that would go back to the free list if every entry no running request uses were dropped."""
+        rows = [self.cache.row_of(e.row_id) for e in self.entries.values() if e.users == 0]
+        if not rows:
+            return 0
+        tables = self.cache.block_tables[:, rows]
+        pages = tables[tables >= 0].to(torch.int64)
+        held = torch.bincount(pages, minlength=self.cache.pool.num_pages)
+        used = held.nonzero().view(-1)
+        return int((self.cache.pool.refcounts(used) == held[used].to(torch.int32)).sum())
 
     def clear(self) -> None:
         while self.entries and self.evict_one() is not None:

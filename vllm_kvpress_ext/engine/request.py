@@ -123,6 +123,9 @@ class Request:
     error: str | None = None  # why the runner failed this request alone (finish_reason "error")
     prefix_key: str | None = None  # the cached compressed prefix this request's row was forked from
     cached_tokens: int = 0  # prompt tokens read from a cached compressed prefix instead of prefilled
+    # `compress_after` is only a default: a stored prefix found by automatic matching takes precedence.
+    context_is_fallback: bool = False
+    compressed_at: int | None = None  # tokens prefilled when the prefill completed (the policy's boundary)
     # SamplingParams.logprobs / prompt_logprobs: one entry per output token; one per prompt token
     # (None for the first, which nothing predicts), filled as the prefill reaches each position.
     output_logprobs: list[Any] = field(default_factory=list)

@@ -42,6 +42,7 @@ def start_as_fork(parent: Request, sample: Request, row: int) -> None:
     sample.row = row
     sample.status = RequestStatus.RUNNING
     sample.num_processed = parent.num_processed
+    sample.compressed_at = parent.compressed_at
     sample.policy_state = copy.deepcopy(parent.policy_state)
     sample.admission = parent.admission
     sample.admitted = parent.admitted

@@ -74,17 +74,36 @@ def context_boundary(state: ServerState, body: ChatCompletionRequest, token_ids:
             f"kv_prefix_messages must be below the {len(body.messages)} messages, got {count}",
             param="kv_prefix_messages",
         )
-    rendered = [_message_dict(i, m) for i, m in enumerate(body.messages[:count])]
-    try:
-        ids = state.tokenizer.apply_chat_template(rendered, add_generation_prompt=False, tokenize=True)
-    except Exception as exc:
-        raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
-    context = [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+    context = _rendered_context(state, body.messages[:count])
     if not context or token_ids[: len(context)] != context:
         raise bad_request(
             "the chat template does not render the first kv_prefix_messages messages as a prefix of the prompt",
             param="kv_prefix_messages",
         )
+    return len(context)
+
+
+def _rendered_context(state: ServerState, messages: list[ChatMessage]) -> list[int]:
+    rendered = [_message_dict(i, m) for i, m in enumerate(messages)]
+    try:
+        ids = state.tokenizer.apply_chat_template(rendered, add_generation_prompt=False, tokenize=True)
+    except Exception as exc:
+        raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
+    return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+
+
+def fallback_context(state: ServerState, body: ChatCompletionRequest, token_ids: list[int]) -> int | None:
+    """With automatic prefix matching, a chat that names no context has every message but the last as
+    its context, unless a stored prefix matches (then that prefix's boundary wins: a later turn attaches
+    to what the earlier one left). None where the template does not render them as a prefix."""
+    config = state.config
+    if config.prefix_matching != "auto" or not config.enable_prefix_caching or len(body.messages) < 2:
+        return None
+    if body.kv_prefix_tokens is not None or body.kv_prefix_messages is not None:
+        return None
+    context = _rendered_context(state, body.messages[:-1])
+    if not context or len(context) >= len(token_ids) or token_ids[: len(context)] != context:
+        return None
     return len(context)
 
 
@@ -106,10 +125,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.kv_prefix_messages is not None:
         boundary = await asyncio.to_thread(context_boundary, state, body, token_ids)
         body = body.model_copy(update={"kv_prefix_tokens": boundary})
+    fallback = await asyncio.to_thread(fallback_context, state, body, token_ids)
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = requested or max(1, state.max_model_len - len(token_ids))
     samples = sample_params(body, max_tokens, 1, top_logprobs, body.prompt_logprobs)
-    handles = await submit_all(state, body, [token_ids], samples, arrival, "messages")
+    handles = await submit_all(state, body, [token_ids], samples, arrival, "messages", fallback)
     completion_id = new_id("chatcmpl")
     created = int(time.time())
 

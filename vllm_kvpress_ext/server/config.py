@@ -105,6 +105,7 @@ class ServerConfig:
     shutdown_grace: float = 30.0
     enable_prefix_caching: bool = True
     max_cached_prefixes: int = 16
+    prefix_matching: str = "named"  # "auto": longest stored prefix and multi-turn attach (docs/prefix_reuse.md)
 
     def __post_init__(self) -> None:
         if self.num_pages is not None and self.kv_memory is not None:
@@ -123,6 +124,8 @@ class ServerConfig:
         for name, value in positive.items():
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.prefix_matching not in ("named", "auto"):
+            raise ValueError(f"prefix_matching must be named or auto, got {self.prefix_matching!r}")
         if not 0 < self.port <= 65535:
             raise ValueError(f"port must lie in [1, 65535], got {self.port}")
         if not 0 <= self.shutdown_grace <= 3600:

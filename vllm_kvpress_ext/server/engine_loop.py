@@ -201,6 +201,7 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     sample_of: str | None = None  # another sample of the same prompt, whose compressed pages this one starts from
     compress_after: int | None = None  # the context/question boundary (`kv_prefix_tokens`)
+    context_is_fallback: bool = False  # `compress_after` is a default that automatic prefix matching overrides
 
 
 @dataclass
@@ -289,6 +290,7 @@ class EngineLoop:
         policy: KVPolicy | None,
         arrival: float,
         compress_after: int | None = None,
+        context_is_fallback: bool = False,
     ) -> list[RequestHandle]:
         """Queue one request per sample of one prompt, as one command: the engine sees them together, so the
         later samples start from the first one's compressed prompt (engine/samples.py). Returns once the engine
@@ -305,7 +307,11 @@ class EngineLoop:
             handle = RequestHandle(self, f"{uuid.uuid4().hex[:16]}-{next(self._ids)}", len(token_ids), label)
             first = adds[0].handle.request_id if adds else None
             future: concurrent.futures.Future[None] = concurrent.futures.Future()
-            adds.append(_Add(handle, token_ids, params, policy, arrival, future, loop, first, compress_after))
+            adds.append(
+                _Add(
+                    handle, token_ids, params, policy, arrival, future, loop, first, compress_after, context_is_fallback
+                )
+            )
         self._commands.put(adds)
         try:
             await asyncio.gather(*(asyncio.wrap_future(add.future) for add in adds))
@@ -393,6 +399,7 @@ class EngineLoop:
                 policy=add.policy,
                 sample_of=add.sample_of,
                 compress_after=add.compress_after,
+                context_is_fallback=add.context_is_fallback,
             )
         except Exception as exc:
             add.future.set_exception(exc)

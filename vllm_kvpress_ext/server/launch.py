@@ -38,6 +38,7 @@ def build_engine(config: ServerConfig) -> LLMEngine:
         kv_policy=config.kv_policy,
         enable_prefix_caching=config.enable_prefix_caching,
         max_cached_prefixes=config.max_cached_prefixes,
+        prefix_matching=config.prefix_matching,
     )
 
 

@@ -172,12 +172,18 @@ async def submit(
     params: list[SamplingParams],
     arrival: float,
     prompt_param: str,
+    fallback_boundary: int | None = None,
 ) -> list[RequestHandle]:
     """Resolve the request's policy and hand the prompt's samples to the engine loop (one command: the
     samples after the first fork its compressed prompt); every refusal becomes an APIError."""
     policy = resolve_policy(policy_spec(body.kv_policy, body.vllm_xargs))
     try:
-        return await state.loop.submit_samples(token_ids, params, policy, arrival, prefix_boundary(body, token_ids))
+        boundary = prefix_boundary(body, token_ids)
+        if boundary is None and fallback_boundary is not None:
+            return await state.loop.submit_samples(
+                token_ids, params, policy, arrival, fallback_boundary, context_is_fallback=True
+            )
+        return await state.loop.submit_samples(token_ids, params, policy, arrival, boundary)
     except QueueFullError as exc:
         raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
     except RequestRejectedError as exc:
@@ -229,14 +235,16 @@ async def submit_all(
     params: list[SamplingParams],
     arrival: float,
     prompt_param: str,
+    fallback_boundary: int | None = None,
 ) -> list[RequestHandle]:
     """One engine request per (prompt, sample): `params[j]` is sample j's; prompt-major order (choice
     index = prompt * samples + sample, as vLLM numbers them). A prompt's samples share its compressed
-    pages (engine/samples.py). A refusal aborts what was already submitted."""
+    pages (engine/samples.py). A refusal aborts what was already submitted. `fallback_boundary` is a
+    context boundary that automatic prefix matching may override (chat's "every message but the last")."""
     handles: list[RequestHandle] = []
     try:
         for token_ids in prompts:
-            handles += await submit(state, body, token_ids, params, arrival, prompt_param)
+            handles += await submit(state, body, token_ids, params, arrival, prompt_param, fallback_boundary)
     except BaseException:
         for handle in handles:
             handle.abort()

@@ -1,4 +1,5 @@
-"""`--kv-policy` on vLLM's command line, folded into `additional_config["kv_policy"]`.
+"""`--kv-policy` on vLLM's command line, folded into `additional_config["kv_policy"]`, and an explicit
+`--enable-prefix-caching` recorded as `additional_config["kv_prefix_caching"]` (config.py).
 
 vLLM builds the `vllm serve` parser in `AsyncEngineArgs.add_cli_args`, which loads general plugins
 first, so wrapping `EngineArgs.add_cli_args` here adds the flag in time; `EngineArgs.from_cli_args`
@@ -43,6 +44,15 @@ def install_kv_policy_flag() -> None:
         return
     original_add = EngineArgs.__dict__["add_cli_args"].__func__
     original_from = EngineArgs.__dict__["from_cli_args"].__func__
+    original_create = EngineArgs.create_engine_config
+
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm_kvpress_ext.vllm_plugin.activation import plugin_active
+        from vllm_kvpress_ext.vllm_plugin.config import record_explicit_prefix_caching
+
+        if plugin_active():  # before vLLM replaces an unset enable_prefix_caching by its default
+            record_explicit_prefix_caching(self)
+        return original_create(self, *args, **kwargs)
 
     def add_cli_args(parser: Any) -> Any:
         parser = original_add(parser)
@@ -63,4 +73,5 @@ def install_kv_policy_flag() -> None:
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
     EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign, assignment]
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
     EngineArgs._kvpress_flag_installed = True  # type: ignore[attr-defined]

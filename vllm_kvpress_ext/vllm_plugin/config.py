@@ -2,7 +2,11 @@
 
 Called from the platforms' `check_and_update_config`, in every vLLM process, before the engine is
 built: it swaps in the plugin's worker and scheduler and turns off what cannot be right over a
-per-head pool that frees entries (prefix caching would skip prefill of tokens a policy evicted).
+per-head pool that frees entries (vLLM's own prefix caching would skip prefill of tokens a policy
+evicted). Prefix caching asked for explicitly (`--enable-prefix-caching`, `LLM(enable_prefix_caching=
+True)`, or `additional_config["kv_prefix_caching"]`) is the plugin's own compressed prefix store
+instead (docs/vllm.md); vLLM's default (on) is not a request for it, since it changes what a
+compressing policy sees.
 """
 
 from __future__ import annotations
@@ -44,6 +48,30 @@ def refuse_unsupported(vllm_config: Any) -> None:
         raise UnsupportedConfigError(f"vllm-kvpress-ext only generates text (runner {model.runner_type!r})")
 
 
+PREFIX_CACHING_KEY = "kv_prefix_caching"
+MAX_CACHED_PREFIXES_KEY = "kv_max_cached_prefixes"
+
+
+def check_prefix_caching_settings(additional: dict[str, Any]) -> bool:
+    """Whether the plugin's prefix store is on; its settings in `additional_config` checked."""
+    enabled = additional.get(PREFIX_CACHING_KEY, False)
+    if not isinstance(enabled, bool):
+        raise UnsupportedConfigError(f"additional_config {PREFIX_CACHING_KEY} must be true or false, got {enabled!r}")
+    capacity = additional.get(MAX_CACHED_PREFIXES_KEY, 16)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise UnsupportedConfigError(
+            f"additional_config {MAX_CACHED_PREFIXES_KEY} must be an integer >= 1, got {capacity!r}"
+        )
+    return enabled
+
+
+def record_explicit_prefix_caching(engine_args: Any) -> None:
+    """`EngineArgs.enable_prefix_caching` is None unless the user set it: an explicit True turns the
+    plugin's prefix store on (`additional_config["kv_prefix_caching"]`); vLLM's default does not."""
+    if engine_args.enable_prefix_caching is True:
+        engine_args.additional_config = {**dict(engine_args.additional_config or {}), PREFIX_CACHING_KEY: True}
+
+
 def apply_kvpress_config(vllm_config: Any) -> None:
     """Swap worker and scheduler, make scheduling synchronous and eager, force prefix caching off."""
     from vllm.config import CompilationMode, CUDAGraphMode
@@ -63,9 +91,17 @@ def apply_kvpress_config(vllm_config: Any) -> None:
     compilation.cudagraph_mode = CUDAGraphMode.NONE
     compilation.cudagraph_capture_sizes = []
     cache = vllm_config.cache_config
-    if cache.enable_prefix_caching:
+    if check_prefix_caching_settings(additional):
         logger.info(
-            "vllm-kvpress-ext: prefix caching is turned off (a compressed per-head cache no longer holds "
-            "every prompt token, so a cached prefix could skip prefill of evicted entries)"
+            "vllm-kvpress-ext: prefix caching by the plugin's compressed prefix store (a request attaches to the "
+            "longest stored prefix of its prompt, each finished request's cache stays for the next turn; "
+            "vLLM's own block hashing stays off)"
+        )
+        cache.enable_prefix_caching = False
+    elif cache.enable_prefix_caching:
+        logger.info(
+            "vllm-kvpress-ext: vLLM's prefix caching is turned off (a compressed per-head cache no longer holds "
+            "every prompt token, so a cached prefix could skip prefill of evicted entries); pass "
+            "--enable-prefix-caching explicitly for the plugin's compressed prefix store"
         )
         cache.enable_prefix_caching = False

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvpress_ext.engine.layerwise import prefill_reservation
+from vllm_kvpress_ext.engine.prefix_store import CachedPrefix
 from vllm_kvpress_ext.policies import KVPolicy
 
 
@@ -30,6 +31,15 @@ class PoolReport:
     failed: dict[str, str] = field(default_factory=dict)
     num_layers: int = 0  # layers x KV heads = pages_per_token_block; 0 where a report does not say
     num_kv_heads: int = 0
+    # The worker's compressed prefix store (prefix caching on): its model key (the namespace of every entry),
+    # every stored key, the entries stored since the last report (no rows or policy state: what matching
+    # needs), the pages dropping every unused entry would free, and for each running request its
+    # compression boundary and tokens written (what it leaves as a session entry if it finishes now).
+    prefix_model: str = ""
+    prefix_keys: list[str] = field(default_factory=list)
+    prefix_added: list[CachedPrefix] = field(default_factory=list)
+    prefix_evictable: int = 0
+    prefix_sessions: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def full_prompt_pages(self, num_tokens: int) -> int:
         """Pages a request needs to prefill `num_tokens` tokens uncompressed."""

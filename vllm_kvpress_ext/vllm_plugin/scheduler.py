@@ -18,6 +18,15 @@ A refusal makes vLLM hold the request back or preempt, and each preemption credi
 pages. Pages freed by compression therefore become more concurrent requests under vLLM's own
 scheduling. The per-request KV figures the worker reports go back to the client on finished outputs
 (`kv_transfer_params["kvpress"]`), and pool gauges and counters go to `metrics`.
+
+With prefix caching on (`--enable-prefix-caching` given explicitly, docs/vllm.md), the worker keeps
+the cache of every finished request in its compressed prefix store and reports what it stored and
+dropped; this scheduler mirrors the store's index (`PrefixIndex`) and answers vLLM's
+`kv_cache_manager.get_computed_blocks` with the tokens a waiting request can attach to (the
+embedded engine's automatic matching, docs/prefix_reuse.md), so that vLLM schedules only the rest.
+It tells the worker which entry and length it promised (`SchedulerOutput.kvpress_attach`), and the
+pages this step needs (`kvpress_reserved`), which the worker frees by dropping unused entries first;
+unused entries' pages count as available here, so they go before any running request is preempted.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import RequestStatus
 
+from vllm_kvpress_ext.engine.prefix_store import PrefixIndex, session_entry
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
@@ -47,6 +57,13 @@ class _PoolGate:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._manager, name)
+
+    def get_computed_blocks(self, request: Any) -> Any:
+        """vLLM's own lookup (prefix caching is off in its block manager), or the worker's stored prefix."""
+        attached = self._scheduler.plan_attach(request)
+        if attached is None:
+            return self._manager.get_computed_blocks(request)
+        return self._manager.empty_kv_cache_blocks, attached, 0
 
     def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
         if not self._scheduler.reserve_pages(request, num_new_tokens):
@@ -72,15 +89,53 @@ class KVPressScheduler(Scheduler):
         self.freed_since_report = 0
         self.pending_errors: list[tuple[Any, str]] = []
         self.metrics = EngineMetrics()
+        # The worker's compressed prefix store as its reports describe it (None until one says it has one),
+        # and the attachments promised to vLLM in the current schedule(): request id -> (entry key, tokens).
+        self.prefix_mirror: PrefixIndex | None = None
+        self.attach_plans: dict[str, tuple[str, int]] = {}
 
     # ------------------------------------------------------------------ budget
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._begin_budget()
         self._refuse_unservable()
+        self.attach_plans = {}
         output = super().schedule(*args, **kwargs)
         self.metrics.scheduled(len(output.num_scheduled_tokens))
+        output.kvpress_attach = self._promised(output)  # type: ignore[attr-defined]
+        output.kvpress_reserved = sum(self.charged.values())  # type: ignore[attr-defined]
         return output
+
+    def plan_attach(self, request: Any) -> int | None:
+        """Prompt tokens `request` will find computed in a stored prefix (None: none), remembered for the worker."""
+        self.attach_plans.pop(request.request_id, None)
+        mirror = self.prefix_mirror
+        if mirror is None or not mirror.entries or request.sampling_params.prompt_logprobs is not None:
+            return None
+        found = mirror.find(list(request.all_token_ids), self._policy_of(request), None)
+        if found is None:
+            return None
+        entry, length = found
+        self.attach_plans[request.request_id] = (entry.key, length)
+        return length
+
+    def _promised(self, output: Any) -> dict[str, tuple[str, int]]:
+        """The attachments of the requests this step starts (new or resumed) with computed tokens."""
+        promised: dict[str, tuple[str, int]] = {}
+        for new in output.scheduled_new_reqs:
+            plan = self.attach_plans.get(new.req_id)
+            if plan is not None and new.num_computed_tokens == plan[1]:
+                promised[new.req_id] = plan
+        cached = output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            plan = self.attach_plans.get(request_id)
+            if (
+                plan is not None
+                and request_id in cached.resumed_req_ids
+                and cached.num_computed_tokens[index] == plan[1]
+            ):
+                promised[request_id] = plan
+        return promised
 
     def _begin_budget(self) -> None:
         self.charged = {}
@@ -88,7 +143,8 @@ class KVPressScheduler(Scheduler):
         if report is None:
             self.available = 0  # the pool's size arrives with the first step's report (see reserve_pages)
             return
-        available = report.pages_free + self.freed_since_report
+        # Unused stored prefixes are dropped (by the worker, least recently used first) before pages run out.
+        available = report.pages_free + self.freed_since_report + report.prefix_evictable
         for request_id, peak in self.prefill_peaks.items():
             remaining = max(peak - report.pages_held.get(request_id, 0), 0)
             available -= remaining
@@ -189,6 +245,7 @@ class KVPressScheduler(Scheduler):
         if report is not None:
             self.report = report
             self.freed_since_report = 0
+            self._mirror_prefixes(report)
             for request_id in report.decode_pages:  # prefill complete: its reservation became real pages
                 self.prefill_peaks.pop(request_id, None)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -219,6 +276,32 @@ class KVPressScheduler(Scheduler):
         if report is not None:
             self.metrics.pool(report, running=len(self.running), waiting=len(self.waiting))
         return outputs
+
+    def _mirror_prefixes(self, report: PoolReport) -> None:
+        if not report.prefix_model:
+            return
+        if self.prefix_mirror is None:
+            self.prefix_mirror = PrefixIndex(report.prefix_model, report.page_size, "auto")
+        mirror = self.prefix_mirror
+        stored = set(report.prefix_keys)
+        for key in [k for k in mirror.entries if k not in stored]:
+            mirror.unregister(key)
+        for entry in report.prefix_added:
+            if entry.key not in mirror.entries:
+                mirror.register(entry)
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        """A finished request's session entry goes into the mirror now: the worker stores it first thing in
+        the next step, before it attaches anything, so the next schedule may already promise it."""
+        report, mirror = self.report, self.prefix_mirror
+        written = report.prefix_sessions.pop(request.request_id, None) if report is not None else None
+        if mirror is not None and written is not None:
+            boundary, length = written
+            tokens = list(request.all_token_ids[:length])
+            entry = session_entry(mirror.model_dir, mirror.page_size, self._policy_of(request), tokens, boundary)
+            if entry is not None and entry.key not in mirror.entries:
+                mirror.register(entry)
+        return super()._free_request(request, *args, **kwargs)
 
     @staticmethod
     def _emit(outputs: dict[int, EngineCoreOutputs], request: Any, reason: FinishReason) -> None:

@@ -8,10 +8,18 @@ request stops, so the runner's requests never stop on their own (`ignore_eos`, u
 vLLM's own KV cache manager is given a dummy spec (one layer name, one KV head of size 1) and enough
 blocks for `max_num_seqs x max_model_len`, so it never limits anything; starting and preempting requests
 follow the real pool through `KVPressScheduler`.
+
+With prefix caching on, the runner keeps a compressed prefix store with automatic matching: every
+finished request's cache stays as a session entry, and a request the scheduler promised a stored
+prefix to (`SchedulerOutput.kvpress_attach`: entry and length, which vLLM counts as computed) starts
+from a fork of it and runs the rest of its prompt as decode steps, all within the step vLLM scheduled
+them in. Should the entry be gone, the worker computes those tokens itself in the same step, so vLLM's
+count stays true either way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -25,8 +33,14 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_kvpress_ext.api.policy_spec import policy_label
 from vllm_kvpress_ext.api.usage import kv_figures
-from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY, ModelRunner, Schedule, ScheduledChunk
-from vllm_kvpress_ext.engine.request import Request, RequestStatus
+from vllm_kvpress_ext.engine.model_runner import (
+    DEFAULT_KV_MEMORY,
+    ModelRunner,
+    RunnerOutput,
+    Schedule,
+    ScheduledChunk,
+)
+from vllm_kvpress_ext.engine.request import KVStats, Request, RequestStatus
 from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy
@@ -94,6 +108,9 @@ class KVPressWorker(WorkerBase):
         self.prompt_logprobs_sent: set[str] = set()  # requests whose prompt logprobs went out (once each)
         self.runner: ModelRunner | None = None
         self.default_policy: KVPolicy | None = None
+        # Requests vLLM counts as having computed tokens that no stored prefix gave them: computed from 0.
+        self.catch_up: dict[str, int] = {}
+        self.reported_prefixes: set[str] = set()  # stored prefix keys the scheduler has been told of
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -126,6 +143,10 @@ class KVPressWorker(WorkerBase):
             kv_memory=kv_memory,
             page_size=self.cache_config.block_size,
             max_num_seqs=self.scheduler_config.max_num_seqs,
+            max_cached_prefixes=int(additional.get("kv_max_cached_prefixes", 16))
+            if additional.get("kv_prefix_caching")
+            else 0,
+            prefix_matching="auto",
         )
         logger.info(
             "vllm-kvpress-ext: %d KV pages of %d tokens (%d bytes each); default policy %s",
@@ -203,30 +224,25 @@ class KVPressWorker(WorkerBase):
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
         runner = self.runner
         assert runner is not None
-        self._forget(scheduler_output)
-        failed = self._start_requests(scheduler_output)
-        schedule = Schedule()
-        for request_id, count in scheduler_output.num_scheduled_tokens.items():
-            if request_id in failed:
-                continue
-            request = self.requests[request_id]
-            if request.status is RequestStatus.PREFILLING:
-                schedule.prefill.append(ScheduledChunk(request, request.num_processed, request.num_processed + count))
-            else:
-                if count != 1:
-                    raise RuntimeError(f"request {request_id} decodes one token per step, was scheduled {count}")
-                schedule.decode.append(request)
-        result = runner.execute(schedule)
+        pinned = self._pin_attachments(scheduler_output, {})
+        self._forget(scheduler_output)  # finished requests' sessions are stored here: pin those promised too
+        pinned = self._pin_attachments(scheduler_output, pinned)
+        if runner.prefix_store is not None:  # the step's pages: unused stored prefixes go first
+            runner.prefix_store.evict_until(int(getattr(scheduler_output, "kvpress_reserved", 0)))
+        failed = self._start_requests(scheduler_output, pinned)
+        schedule, tails = self._schedule(scheduler_output, failed)
+        results = [runner.execute(schedule)] + [self._run_tail(request, count) for request, count in tails]
         sampled: dict[str, int] = {}
-        if result.logits is not None:
-            tokens = sample(result.logits, result.sample, runner.config.eos_token_ids)
-            record_logprobs(result.sample, result.logits, tokens)
-            for request, token in zip(result.sample, tokens, strict=True):
-                request.output_token_ids.append(token)
-                sampled[request.request_id] = token
-        for failure in result.failed:
-            failed[failure.request.request_id] = failure.message
-            runner.release(self.requests.pop(failure.request.request_id))
+        for result in results:
+            if result.logits is not None:
+                tokens = sample(result.logits, result.sample, runner.config.eos_token_ids)
+                record_logprobs(result.sample, result.logits, tokens)
+                for request, token in zip(result.sample, tokens, strict=True):
+                    request.output_token_ids.append(token)
+                    sampled[request.request_id] = token
+            for failure in result.failed:
+                failed[failure.request.request_id] = failure.message
+                runner.release(self.requests.pop(failure.request.request_id))
         req_ids = list(scheduler_output.num_scheduled_tokens)
         output = ModelRunnerOutput(
             req_ids=req_ids,
@@ -237,6 +253,45 @@ class KVPressWorker(WorkerBase):
         output.prompt_logprobs_dict = self._prompt_logprobs(sampled)
         output.kvpress = self._report(sampled, failed)  # type: ignore[attr-defined]
         return output
+
+    def _schedule(self, scheduler_output: Any, failed: dict[str, str]) -> tuple[Schedule, list[tuple[Request, int]]]:
+        """vLLM's scheduled token counts as the runner's schedule, plus the prompt tails of attached requests
+        (more than one token for a running request), which run as decode steps of their own."""
+        schedule = Schedule()
+        tails: list[tuple[Request, int]] = []
+        for request_id, count in scheduler_output.num_scheduled_tokens.items():
+            if request_id in failed:
+                continue
+            request = self.requests[request_id]
+            computed = self.catch_up.pop(request_id, None)
+            if request.status is RequestStatus.PREFILLING:
+                start = request.num_processed if computed is None else computed
+                schedule.prefill.append(ScheduledChunk(request, request.num_processed, start + count))
+            elif count == 1:
+                schedule.decode.append(request)
+            else:
+                tails.append((request, count))
+        return schedule, tails
+
+    def _run_tail(self, request: Request, count: int) -> RunnerOutput:
+        """`count` prompt tokens of an attached request, one decode step each (as after its own compression)."""
+        assert self.runner is not None
+        result = RunnerOutput()
+        for _ in range(count):
+            result = self.runner.execute(Schedule(decode=[request]))
+            if result.failed:
+                break
+        return result
+
+    def _pin_attachments(self, scheduler_output: Any, pinned: dict[str, tuple[str, int]]) -> dict[str, tuple[str, int]]:
+        """`pinned` plus the stored prefixes promised this step that exist now, each held for its request
+        before anything may drop it (the scheduler may promise a session its request left last step)."""
+        store = self.runner.prefix_store if self.runner is not None else None
+        promised: dict[str, tuple[str, int]] = getattr(scheduler_output, "kvpress_attach", None) or {}
+        if store is None:
+            return {}
+        more = {rid: plan for rid, plan in promised.items() if rid not in pinned and store.pin(plan[0])}
+        return {**pinned, **more}
 
     def _sampled_logprobs(self, req_ids: list[str], sampled: dict[str, int]) -> LogprobsLists | None:
         """vLLM's per-step logprobs: row i for `req_ids[i]`, column 0 the sampled token, then its top-k."""
@@ -285,21 +340,23 @@ class KVPressWorker(WorkerBase):
             self.prompt_logprobs_sent.discard(request_id)
             request = self.requests.pop(request_id, None)
             if request is not None:
+                runner.keep_session(request)  # with prefix caching on: for the conversation's next turn
                 runner.release(request)
         for request_id in scheduler_output.preempted_req_ids or ():
             request = self.requests.get(request_id)
             if request is not None:
                 runner.preempt(request)
 
-    def _start_requests(self, scheduler_output: Any) -> dict[str, str]:
-        """Add new and resumed requests to the runner; those that cannot be added fail alone (id -> why)."""
+    def _start_requests(self, scheduler_output: Any, pinned: dict[str, tuple[str, int]]) -> dict[str, str]:
+        """Add new and resumed requests to the runner; those that cannot be added fail alone (id -> why).
+
+        `pinned`: the stored prefix (entry, length) each request was promised, already held for it."""
         runner = self.runner
         assert runner is not None
         failed: dict[str, str] = {}
         for new in scheduler_output.scheduled_new_reqs:
+            plan = pinned.pop(new.req_id, None)
             try:
-                if new.num_computed_tokens:
-                    raise RuntimeError("prefix caching must be off; a new request arrived half computed")
                 policy = request_policy(new.sampling_params.extra_args, self.default_policy)
                 request = runner.new_request(
                     new.req_id,
@@ -309,21 +366,41 @@ class KVPressWorker(WorkerBase):
                     max_model_len=self.model_config.max_model_len,
                     max_new_tokens=new.sampling_params.max_tokens,
                 )
-                runner.add(request)
+                self._start(request, new.num_computed_tokens, plan)
+                plan = None
             except Exception as exc:
                 failed[new.req_id] = f"{type(exc).__name__}: {exc}"
                 continue
+            finally:
+                if plan is not None and runner.prefix_store is not None:
+                    runner.prefix_store.unpin(plan[0])
             self.requests[new.req_id] = request
         cached = scheduler_output.scheduled_cached_reqs
-        for request_id in cached.resumed_req_ids:
+        for index, request_id in enumerate(cached.req_ids):
+            if request_id not in cached.resumed_req_ids:
+                continue
             request = self.requests[request_id]
             tokens = cached.all_token_ids[request_id]
             try:
-                runner.resume(request, list(tokens[len(request.prompt_token_ids) :]))
+                request.output_token_ids = list(tokens[len(request.prompt_token_ids) :])
+                self._start(request, cached.num_computed_tokens[index], pinned.pop(request_id, None))
             except Exception as exc:
                 failed[request_id] = f"{type(exc).__name__}: {exc}"
                 del self.requests[request_id]
         return failed
+
+    def _start(self, request: Request, computed: int, plan: tuple[str, int] | None) -> None:
+        """Give the request its row: a fork of the promised stored prefix, or a fresh one. vLLM counts
+        `computed` tokens as done; without the prefix they are computed in the request's first chunk."""
+        runner = self.runner
+        assert runner is not None
+        if plan is not None and computed == plan[1] and runner.attach_prefix_at(request, *plan):
+            return
+        if plan is not None and computed != plan[1] and runner.prefix_store is not None:
+            runner.prefix_store.unpin(plan[0])
+        runner.add(request)
+        if computed:
+            self.catch_up[request.request_id] = computed
 
     def _report(self, sampled: dict[str, int], failed: dict[str, str]) -> PoolReport:
         runner = self.runner
@@ -344,8 +421,29 @@ class KVPressWorker(WorkerBase):
                 continue
             report.pages_held[request_id] = runner.pages_held(request)
             if request.status is RequestStatus.RUNNING:
-                report.decode_pages[request_id] = runner.pages_to_decode([request])
+                # One token, or an attached request's prompt tokens still to run (vLLM schedules them at once).
+                ahead = max(1, request.num_tokens - request.num_processed)
+                report.decode_pages[request_id] = runner.pages_to_decode([request], ahead)
             if request_id in sampled:
                 runner.update_kv_stats(request)
                 report.kv[request_id] = kv_figures(policy_label(request.policy), request.kv, request.num_preemptions)
+        self._report_prefixes(report)
         return report
+
+    def _report_prefixes(self, report: PoolReport) -> None:
+        """What the scheduler's mirror needs of the prefix store: entries added and dropped, evictable pages."""
+        store = self.runner.prefix_store if self.runner is not None else None
+        if store is None:
+            return
+        report.prefix_model = store.model_dir
+        current = set(store.entries)
+        report.prefix_keys = sorted(current)
+        report.prefix_added = [
+            dataclasses.replace(store.entries[key], row_id="", policy_state=None, kv=KVStats())
+            for key in current - self.reported_prefixes
+        ]
+        report.prefix_evictable = store.evictable_pages()
+        self.reported_prefixes = current
+        for request_id, request in self.requests.items():
+            if request.row is not None and request.compressed_at is not None and store.cacheable(request):
+                report.prefix_sessions[request_id] = (request.compressed_at, request.num_processed)

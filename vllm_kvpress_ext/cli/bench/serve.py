@@ -60,6 +60,15 @@ def register(bench_sub: Subparsers) -> None:
     )
     bs.add_argument("--questions-per-context", type=int, default=8, help="questions per shared context (default: 8)")
     bs.add_argument("--question-len", type=int, default=16, help="tokens per question (default: 16)")
+    bs.add_argument(
+        "--sessions",
+        type=int,
+        default=0,
+        help="multi-turn workload: this many conversations of --turns turns on a --prompt-len context, each turn "
+        "sending the history with the answers the server gave, run with prefix caching off, on (named context) "
+        "and on with --prefix-matching auto (default: 0 = off; docs/prefix_reuse.md)",
+    )
+    bs.add_argument("--turns", type=int, default=4, help="turns per conversation (default: 4)")
     bs.set_defaults(handler=run)
 
 
@@ -88,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
             shared_contexts=args.shared_contexts,
             questions_per_context=args.questions_per_context,
             question_len=args.question_len,
+            sessions=args.sessions,
+            turns=args.turns,
         )
     )
     return 0
