@@ -28,6 +28,7 @@ from vllm_kvpress_ext.engine import LLM, LLMEngine, SamplingParams
 from vllm_kvpress_ext.models.config import ModelConfig
 from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.policies import GVotePolicy, PolicyConfigError, XKVPolicy, load_policy
+from vllm_kvpress_ext.policies.adakv import AdaKVPolicy
 from vllm_kvpress_ext.policies.base import LayerPrefill, RequestPrefill
 from vllm_kvpress_ext.policies.capture import LayerCapture
 from vllm_kvpress_ext.policies.gvote import nucleus_size, vote
@@ -317,6 +318,47 @@ def test_gvote_observation_window_adds_the_real_queries_votes(family: str) -> No
                 assert not (alone.observed_votes(one) & ~observed).any()
 
 
+def test_gvote_allocations_give_adakv_the_votes_budget() -> None:
+    """`allocation`: the votes size the memory (per head, layer or request), AdaKV's scores choose the entries."""
+    model = tiny_model("llama3_rope")
+    n = 120
+    layers = []
+    for index in range(2):
+        layer = gvote_layer(model, index, n, seed=20 + index, query_scale=2.0)
+        assert layer.capture is not None and layer.capture.queries is not None
+        extra = torch.randn(39, *layer.capture.queries.shape[1:], generator=torch.Generator().manual_seed(index))
+        layer.capture.queries = torch.cat([extra * 2.0, layer.capture.queries])  # 40 real queries: AdaKV's window
+        layer.capture.query_positions = torch.arange(n - 40, n)
+        layers.append(layer)
+    votes = [GVotePolicy(p_nuc=0.6).on_layer_prefilled(layer, {}) for layer in layers]
+    counts = torch.stack(votes).sum(dim=-1)  # [L, Hkv]
+    assert (counts > 32).all() and (counts < n).all()  # room for AdaKV's window and something to drop
+    assert GVotePolicy(allocation="request").capture_spec().window == 32 == AdaKVPolicy().window
+
+    # "request": the request's total over L * Hkv heads, each layer split by AdaKV as AdaKV(tokens=...) would.
+    plan, _ = run_prefill(GVotePolicy(p_nuc=0.6, allocation="request"), layers)
+    per_head = round(int(counts.sum()) / counts.numel())
+    adakv, _ = run_prefill(AdaKVPolicy(ratio=None, tokens=per_head), layers)
+    assert kept_sets(plan) == kept_sets(adakv)
+    assert int(plan.lengths.sum()) == per_head * counts.numel()
+
+    # "layer": each layer's own mean, split by AdaKV.
+    for layer, layer_counts in zip(layers, counts, strict=True):
+        mine = GVotePolicy(p_nuc=0.6, allocation="layer").on_layer_prefilled(layer, {})
+        theirs = AdaKVPolicy(ratio=None, tokens=round(float(layer_counts.float().mean()))).on_layer_prefilled(layer, {})
+        assert torch.equal(mine, theirs)
+
+    # "head": each KV head keeps as many entries as its votes did, the best by AdaKV's scores (window included).
+    for layer, layer_counts in zip(layers, counts, strict=True):
+        mine = GVotePolicy(p_nuc=0.6, allocation="head").on_layer_prefilled(layer, {})
+        assert mine.sum(dim=-1).tolist() == layer_counts.tolist()
+        scores = AdaKVPolicy().scores(layer)[:, :-32]  # the window is kept whatever it scores
+        assert (mine[:, -32:]).all()
+        for kv in range(layer.num_kv_heads):
+            chosen = mine[kv, :-32]
+            assert scores[kv][chosen].min() >= scores[kv][~chosen].max()
+
+
 # ----------------------------------------------------------------------------- XKV: Algorithm 1
 
 
@@ -539,6 +581,7 @@ def test_xkv_profile_round_trip_and_allocation(tmp_path: Path) -> None:
         ({"name": "gvote", "observation_window": -1}, "observation_window"),
         ({"name": "gvote", "observation_window": 257}, "observation_window"),
         ({"name": "gvote", "ratio": 0.5}, "unknown parameter"),
+        ({"name": "gvote", "allocation": "layers"}, "allocation"),
         ({"name": "xkv", "ratio": 0.5, "target_ratio": 0.9}, "at most one budget"),
         ({"name": "xkv", "tokens": 32, "target_ratio": 0.9}, "at most one budget"),
         ({"name": "xkv", "target_ratio": 0.0}, "target_ratio"),
@@ -595,6 +638,7 @@ def prompt_ids(n: int, seed: int) -> list[int]:
         {"name": "xkv", "target_ratio": 0.8},
         {"name": "gvote", "p_nuc": 0.2, "num_samples": 2, "window": 4},
         {"name": "gvote", "p_nuc": 0.5, "num_samples": 2, "observation_window": 8},
+        {"name": "gvote", "p_nuc": 0.5, "num_samples": 2, "allocation": "request"},
     ],
     ids=str,
 )

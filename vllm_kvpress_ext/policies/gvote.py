@@ -58,6 +58,20 @@ ranks the keys by its scores max-pooled over k neighbouring positions before tak
 keeps the span around what it attends (B entries still, fewer distinct peaks). A divergence, off by
 default, for the span fragmentation above; its measured effect is in docs/gvote.md.
 
+Vote-sized AdaKV (`allocation`, default "votes" = Algorithm 1 exactly): the votes set how much each
+request keeps, and AdaKV (`adakv.py`, its paper's defaults: window 32, max-pooled k = 7 SnapKV
+scores, alpha 0.2) chooses which entries, given
+
+    "head"      |keep[l, g]|                         entries for KV head g of layer l (top scores)
+    "layer"     mean_g |keep[l, g]|                  entries per head of layer l, AdaKV's head split
+    "request"   sum_{l, g} |keep[l, g]| / (L * Hkv)  entries per head in every layer, AdaKV's head split
+
+so the budget stays the votes' own (no ratio is set) and "request" spends exactly the memory
+Algorithm 1 would (up to rounding per layer). Measured on SmolLM2-135M (docs/gvote.md), the nucleus
+budgets place memory across layers and heads as badly as the votes place it across positions: with
+the same mean memory (25.7% kept at 2,048 tokens, served protocol), "head" answers 0%, "layer"
+about 40% and "request" 79%, which is what AdaKV scores at the same 26%.
+
 Divergences:
 - RoPE convention: the paper's listing rotates interleaved pairs (x[2i], x[2i+1]); here the model's
   own convention is used (HF "rotate_half": pairs (x[i], x[i + d/2]), with the model's frequency
@@ -70,7 +84,7 @@ Divergences:
   KV head's group too (each query head with its own B[h]), so each KV head keeps one set of
   entries that serves all its query heads.
 - Ties in a top-B selection go to the lower entry index (stable sort), so plans are deterministic.
-- `observation_window` > 0 and `kernel_size` > 1 (above).
+- `observation_window` > 0, `kernel_size` > 1 and `allocation` other than "votes" (above).
 """
 
 from __future__ import annotations
@@ -83,13 +97,25 @@ import torch.nn.functional as F
 
 from vllm_kvpress_ext.cache import KeepPlan
 from vllm_kvpress_ext.models.rope import apply_rope
-from vllm_kvpress_ext.policies.base import KVPolicy, LayerPrefill, PolicyConfigError, RequestPrefill, recent_window
+from vllm_kvpress_ext.policies.adakv import AdaKVPolicy, adaptive_head_keep
+from vllm_kvpress_ext.policies.base import (
+    KVPolicy,
+    LayerPrefill,
+    PolicyConfigError,
+    RequestPrefill,
+    check_choice,
+    keep_top,
+    recent_window,
+)
 from vllm_kvpress_ext.policies.capture import CaptureSpec
 
 if TYPE_CHECKING:
     from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 
 SEED_STRIDE = 65537  # layer l of seed s draws from manual_seed(s * SEED_STRIDE + l)
+# Who decides where the votes' memory goes: the votes themselves (Algorithm 1), or AdaKV's selection
+# given the votes' budget per KV head, per layer or per request (module docstring).
+ALLOCATIONS = ("votes", "head", "layer", "request")
 
 
 def nucleus_size(probs: torch.Tensor, p_nuc: float) -> torch.Tensor:
@@ -206,6 +232,7 @@ class GVotePolicy(KVPolicy):
     seed: int = 0
     observation_window: int = 0
     kernel_size: int = 1
+    allocation: str = "votes"
 
     def validate(self) -> None:
         if not 0.0 < self.p_nuc <= 1.0:
@@ -225,9 +252,25 @@ class GVotePolicy(KVPolicy):
                 raise PolicyConfigError(f"{field} must be >= 0, got {value}")
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise PolicyConfigError(f"kernel_size must be an odd number >= 1, got {self.kernel_size}")
+        check_choice("allocation", self.allocation, ALLOCATIONS)
+
+    @property
+    def selector(self) -> AdaKVPolicy:
+        """What chooses the entries when `allocation` is not "votes": AdaKV with its paper's defaults."""
+        return AdaKVPolicy()
 
     def capture_spec(self) -> CaptureSpec:
-        return CaptureSpec(window=max(1, self.observation_window), hidden_stats=True)
+        selector_window = self.selector.window if self.allocation != "votes" else 0
+        return CaptureSpec(window=max(1, self.observation_window, selector_window), hidden_stats=True)
+
+    def adakv_keep(self, scores: torch.Tensor, per_head: float) -> torch.Tensor:
+        """AdaKV's keep mask `[Hkv, n]` for a layer whose heads keep `per_head` entries on average."""
+        selector = self.selector
+        heads, n = scores.shape
+        window = min(selector.window, n)
+        selectable = min(n, max(window, round(per_head))) - window
+        protected = recent_window(n, window).expand(heads, n).contiguous()
+        return adaptive_head_keep(scores, protected, selectable, int(selector.alpha * selectable))
 
     def nucleus_budgets(self, layer: LayerPrefill, index: int) -> torch.Tensor:
         """B `[Hq]` (int64, CPU): nucleus size of captured query `index`'s attention, per query head."""
@@ -289,7 +332,22 @@ class GVotePolicy(KVPolicy):
         n = layer.length
         keep |= recent_window(n, self.window).view(1, n)
         keep[:, : self.sink_tokens] = True
-        return keep
+        return keep if self.allocation == "votes" else self.reallocate(layer, keep)
+
+    def reallocate(self, layer: LayerPrefill, keep: torch.Tensor) -> Any:
+        """The votes' budget with AdaKV choosing: a keep mask, or (budgets, scores) for the request's plan."""
+        counts = keep.sum(dim=-1)  # [Hkv]: what the votes kept per KV head
+        scores = self.selector.scores(layer).cpu()
+        if self.allocation == "head":
+            protected = recent_window(layer.length, min(self.selector.window, layer.length))
+            return keep_top(scores, counts, protected.expand_as(keep).contiguous())
+        if self.allocation == "layer":
+            return self.adakv_keep(scores, float(counts.float().mean()))
+        return counts, scores  # "request": the plan spreads the request's total evenly
 
     def plan(self, request: RequestPrefill, layer_results: list[Any], state: dict[str, Any]) -> KeepPlan:
-        return KeepPlan.from_mask(torch.stack(layer_results))
+        if self.allocation != "request":
+            return KeepPlan.from_mask(torch.stack(layer_results))
+        total = sum(int(counts.sum()) for counts, _ in layer_results)
+        per_head = total / sum(counts.numel() for counts, _ in layer_results)
+        return KeepPlan.from_mask(torch.stack([self.adakv_keep(scores, per_head) for _, scores in layer_results]))
