@@ -22,6 +22,7 @@ from vllm_kvpress_ext.tasks.natural import (
     filler_sentences,
     prose_sentences,
     render,
+    render_questions,
     score,
 )
 
@@ -58,6 +59,25 @@ def test_render_fits_the_length_and_holds_the_answers(tokenizer: Any, task: str)
     served = render(task, tokenizer, length, seed=7, protocol="served")
     assert served.token_ids == prompt.token_ids and served.compress_after is None
     assert render(task, tokenizer, length, seed=8).token_ids != prompt.token_ids
+
+
+def test_several_questions_share_one_context(tokenizer: Any) -> None:
+    """One multi-key context asked about each of its keys: the same context tokens, a different answer each."""
+    length = 1500
+    prompts = render_questions("nl_niah_multikey", tokenizer, length, seed=7, count=4)
+    contexts = {tuple(p.token_ids[: p.context_tokens]) for p in prompts}
+    assert len(contexts) == 1 and all(p.compress_after == p.context_tokens for p in prompts)
+    assert [p.question for p in prompts] == [0, 1, 2, 3]
+    assert len({p.answers for p in prompts}) == 4 and all(len(p.token_ids) <= length for p in prompts)
+    context = tokenizer.decode(prompts[0].token_ids[: prompts[0].context_tokens])
+    assert all(answer in context for p in prompts for answer in p.answers)
+    assert render_questions("nl_niah_multikey", tokenizer, length, seed=7, count=1)[0].token_ids == (
+        render("nl_niah_multikey", tokenizer, length, seed=7).token_ids
+    )
+    with pytest.raises(ValueError, match="1 to 4 questions"):
+        render_questions("nl_niah_multikey", tokenizer, length, seed=7, count=5)
+    with pytest.raises(ValueError, match="1 to 1 questions"):
+        render_questions("nl_passkey", tokenizer, length, seed=7, count=2)
 
 
 def test_filler_kinds() -> None:
@@ -114,6 +134,25 @@ def test_natural_bench_end_to_end(tiny_gguf: Path, tmp_path: Path, monkeypatch: 
     assert len(runs) == 2 * 3  # samples x runnable (policy, budget)
     assert all(r["task"] == "nl_passkey" and 0.0 <= r["score"] <= 1.0 for r in runs)
     assert main([*argv[:-1], str(tmp_path / "bad"), "--protocol", "strict"]) == 2
+
+
+def test_natural_bench_several_questions_per_context(tiny_gguf: Path, tmp_path: Path) -> None:
+    """Question-agnostic, every question of a context forks its one prefill: a run per (policy, question)."""
+    from vllm_kvpress_ext.cli import main
+
+    out = tmp_path / "out"
+    argv = ["bench", "accuracy", "--model", str(tiny_gguf), "--tasks", "nl_niah_multikey,nl_passkey"]
+    argv += ["--policies", "full,snapkv", "--budgets", "0.5", "--context-lens", "900", "--samples", "1"]
+    argv += ["--questions-per-context", "3", "--protocol", "agnostic", "--out", str(out)]
+    assert main(argv) == 0
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    asked = sorted((r["task"], r["policy"], r["question"]) for r in runs)
+    multikey = [("nl_niah_multikey", p, q) for p in ("full", "snapkv") for q in range(3)]
+    assert asked == [*multikey, ("nl_passkey", "full", 0), ("nl_passkey", "snapkv", 0)]  # pass key: one question
+    summary = {s["policy"]: s for s in json.loads((out / "results.json").read_text())["summary"]}
+    assert summary["snapkv"]["runs"] == 4
+    bad = ["bench", "accuracy", "--model", str(tiny_gguf), "--questions-per-context", "0", "--out", str(tmp_path / "b")]
+    assert main(bad) == 2
 
 
 def _fake_run(directory: Path, length: int, task: str, scores: list[float], protocol: str = "served") -> Path:

@@ -40,8 +40,9 @@ from vllm_kvpress_ext.tasks.natural import (
     HELD_OUT_SEED,
     NATURAL_PROTOCOLS,
     NATURAL_TASKS,
+    QUESTIONS_PER_CONTEXT,
     NaturalPrompt,
-    render,
+    render_questions,
     score,
 )
 
@@ -58,6 +59,7 @@ class NaturalAccuracyConfig:
     tasks: tuple[str, ...] = tuple(NATURAL_TASKS)
     context_lens: tuple[int, ...] = (2048, 4096)
     samples: int = 4
+    questions_per_context: int = 1  # tasks with several questions (QUESTIONS_PER_CONTEXT) ask up to this many
     protocol: str = "agnostic"
     filler: str = "noise"
     out_dir: str = "runs/accuracy-natural"
@@ -81,6 +83,7 @@ class Run:
     kv_bytes: int
     retention: float
     text: str
+    question: int = 0  # which of the sample's questions (one context, several questions)
 
 
 @dataclass
@@ -139,20 +142,29 @@ def run_natural_accuracy(config: NaturalAccuracyConfig) -> list[NaturalRow]:
         for length in config.context_lens:
             for task in config.tasks:
                 for i in range(config.samples):
-                    prompt = render(
+                    prompts = render_questions(
                         task,
                         engine.tokenizer,
                         length,
                         config.seed + i,
+                        min(config.questions_per_context, QUESTIONS_PER_CONTEXT.get(task, 1)),
                         config.protocol,  # type: ignore[arg-type]  # checked by _validate
                         config.filler,  # type: ignore[arg-type]
                     )
-                    t0 = time.perf_counter()
-                    split = prompt.compress_after or len(prompt.token_ids)
-                    prefix_id = f"prefix-{length}-{task}-{i}"
-                    snapshot = capture_prefix(engine, prompt.token_ids[:split], spec, prefix_id, finished=results)
-                    prefill_seconds += time.perf_counter() - t0
-                    pending |= _submit_sample(engine, prompt, snapshot, policies, length, results)
+                    snapshot = None
+                    for prompt in prompts:
+                        # Question-agnostic: every question forks one prefill of the shared context, and each
+                        # fork's policy compresses that context alone, so all of them read the same compressed
+                        # cache, the one a reused prefix holds. Served: each question is its own prompt.
+                        if snapshot is None or prompt.compress_after is None:
+                            t0 = time.perf_counter()
+                            split = prompt.compress_after or len(prompt.token_ids)
+                            prefix_id = f"prefix-{length}-{task}-{i}-{prompt.question}"
+                            snapshot = capture_prefix(
+                                engine, prompt.token_ids[:split], spec, prefix_id, finished=results
+                            )
+                            prefill_seconds += time.perf_counter() - t0
+                        pending |= _submit_sample(engine, prompt, snapshot, policies, length, results)
                     bar.update(1)
     _run_to_completion(engine, results)
     runs = []
@@ -162,7 +174,18 @@ def run_natural_accuracy(config: NaturalAccuracyConfig) -> list[NaturalRow]:
         label = policy_label(name)
         score_ = score(prompt, text)
         runs.append(
-            Run(length, prompt.task, label, budget, prompt.seed, score_, out.kv.kv_bytes, out.kv.retention, text)
+            Run(
+                length,
+                prompt.task,
+                label,
+                budget,
+                prompt.seed,
+                score_,
+                out.kv.kv_bytes,
+                out.kv.retention,
+                text,
+                prompt.question,
+            )
         )
     rows = _aggregate(runs, policies, config)
     seconds = time.perf_counter() - start
@@ -180,6 +203,8 @@ def _validate(config: NaturalAccuracyConfig) -> None:
         raise ValueError(f"unknown natural task(s) {', '.join(unknown)}; known: {', '.join(NATURAL_TASKS)}")
     if config.samples < 1:
         raise ValueError(f"samples must be >= 1, got {config.samples}")
+    if config.questions_per_context < 1:
+        raise ValueError(f"questions per context must be >= 1, got {config.questions_per_context}")
 
 
 def _shares_prefill(policy: KVPolicy, engine: LLMEngine) -> bool:
@@ -204,7 +229,7 @@ def _submit_sample(
     for (name, budget), policy in policies.items():
         if isinstance(policy, str):
             continue
-        rid = f"{name}-{budget}-{length}-{prompt.task}-{prompt.seed}"
+        rid = f"{name}-{budget}-{length}-{prompt.task}-{prompt.seed}-{prompt.question}"
         params = SamplingParams(max_tokens=prompt.max_new_tokens - len(first), temperature=0.0)
         while True:
             try:
@@ -351,7 +376,8 @@ def _report(
     protocol = {"agnostic": "context compressed, question prefilled after", "served": "after the whole prompt"}
     print(
         f"\nmodel {config.model}; protocol {config.protocol} ({protocol[config.protocol]}); filler {config.filler}; "
-        f"up to {config.samples} samples per task and length (runs: the generations a row averages); "
+        f"up to {config.samples} samples per task and length, up to {config.questions_per_context} question(s) "
+        "per sample's context (runs: the generations a row averages); "
         "accuracy = RULER string match, mean over tasks, per task in the last columns"
     )
     print(format_table(headers, table))
@@ -484,6 +510,7 @@ def natural_config(model: str, args: Any) -> NaturalAccuracyConfig:
         "tasks": tuple(args.tasks.split(",")) if args.tasks else None,
         "protocol": args.protocol,
         "samples": args.samples,
+        "questions_per_context": args.questions_per_context,
         "context_lens": args.context_lens or ((args.context_len,) if args.context_len else None),
         "filler": args.filler,
     }

@@ -57,6 +57,14 @@ def register(bench_sub: Subparsers) -> None:
     )
     acc.add_argument("--samples", type=int, default=None, help="held-out samples per task (default: 20)")
     acc.add_argument(
+        "--questions-per-context",
+        type=int,
+        default=None,
+        help="natural suite: ask each sample's context up to this many distinct questions, one request each "
+        "(nl_niah_multikey has 4: one per key); question-agnostic, every question reads the one compressed "
+        "context a reused prefix would hold (default: 1)",
+    )
+    acc.add_argument(
         "--task-param",
         action="append",
         default=None,
@@ -101,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvpress bench accuracy: {err}", file=sys.stderr)
             return 2
         return 0
+    if args.questions_per_context is not None:
+        print("kvpress bench accuracy: --questions-per-context is for the natural suite", file=sys.stderr)
+        return 2
     if args.quick:
         config = AccuracyConfig.quick(args.model, out_dir=args.out or "runs/accuracy-quick")
     else:

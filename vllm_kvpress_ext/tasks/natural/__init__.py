@@ -5,8 +5,8 @@
 """
 
 from .filler import FILLER_KINDS, NOISE, FillerKind, filler_sentences, prose_sentences
-from .render import HELD_OUT_SEED, NATURAL_PROTOCOLS, NaturalPrompt, NaturalProtocol, render, score
-from .tasks import NATURAL_TASKS, Draft
+from .render import HELD_OUT_SEED, NATURAL_PROTOCOLS, NaturalPrompt, NaturalProtocol, render, render_questions, score
+from .tasks import NATURAL_TASKS, QUESTIONS_PER_CONTEXT, Draft
 
 __all__ = [
     "FILLER_KINDS",
@@ -14,6 +14,7 @@ __all__ = [
     "NATURAL_PROTOCOLS",
     "NATURAL_TASKS",
     "NOISE",
+    "QUESTIONS_PER_CONTEXT",
     "Draft",
     "FillerKind",
     "NaturalPrompt",
@@ -21,5 +22,6 @@ __all__ = [
     "filler_sentences",
     "prose_sentences",
     "render",
+    "render_questions",
     "score",
 ]

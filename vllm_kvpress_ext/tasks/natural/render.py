@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from .filler import FillerKind
-from .tasks import NATURAL_TASKS, Draft
+from .tasks import NATURAL_TASKS, QUESTIONS_PER_CONTEXT, Draft
 
 NaturalProtocol = Literal["served", "agnostic"]
 NATURAL_PROTOCOLS: tuple[str, ...] = get_args(NaturalProtocol)
@@ -36,6 +36,7 @@ class NaturalPrompt:
     answers: tuple[str, ...]
     max_new_tokens: int
     seed: int
+    question: int = 0  # which of the context's questions (QUESTIONS_PER_CONTEXT) this prompt asks
 
 
 def _ids(tokenizer: Any, text: str, special: bool) -> list[int]:
@@ -57,19 +58,37 @@ def render(
     filler: FillerKind = "noise",
 ) -> NaturalPrompt:
     """Sample `seed` of `task` as at most `context_length` prompt tokens of `tokenizer`."""
+    return render_questions(task, tokenizer, context_length, seed, 1, protocol, filler)[0]
+
+
+def render_questions(
+    task: str,
+    tokenizer: Any,
+    context_length: int,
+    seed: int,
+    count: int,
+    protocol: NaturalProtocol = "agnostic",
+    filler: FillerKind = "noise",
+) -> list[NaturalPrompt]:
+    """Sample `seed` of `task` asked its first `count` questions: one context, token for token the same in
+    every prompt, each prompt at most `context_length` tokens (the haystack is sized for the longest question).
+    """
     if task not in NATURAL_TASKS:
         raise ValueError(f"unknown natural task {task!r}; known: {', '.join(NATURAL_TASKS)}")
     if protocol not in NATURAL_PROTOCOLS:
         raise ValueError(f"protocol must be one of {NATURAL_PROTOCOLS}, got {protocol!r}")
+    if not 1 <= count <= QUESTIONS_PER_CONTEXT.get(task, 1):
+        raise ValueError(f"{task} asks 1 to {QUESTIONS_PER_CONTEXT.get(task, 1)} questions per context, not {count}")
     build = NATURAL_TASKS[task]
 
-    def draw(size: int) -> tuple[Draft, list[int], list[int]]:
-        draft = build(random.Random(f"{task}-{seed}"), size, filler)  # str seeds are stable across runs
+    def draw(size: int, question: int) -> tuple[Draft, list[int], list[int]]:
+        rng = random.Random(f"{task}-{seed}")  # str seeds are stable across runs
+        draft = build(rng, size, filler, question=question) if question else build(rng, size, filler)  # type: ignore[call-arg]
         return (draft, *_tokens(tokenizer, draft))
 
     def length(size: int) -> int:
-        _, context, question = draw(size)
-        return len(context) + len(question)
+        drawn = [draw(size, q) for q in range(count)]
+        return len(drawn[0][1]) + max(len(question) for _, _, question in drawn)
 
     low, high = 0, 1
     if length(low) > context_length:
@@ -79,16 +98,22 @@ def render(
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if length(mid) <= context_length else (low, mid)
-    draft, context, question = draw(low)
-    return NaturalPrompt(
-        task=task,
-        token_ids=context + question,
-        context_tokens=len(context),
-        compress_after=len(context) if protocol == "agnostic" else None,
-        answers=draft.answers,
-        max_new_tokens=draft.max_new_tokens,
-        seed=seed,
-    )
+    prompts = []
+    for question_index in range(count):
+        draft, context, question = draw(low, question_index)
+        prompts.append(
+            NaturalPrompt(
+                task=task,
+                token_ids=context + question,
+                context_tokens=len(context),
+                compress_after=len(context) if protocol == "agnostic" else None,
+                answers=draft.answers,
+                max_new_tokens=draft.max_new_tokens,
+                seed=seed,
+                question=question_index,
+            )
+        )
+    return prompts
 
 
 def score(prompt: NaturalPrompt, text: str) -> float:

@@ -70,12 +70,26 @@ def _haystack(rng: random.Random, size: int, filler: FillerKind, needles: list[s
     return " ".join(sentences)
 
 
-def _niah(rng: random.Random, size: int, filler: FillerKind, num_keys: int, values_per_key: int, queried: int) -> Draft:
+def _niah(
+    rng: random.Random,
+    size: int,
+    filler: FillerKind,
+    num_keys: int,
+    values_per_key: int,
+    queried: int,
+    question: int = 0,
+) -> Draft:
+    """Needles for `num_keys` keys; the question asks for keys `question` .. `question + queried - 1`.
+
+    The question's index draws nothing from `rng`, so every question of one seed has the same context.
+    """
+    if not 0 <= question <= num_keys - queried:
+        raise ValueError(f"question {question} is out of range: this task asks about {num_keys - queried + 1} keys")
     keys = _keys(rng, num_keys)
     values = {k: [_number(rng) for _ in range(values_per_key)] for k in keys}
     needles = [f"One of the special magic numbers for {k} is: {v}." for k in keys for v in values[k]]
     rng.shuffle(needles)
-    asked = keys[:queried]
+    asked = keys[question : question + queried]
     context = f"{NIAH_INTRO}\n{_haystack(rng, size, filler, needles)}"
     answers = tuple(v for k in asked for v in values[k])
     if queried == 1 and values_per_key == 1:
@@ -99,8 +113,8 @@ def niah_single(rng: random.Random, size: int, filler: FillerKind) -> Draft:
     return _niah(rng, size, filler, num_keys=1, values_per_key=1, queried=1)
 
 
-def niah_multikey(rng: random.Random, size: int, filler: FillerKind) -> Draft:
-    return _niah(rng, size, filler, num_keys=4, values_per_key=1, queried=1)
+def niah_multikey(rng: random.Random, size: int, filler: FillerKind, question: int = 0) -> Draft:
+    return _niah(rng, size, filler, num_keys=4, values_per_key=1, queried=1, question=question)
 
 
 def niah_multivalue(rng: random.Random, size: int, filler: FillerKind) -> Draft:
@@ -172,6 +186,10 @@ def frequent_words(rng: random.Random, size: int, filler: FillerKind, top: int =
     prefix = "According to the coded text above, the three most frequently appeared words are:"
     return Draft(context, question, prefix, tuple(vocabulary[:top]), max_new_tokens=20)
 
+
+#: Tasks whose context answers several distinct questions (their builder takes `question`), and how many:
+#: what a reused compressed context is asked again and again.
+QUESTIONS_PER_CONTEXT: dict[str, int] = {"nl_niah_multikey": 4}
 
 #: Task name -> builder. Names carry an `nl_` prefix to stay apart from the synthetic suite's.
 NATURAL_TASKS: dict[str, TaskFn] = {
