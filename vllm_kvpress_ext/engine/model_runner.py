@@ -238,8 +238,13 @@ class ModelRunner:
 
     def resume(self, request: Request, output_token_ids: list[int]) -> None:
         """Restart a preempted request with the tokens its driver has kept for it: it recomputes them all."""
-        request.output_token_ids = list(output_token_ids)
+        self.restore_output(request, output_token_ids)
         self.add(request)
+
+    def restore_output(self, request: Request, output_token_ids: list[int]) -> None:
+        """A preempted request's output as its driver kept it, before it restarts (`resume`, or an attach to a
+        stored prefix of its prompt and output, `attach_prefix_at`)."""
+        request.output_token_ids = list(output_token_ids)
 
     def load_prefill(
         self, request: Request, keys: torch.Tensor, values: torch.Tensor, capture: PrefillCapture | None

@@ -382,7 +382,7 @@ class KVPressWorker(WorkerBase):
             request = self.requests[request_id]
             tokens = cached.all_token_ids[request_id]
             try:
-                request.output_token_ids = list(tokens[len(request.prompt_token_ids) :])
+                runner.restore_output(request, list(tokens[len(request.prompt_token_ids) :]))
                 self._start(request, cached.num_computed_tokens[index], pinned.pop(request_id, None))
             except Exception as exc:
                 failed[request_id] = f"{type(exc).__name__}: {exc}"
