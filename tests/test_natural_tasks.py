@@ -7,6 +7,7 @@ of the GGUF file the tests write; nothing is downloaded.
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -264,6 +265,22 @@ def test_merge_refuses_what_it_cannot_combine(tmp_path: Path) -> None:
         merge_results([tmp_path / "absent"], tmp_path / "out")
     with pytest.raises(ValueError, match="no result directories"):
         merge_results([], tmp_path / "out")
+
+
+def test_task_weighted_mean_counts_each_task_once() -> None:
+    """Hand-computed: 2 pass-key runs (both right) and 4 multi-key questions (one right)."""
+    from vllm_kvpress_ext.bench.natural_accuracy import Run, task_weighted_mean
+
+    def run(task: str, score: float) -> Run:
+        return Run(2048, task, "snapkv", 0.5, 0, score, 1, 0.5, "")
+
+    runs = [run("nl_passkey", 1.0), run("nl_passkey", 1.0)] + [run("nl_niah_multikey", s) for s in (1, 0, 0, 0)]
+    mean, effective = task_weighted_mean(runs)
+    assert mean == (1.0 + 0.25) / 2  # the mean of the task columns, not 3 of 6 runs
+    assert abs(effective - 2**2 / (2 * 0.5**2 + 4 * 0.25**2)) < 1e-12  # (sum w)^2 / sum w^2 = 4 / 0.75
+    same = [run("nl_passkey", 1.0), run("nl_passkey", 0.0), run("nl_niah_single", 1.0), run("nl_niah_single", 1.0)]
+    assert task_weighted_mean(same) == (0.75, 4.0)  # equal runs per task: the plain mean over runs
+    assert math.isnan(task_weighted_mean([])[0])
 
 
 def test_wilson_interval_by_hand() -> None:

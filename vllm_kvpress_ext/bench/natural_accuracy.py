@@ -309,7 +309,7 @@ def _pct(value: float) -> str:
     return "-" if math.isnan(value) else f"{100 * value:.1f}"
 
 
-def wilson_interval(mean: float, runs: int, z: float = 1.96) -> tuple[float, float]:
+def wilson_interval(mean: float, runs: float, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson score interval of a success rate `mean` over `runs` generations ((nan, nan) without runs).
 
     Exact for pass/fail scores; for multi-answer tasks (a score is the share of answers found) it treats the
@@ -323,19 +323,37 @@ def wilson_interval(mean: float, runs: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def task_weighted_mean(runs: list[Run]) -> tuple[float, float]:
+    """The mean over tasks of each task's mean score, and its effective number of runs (Kish's).
+
+    Each run weighs 1 / (runs of its task), so a task asked more questions per context counts as much as
+    one asked once, as the row's accuracy (the mean of the task columns) does; the interval is then taken
+    over (sum w)^2 / sum w^2 runs. With the same number of runs per task that is the plain mean over runs.
+    """
+    if not runs:
+        return math.nan, 0.0
+    per_task: dict[str, int] = defaultdict(int)
+    for run in runs:
+        per_task[run.task] += 1
+    weights = [1.0 / per_task[run.task] for run in runs]
+    total = sum(weights)
+    mean = sum(w * run.score for w, run in zip(weights, runs, strict=True)) / total
+    return mean, total * total / sum(w * w for w in weights)
+
+
 def _summary(rows: list[NaturalRow], runs: list[Run]) -> list[dict[str, Any]]:
     """Per (length, policy, budget): accuracy (with its 95% interval over all the row's generations) and KV
     bytes averaged over tasks, full cache first."""
     groups: dict[tuple[int, str, float | None], list[NaturalRow]] = defaultdict(list)
     for r in rows:
         groups[(r.context_len, r.policy, r.budget)].append(r)
-    scores: dict[tuple[int, str, float | None], list[float]] = defaultdict(list)
+    scores: dict[tuple[int, str, float | None], list[Run]] = defaultdict(list)
     for run in runs:
-        scores[(run.context_len, run.policy, run.budget)].append(run.score)
+        scores[(run.context_len, run.policy, run.budget)].append(run)
     summary = []
     for (length, policy, budget), group in groups.items():
-        mine = scores.get((length, policy, budget), [])
-        low, high = wilson_interval(sum(mine) / len(mine) if mine else math.nan, len(mine))
+        mean, effective_runs = task_weighted_mean(scores.get((length, policy, budget), []))
+        low, high = wilson_interval(mean, effective_runs)
         summary.append(
             {
                 "context_len": length,
@@ -476,6 +494,7 @@ def merge_results(result_dirs: list[Path], out_dir: Path, plot: bool = True) -> 
         tasks=tuple(dict.fromkeys(t for c in configs for t in c["tasks"])),
         context_lens=tuple(sorted({n for c in configs for n in c["context_lens"]})),
         samples=max(c["samples"] for c in configs),
+        questions_per_context=max(c.get("questions_per_context", 1) for c in configs),
         protocol=first["protocol"],
         filler=first["filler"],
         out_dir=str(out_dir),
