@@ -336,3 +336,19 @@ def test_a_catalog_name_survives_hf_hub_offline(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv(activation.ENV, "off")
     with pytest.raises(LocalEntryNotFoundError):  # without the plugin, vLLM's own lookup (the defect's error)
         EngineArgs(model="smollm2-135m")
+
+
+def test_metrics_file_is_chosen_again_when_its_variable_was_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that chose the snapshot path and then lost the variable (a test fixture, an embedding
+    application restoring its environment) chooses again instead of failing with a KeyError."""
+    from vllm_kvpress_ext.vllm_plugin import metrics
+
+    monkeypatch.delenv(metrics.ENV, raising=False)
+    monkeypatch.delenv("KVPRESS_METRICS_FILE_PID", raising=False)
+    first = metrics.metrics_file()
+    assert metrics.metrics_file() == first  # chosen once, then read back
+    monkeypatch.delenv(metrics.ENV)
+    again = metrics.metrics_file()
+    assert again == first and metrics.metrics_file() == again
+    monkeypatch.setenv(metrics.ENV, "/tmp/elsewhere.json")  # a parent's choice is taken as it is
+    assert metrics.metrics_file() == Path("/tmp/elsewhere.json")

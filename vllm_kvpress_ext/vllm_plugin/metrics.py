@@ -33,8 +33,9 @@ _WRITE_INTERVAL_S = 0.25
 
 def choose_metrics_file() -> Path:
     """A fresh snapshot path for this top-level process, inherited by the engine processes it starts."""
-    if os.environ.get(_CHOSEN_BY) == str(os.getpid()):
-        return Path(os.environ[ENV])
+    chosen = os.environ.get(ENV)
+    if chosen and os.environ.get(_CHOSEN_BY) == str(os.getpid()):
+        return Path(chosen)  # (one this process chose and nobody has unset since)
     path = Path(tempfile.gettempdir()) / f"kvpress-vllm-metrics-{os.getpid()}.json"
     os.environ[ENV] = str(path)
     os.environ[_CHOSEN_BY] = str(os.getpid())
