@@ -93,13 +93,13 @@ def _niah(
     context = f"{NIAH_INTRO}\n{_haystack(rng, size, filler, needles)}"
     answers = tuple(v for k in asked for v in values[k])
     if queried == 1 and values_per_key == 1:
-        question = f"What is the special magic number for {asked[0]} mentioned in the provided text?"
+        text = f"What is the special magic number for {asked[0]} mentioned in the provided text?"
         prefix = f"The special magic number for {asked[0]} mentioned in the provided text is"
     else:
         what = ", ".join(asked)
-        question = f"What are all the special magic numbers for {what} mentioned in the provided text?"
+        text = f"What are all the special magic numbers for {what} mentioned in the provided text?"
         prefix = f"The special magic numbers for {what} mentioned in the provided text are"
-    return Draft(context, question, prefix, answers, max_new_tokens=8 + 8 * len(answers))
+    return Draft(context, text, prefix, answers, max_new_tokens=8 + 8 * len(answers))
 
 
 def passkey(rng: random.Random, size: int, filler: FillerKind) -> Draft:
