@@ -237,3 +237,50 @@ def test_fused_prefill_attention_matches_the_einsum_oracle_on_ragged_compacted_h
     if lse_oracle is not None and lse_fused is not None:
         assert lse_fused[0].shape == (n, kv_heads * group)
         torch.testing.assert_close(lse_fused[0], lse_oracle[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_chunk_over_a_plain_prefix_splits_into_prefix_and_causal_parts(
+    dtype: torch.dtype, with_lse: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A later prefill chunk over an uncompressed prefix (every head the same entries, the chunk's own last)
+    takes the split path: the prefix unmasked and the chunk causal, merged by log-sum-exp. It equals the
+    einsum oracle; a cache that is not such a prefix (a head shorter, a future position) does not take it."""
+    calls = []
+    split = reference._prefix_then_causal_chunk
+    monkeypatch.setattr(reference, "_prefix_then_causal_chunk", lambda *a: calls.append(1) or split(*a))
+    torch.manual_seed(7)
+    kv_heads, group, head_dim, page_size = 3, 3, 64, 16
+    cache = PagedKVCache(1, kv_heads, head_dim, num_pages=128, page_size=page_size, max_requests=1, dtype=dtype)
+    row = cache.add_request("r")
+    n_total, start = 150, 107  # the chunk is positions 107..149, its prefix 0..106
+    slots = cache.append_slots([row], torch.arange(n_total).view(1, -1))
+    cache.write(slots[0, 0].T, *(torch.randn(n_total, kv_heads, head_dim).to(dtype) for _ in range(2)))
+    query = torch.randn(n_total - start, kv_heads * group, head_dim).to(dtype)
+    args = (query, torch.arange(start, n_total), cache.pool.kv, cache.pool.positions)
+    tables, lens = cache.block_tables[0, row], cache.seq_lens[0, row]
+    lse_oracle: list[torch.Tensor] | None = [] if with_lse else None
+    lse_split: list[torch.Tensor] | None = [] if with_lse else None
+    expected = reference.paged_prefill_attention(*args, tables, lens, 0.125, lse_out=lse_oracle)
+    out = reference.paged_prefill_attention_sdpa(*args, tables, lens, 0.125, lse_out=lse_split)
+    assert calls == [1]
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    if lse_oracle is not None and lse_split is not None:
+        torch.testing.assert_close(lse_split[0], lse_oracle[0], atol=1e-4, rtol=1e-4)
+    # The first chunk (no prefix) is the causal part alone.
+    first = reference.paged_prefill_attention_sdpa(
+        query[:5], torch.arange(5), cache.pool.kv, cache.pool.positions, tables, torch.full_like(lens, 5), 0.125
+    )
+    oracle = reference.paged_prefill_attention(
+        query[:5], torch.arange(5), cache.pool.kv, cache.pool.positions, tables, torch.full_like(lens, 5), 0.125
+    )
+    torch.testing.assert_close(first, oracle, atol=tol, rtol=tol)
+    assert calls == [1, 1]
+    # Not a plain prefix: one head shorter, or the queries placed before some cached entries.
+    ragged = lens.clone()
+    ragged[1] -= 3
+    reference.paged_prefill_attention_sdpa(*args, tables, ragged, 0.125)
+    reference.paged_prefill_attention_sdpa(query, torch.arange(start, n_total) - 5, *args[2:], tables, lens, 0.125)
+    assert calls == [1, 1]

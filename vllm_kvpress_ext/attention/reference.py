@@ -8,6 +8,7 @@ neighbours', and the query heads of its GQA group (`Hq / Hkv` of them) are its q
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -256,6 +257,11 @@ def paged_prefill_attention_sdpa(
     group = num_q_heads // num_kv_heads
     # fp32 math, as in the oracle, whatever the pool's dtype.
     q = query.float().view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, d]
+    if flash is not None and query.device.type == "cpu" and _chunk_after_its_prefix(query_positions, positions, valid):
+        out, lse = _prefix_then_causal_chunk(flash, q, keys.float(), values.float(), scale)
+        if lse_out is not None:
+            lse_out.append(lse.permute(2, 0, 1).reshape(n, num_q_heads))
+        return out.permute(2, 0, 1, 3).reshape(n, num_q_heads, head_dim).to(query.dtype)
     keys = keys.float().unsqueeze(1).expand(num_kv_heads, group, -1, head_dim)  # [Hkv, G, N, d], no copy
     values = values.float().unsqueeze(1).expand(num_kv_heads, group, -1, head_dim)
     visible = positions.unsqueeze(-2) <= query_positions.to(positions.device).view(1, n, 1)  # [Hkv, n, N]
@@ -268,6 +274,46 @@ def paged_prefill_attention_sdpa(
     else:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.permute(2, 0, 1, 3).reshape(n, num_q_heads, head_dim).to(query.dtype)
+
+
+def _chunk_after_its_prefix(query_positions: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> bool:
+    """True when every head holds the same entries count, ending with the chunk's own n entries in query
+    order, after entries that all lie before the chunk: then each query sees the whole prefix and the chunk
+    causally, and the attention splits into those two unmasked parts (`_prefix_then_causal_chunk`)."""
+    n = query_positions.shape[0]
+    if not bool(valid.all()) or positions.shape[-1] < n:
+        return False
+    query_positions = query_positions.to(positions.device)
+    own = positions[:, positions.shape[-1] - n :]
+    prefix = positions[:, : positions.shape[-1] - n]
+    in_order = bool((own == query_positions.view(1, -1)).all())
+    return in_order and (prefix.numel() == 0 or int(prefix.max()) < int(query_positions.min()))
+
+
+def _prefix_then_causal_chunk(
+    flash: Any, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a chunk's queries `q[Hkv, G, n, d]` over keys `[Hkv, N, d]` whose last n are the chunk's
+    own: the prefix without a mask, the chunk causally (both through the CPU flash kernel, which skips the
+    masked-out half of a causal block instead of computing and discarding it), merged by their log-sum-exps.
+
+    Returns the output `[Hkv, G, n, d]` and its log-sum-exp `[Hkv, G, n]` (fp32), equal to the masked
+    SDPA's to rounding: softmax over the union = the two partial softmaxes weighted by exp(lse_part - lse).
+    """
+    heads, group, n, head_dim = q.shape
+    split = keys.shape[1] - n
+
+    def grouped(x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(1).expand(heads, group, x.shape[1], head_dim)  # no copy
+
+    chunk_out, chunk_lse = flash(q, grouped(keys[:, split:]), grouped(values[:, split:]), 0.0, True, scale=scale)[:2]
+    if split == 0:
+        return chunk_out, chunk_lse.float()
+    prefix_out, prefix_lse = flash(q, grouped(keys[:, :split]), grouped(values[:, :split]), 0.0, False, scale=scale)[:2]
+    lse = torch.logaddexp(prefix_lse.float(), chunk_lse.float())
+    prefix_weight = (prefix_lse - lse).exp().unsqueeze(-1)
+    chunk_weight = (chunk_lse - lse).exp().unsqueeze(-1)
+    return prefix_out * prefix_weight + chunk_out * chunk_weight, lse
 
 
 def varlen_causal_attention(
