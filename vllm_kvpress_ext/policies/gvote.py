@@ -67,7 +67,8 @@ scores, alpha 0.2) chooses which entries, given
     "request"   sum_{l, g} |keep[l, g]| / (L * Hkv)  entries per head in every layer, AdaKV's head split
 
 so the budget stays the votes' own (no ratio is set) and "request" spends exactly the memory
-Algorithm 1 would (up to rounding per layer). Measured on SmolLM2-135M (docs/gvote.md), the nucleus
+Algorithm 1 would (up to rounding per layer; "layer" and "request" never give a head fewer entries than
+AdaKV's 32-entry window, nor more than the prompt). Measured on SmolLM2-135M (docs/gvote.md), the nucleus
 budgets place memory across layers and heads as badly as the votes place it across positions: with
 the same mean memory (25.7% kept at 2,048 tokens, served protocol), "head" answers 0%, "layer" 37.5%
 and "request" 79.2%, what AdaKV scores at the same 26% (at 4,096 tokens: 83.3% against AdaKV's 87.5%).
