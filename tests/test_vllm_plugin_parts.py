@@ -217,6 +217,23 @@ def test_engine_metrics_reach_the_collector(tmp_path: Path) -> None:
     assert retention[("kvpress_kv_retention_ratio_count", "full", None)] == 1
     assert "full" not in {s.labels.get("policy") for s in families["kvpress_compression_seconds"].samples}
     assert list(SnapshotCollector(tmp_path / "absent.json").collect())  # no engine yet: zeros, no error
+    assert value["kvpress_prefix_cache_hits"] == 0 and value["kvpress_prefix_cache_entries"] == 0  # store off
+
+
+def test_prefix_store_figures_reach_the_collector(tmp_path: Path) -> None:
+    """The worker's store is cumulative: each report carries its totals, and the collector shows the last."""
+    from vllm_kvpress_ext.engine.stats import PrefixStoreStats
+
+    path = tmp_path / "snapshot.json"
+    metrics = EngineMetrics(path)
+    for hits, tokens, pages, entries in ((1, 80, 12, 1), (3, 250, 30, 2)):
+        report = PoolReport(100, 60, 16, 8, 4096, prefix_stats=PrefixStoreStats(hits, tokens, pages, entries))
+        metrics.pool(report, running=1, waiting=0)
+    metrics.write(force=True)
+    samples = {s.name: s.value for f in SnapshotCollector(path).collect() for s in f.samples if not s.labels}
+    assert samples["kvpress_prefix_cache_hits_total"] == 3
+    assert samples["kvpress_prefix_cache_tokens_reused_total"] == 250
+    assert samples["kvpress_prefix_cache_pages"] == 30 and samples["kvpress_prefix_cache_entries"] == 2
 
 
 def test_the_flag_reaches_additional_config_and_is_refused_when_the_plugin_is_off(

@@ -123,6 +123,11 @@ def test_turns_attach_and_equal_the_embedded_engine(caching_llm: LLM, policy: An
     assert got[0][1] == 0 and all(cached > 0 for _, cached in got[1:])
     # Turn t+1 reads every token turn t wrote: its prompt and its answer but the last sampled token.
     assert got[1][1] == len(messages[0]) + MAX_TOKENS - 1
+    # The engine core's metrics follow the worker's store (cumulative over the module's conversations).
+    metrics = scheduler_of(caching_llm).metrics
+    assert metrics.prefix_counters["hits"] >= len(got) - 1
+    assert metrics.prefix_counters["tokens_reused"] >= sum(cached for _, cached in got)
+    assert metrics.gauges["kvpress_prefix_cache_entries"] >= 1 and metrics.gauges["kvpress_prefix_cache_pages"] > 0
 
 
 def test_vllm_default_keeps_the_store_off() -> None:

@@ -23,7 +23,7 @@ from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
 from vllm_kvpress_ext.engine.samples import can_share
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.engine.scheduler import Scheduler, SchedulerOutput
-from vllm_kvpress_ext.engine.stats import EngineStats, PrefixStoreStats, StepKind
+from vllm_kvpress_ext.engine.stats import EngineStats, StepKind
 from vllm_kvpress_ext.models import load_tokenizer
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
 from vllm_kvpress_ext.policies.base import LayerPrefill
@@ -206,10 +206,6 @@ class LLMEngine:
         pool = self.cache.pool
         plan = self._plan
         last_step: StepKind = "idle" if plan is None or plan.empty else "prefill" if plan.prefill else "decode"
-        store = self.runner.prefix_store
-        prefixes = None
-        if store is not None:
-            prefixes = PrefixStoreStats(store.hits, store.tokens_reused, store.pages_held(), len(store.entries))
         return EngineStats(
             pages_total=pool.num_pages,
             pages_used=pool.num_used,
@@ -219,7 +215,7 @@ class LLMEngine:
             running=len(self.scheduler.active),
             waiting=len(self.scheduler.waiting),
             last_step=last_step,
-            prefixes=prefixes,
+            prefixes=self.runner.prefix_store_stats(),
         )
 
     def requests_in_last_step(self) -> list[str]:

@@ -36,6 +36,7 @@ from vllm_kvpress_ext.engine.request import Request, RequestRejectedError, Reque
 from vllm_kvpress_ext.engine.sampler import token_logprobs
 from vllm_kvpress_ext.engine.samples import start_as_fork
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
+from vllm_kvpress_ext.engine.stats import PrefixStoreStats
 from vllm_kvpress_ext.hub.pull import resolve_model
 from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.loader import resolve_dtype
@@ -303,6 +304,13 @@ class ModelRunner:
         """A request finished normally: with automatic prefix matching, its cache stays for a later turn."""
         if self.prefix_store is not None and request.row is not None and request.compressed_at is not None:
             self.prefix_store.store_session(request, request.compressed_at)
+
+    def prefix_store_stats(self) -> PrefixStoreStats | None:
+        """The compressed prefix store's cumulative hits and reused tokens and what it holds now (None: off)."""
+        store = self.prefix_store
+        if store is None:
+            return None
+        return PrefixStoreStats(store.hits, store.tokens_reused, store.pages_held(), len(store.entries))
 
     def evict_cached_prefix(self) -> int | None:
         """Drop the least recently used unused cached prefix: pages freed, or None if none can go."""

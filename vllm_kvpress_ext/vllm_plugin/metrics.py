@@ -82,6 +82,7 @@ class EngineMetrics:
         self.finished: dict[str, int] = {}
         self.retention: dict[str, _Histogram] = {}
         self.compression: dict[str, _Histogram] = {}
+        self.prefix_counters = {"hits": 0, "tokens_reused": 0}  # the worker's store, cumulative
         self.last_write = 0.0
 
     def scheduled(self, num_requests: int) -> None:
@@ -110,6 +111,11 @@ class EngineMetrics:
                 "kvpress_kv_page_bytes": report.page_bytes,
             }
         )
+        store = report.prefix_stats
+        if store is not None:
+            self.gauges["kvpress_prefix_cache_pages"] = store.pages
+            self.gauges["kvpress_prefix_cache_entries"] = store.entries
+            self.prefix_counters = {"hits": store.hits, "tokens_reused": store.tokens_reused}
         self.requests(running, waiting)
 
     def requests(self, running: int, waiting: int) -> None:
@@ -130,6 +136,7 @@ class EngineMetrics:
         return {
             "gauges": self.gauges,
             "preemptions": self.preemptions,
+            "prefix": self.prefix_counters,
             "finished": self.finished,
             "retention": {p: h.as_dict() for p, h in self.retention.items()},
             "compression": {p: h.as_dict() for p, h in self.compression.items()},
@@ -192,6 +199,14 @@ class SnapshotCollector:
         preempt = CounterMetricFamily(preemptions.name, preemptions.help)
         preempt.add_metric([], float(data.get("preemptions", 0)))
         yield preempt
+        prefix = data.get("prefix", {})
+        for name, field_name in (
+            ("kvpress_prefix_cache_hits", "hits"),
+            ("kvpress_prefix_cache_tokens_reused", "tokens_reused"),
+        ):
+            counter = CounterMetricFamily(name, SERIES[name].help)
+            counter.add_metric([], float(prefix.get(field_name, 0)))
+            yield counter
         finished_series = SERIES["kvpress_requests_finished"]
         finished = CounterMetricFamily(finished_series.name, finished_series.help, labels=list(finished_series.labels))
         for policy, count in sorted(data.get("finished", {}).items()):

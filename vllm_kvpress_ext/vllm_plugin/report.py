@@ -7,6 +7,7 @@ from typing import Any
 
 from vllm_kvpress_ext.engine.layerwise import prefill_reservation
 from vllm_kvpress_ext.engine.prefix_store import CachedPrefix
+from vllm_kvpress_ext.engine.stats import PrefixStoreStats
 from vllm_kvpress_ext.policies import KVPolicy
 
 
@@ -40,6 +41,7 @@ class PoolReport:
     prefix_added: list[CachedPrefix] = field(default_factory=list)
     prefix_evictable: int = 0
     prefix_sessions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    prefix_stats: PrefixStoreStats | None = None  # the store's cumulative hits and what it holds (metrics)
 
     def full_prompt_pages(self, num_tokens: int) -> int:
         """Pages a request needs to prefill `num_tokens` tokens uncompressed."""

@@ -431,9 +431,11 @@ class KVPressWorker(WorkerBase):
         return report
 
     def _report_prefixes(self, report: PoolReport) -> None:
-        """What the scheduler's mirror needs of the prefix store: entries added and dropped, evictable pages."""
-        store = self.runner.prefix_store if self.runner is not None else None
-        if store is None:
+        """What the scheduler's mirror needs of the prefix store: entries added and dropped, evictable pages;
+        and its figures for the metrics."""
+        runner = self.runner
+        store = runner.prefix_store if runner is not None else None
+        if runner is None or store is None:
             return
         report.prefix_model = store.model_dir
         current = set(store.entries)
@@ -443,6 +445,7 @@ class KVPressWorker(WorkerBase):
             for key in current - self.reported_prefixes
         ]
         report.prefix_evictable = store.evictable_pages()
+        report.prefix_stats = runner.prefix_store_stats()
         self.reported_prefixes = current
         for request_id, request in self.requests.items():
             if request.row is not None and request.compressed_at is not None and store.cacheable(request):
