@@ -9,6 +9,10 @@
 This module itself imports nothing heavy: command-line parsers read `OPERATOR_POLICY_HELP` from it.
 """
 
+#: How a request finds a cached compressed prefix (docs/prefix_reuse.md): only by the context it names, or
+#: also by the longest stored prefix of its prompt ("auto", multi-turn attach).
+PREFIX_MATCHING_MODES = ("named", "auto")
+
 #: What `--kv-policy` takes, in both servers' `--help`.
 OPERATOR_POLICY_HELP = (
     "a policy name (snapkv, gvote, full, ...; see `kvpress policies`), a YAML preset path, or JSON such as "

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vllm_kvpress_ext.api import OPERATOR_POLICY_HELP
+from vllm_kvpress_ext.api import OPERATOR_POLICY_HELP, PREFIX_MATCHING_MODES
 from vllm_kvpress_ext.cli.common import Subparsers, at_least, port, seconds, size
 from vllm_kvpress_ext.cli.models import resolve_model_arg
 
@@ -111,7 +111,7 @@ def _add_engine_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--prefix-matching",
-        choices=("named", "auto"),
+        choices=PREFIX_MATCHING_MODES,
         default="named",
         help="named: only requests that name their context (kv_prefix_tokens / kv_prefix_messages) store or "
         "reuse it; auto: also attach any request to the longest stored prefix of its prompt with the same policy "

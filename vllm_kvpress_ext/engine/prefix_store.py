@@ -48,10 +48,9 @@ from typing import Any
 
 import torch
 
+from vllm_kvpress_ext.api import PREFIX_MATCHING_MODES
 from vllm_kvpress_ext.cache import PagedKVCache, RequestCapacityError
 from vllm_kvpress_ext.engine.request import KVStats, Request
-
-MATCHING_MODES = ("named", "auto")
 
 
 @dataclass
@@ -139,8 +138,8 @@ class PrefixIndex:
     """
 
     def __init__(self, model_dir: str | Path, page_size: int, matching: str = "named") -> None:
-        if matching not in MATCHING_MODES:
-            raise ValueError(f"prefix matching must be one of {', '.join(MATCHING_MODES)}, got {matching!r}")
+        if matching not in PREFIX_MATCHING_MODES:
+            raise ValueError(f"prefix matching must be one of {', '.join(PREFIX_MATCHING_MODES)}, got {matching!r}")
         self.model_dir = str(model_dir)
         self.page_size = page_size
         self.matching = matching

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_kvpress_ext.api import PREFIX_MATCHING_MODES
 from vllm_kvpress_ext.assets import DEFAULT_MODEL_DIR
 
 #: The model `kvpress serve` serves when no MODEL_DIR is given (shipped inside the package).
@@ -124,8 +125,9 @@ class ServerConfig:
         for name, value in positive.items():
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.prefix_matching not in ("named", "auto"):
-            raise ValueError(f"prefix_matching must be named or auto, got {self.prefix_matching!r}")
+        if self.prefix_matching not in PREFIX_MATCHING_MODES:
+            modes = " or ".join(PREFIX_MATCHING_MODES)
+            raise ValueError(f"prefix_matching must be {modes}, got {self.prefix_matching!r}")
         if not 0 < self.port <= 65535:
             raise ValueError(f"port must lie in [1, 65535], got {self.port}")
         if not 0 <= self.shutdown_grace <= 3600:
