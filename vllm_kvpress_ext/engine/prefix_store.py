@@ -247,7 +247,20 @@ class PrefixStore(PrefixIndex):
         if key is None or key in self.entries or request.num_processed != request.compress_after:
             return
         tokens = tuple(request.prompt_token_ids[: request.num_processed])
-        self._add_entry(request, key, tokens, request.num_processed, truncatable=False)
+        namespace = prefix_namespace(self.model_dir, request.policy)
+        hashes = tuple(page_hashes(namespace, tokens, self.page_size)) if self.auto else ()
+        context = CachedPrefix(
+            key,
+            "",
+            len(tokens),
+            None,
+            KVStats(),
+            tokens=tokens,
+            namespace=namespace,
+            boundary=len(tokens),
+            page_hashes=hashes,
+        )  # a named context is used whole (truncatable False)
+        self._add_entry(request, context)
 
     def store_session(self, request: Request, boundary: int) -> None:
         """Keep what a finished request left (auto matching): its compressed context plus every token
@@ -258,32 +271,21 @@ class PrefixStore(PrefixIndex):
         entry = session_entry(self.model_dir, self.page_size, request.policy, tokens, boundary)
         if entry is None or entry.key in self.entries:
             return
-        self._add_entry(request, entry.key, entry.tokens, boundary, entry.truncatable)
+        self._add_entry(request, entry)
 
-    def _add_entry(self, request: Request, key: str, tokens: tuple[int, ...], boundary: int, truncatable: bool) -> None:
+    def _add_entry(self, request: Request, entry: CachedPrefix) -> None:
+        """Store `entry` (everything but its row, policy state and figures) with a fork of the request's row."""
         if len(self.entries) >= self.capacity and self.evict_one() is None:
             return
-        row_id = f"prefix:{key}"
+        row_id = f"prefix:{entry.key}"
         try:
             self.cache.fork_request(request.request_id, row_id)
         except RequestCapacityError:
             return
-        namespace = prefix_namespace(self.model_dir, request.policy)
-        hashes = tuple(page_hashes(namespace, tokens, self.cache.page_size)) if self.auto else ()
         kv = copy.deepcopy(dataclasses.replace(request.kv, kept=None))
-        entry = CachedPrefix(
-            key,
-            row_id,
-            len(tokens),
-            copy.deepcopy(request.policy_state),
-            kv,
-            tokens=tokens,
-            namespace=namespace,
-            boundary=boundary,
-            truncatable=truncatable,
-            page_hashes=hashes,
+        self.register(
+            dataclasses.replace(entry, row_id=row_id, policy_state=copy.deepcopy(request.policy_state), kv=kv)
         )
-        self.register(entry)
         self.stored += 1
 
     def match(self, request: Request) -> tuple[CachedPrefix, int] | None:
