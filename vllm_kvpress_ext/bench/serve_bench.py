@@ -203,6 +203,7 @@ async def _poll_running(client: httpx.AsyncClient, seen: list[float], stop: asyn
 
 
 def _request_body(config: ServeBenchConfig, model: str, policy: str, text: str, boundary: int | None) -> dict[str, Any]:
+    """A streamed completion of `text` under `policy`; a shared context names its end (`kv_prefix_tokens`)."""
     extra = {} if boundary is None else {"kv_prefix_tokens": boundary}
     return {
         **extra,
