@@ -2,11 +2,11 @@
 
 WG-KV's prefill attends under the vertical-slash mask (a query sees the last `W_local` keys and the
 admitted older ones), which `engine/attention_context.py` computes with `vertical_slash_attention`:
-on a GPU the block-sparse Triton kernel, on a CPU the reference in `attention/reference.py` (one
-fused SDPA call under the boolean mask). The ordinary prefill of a first chunk is torch's fused
-causal SDPA, which also skips the blocks above the diagonal. This bench times one prompt's
-whole prefill (`max_tokens=1`, so the first token and nothing else) through the engine, per context
-length, in three rows:
+on a GPU the block-sparse Triton kernel, on a CPU its block-sparse torch form (`attention/block_sparse.py`:
+per block of queries, the admitted keys before its band and the band itself). The ordinary prefill of
+a first chunk is torch's fused causal SDPA, which also skips the blocks above the diagonal.
+This bench times one prompt's whole prefill (`max_tokens=1`, so the first token and nothing else)
+through the engine, per context length, in three rows:
 
 - full: no policy, the causal path;
 - wgkv, gates open: WG-KV with `tau = 0`, so every gate value passes and `_gated` hands the step to the
@@ -18,7 +18,9 @@ each row, so that a noisy shared machine slows every row alike; the table report
 process CPU seconds per row and their ratio to the full row's median. A second table times the
 attention operation alone on one layer's shape (random queries and keys, a fixed share of admitted
 keys drawn at random, the same window): `causal_attention` against `vertical_slash_attention` over
-the whole prompt as one chunk, which is where the difference comes from.
+the whole prompt as one chunk, which is where the difference comes from, and beside them the dense
+masked form (`reference.vertical_slash_attention`, one SDPA call over the whole square), which the
+CPU ran before its block-sparse path.
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ def _one_prefill(engine: LLMEngine, prompt: list[int], policy: Any) -> tuple[flo
 
 def _time_attention(config: GatedPrefillConfig, length: int, heads: tuple[int, int, int]) -> dict[str, Any]:
     """One layer's attention over a whole prompt of `length`: causal SDPA vs the vertical-slash op, interleaved."""
-    from vllm_kvpress_ext.attention import causal_attention, vertical_slash_attention
+    from vllm_kvpress_ext.attention import causal_attention, reference, vertical_slash_attention
 
     num_q_heads, num_kv_heads, head_dim = heads
     g = torch.Generator().manual_seed(config.seed)
@@ -186,6 +188,7 @@ def _time_attention(config: GatedPrefillConfig, length: int, heads: tuple[int, i
     ops: dict[str, Callable[[], torch.Tensor]] = {
         "causal": lambda: causal_attention(q[None], k[None], v[None], scale)[0],
         "vertical-slash": lambda: vertical_slash_attention(q, k, v, admitted, config.op_window, scale),
+        "dense mask": lambda: reference.vertical_slash_attention(q, k, v, admitted, config.op_window, scale),
     }
     times: dict[str, list[float]] = {name: [] for name in ops}
     for repeat in range(config.repeats + 1):
@@ -199,6 +202,7 @@ def _time_attention(config: GatedPrefillConfig, length: int, heads: tuple[int, i
         "context_len": length,
         "causal_cpu_s": causal_s,
         "vertical_slash_cpu_s": gated_s,
+        "dense_mask_cpu_s": statistics.median(times["dense mask"]),
         "ratio": gated_s / causal_s,
     }
 
@@ -225,9 +229,16 @@ def _print_attention(config: GatedPrefillConfig, rows: list[dict[str, Any]]) -> 
         f"attention alone, one layer, the whole prompt as one chunk ({config.op_admitted:.0%} of keys admitted "
         f"at random, window {config.op_window}), process CPU s, median of {config.repeats}:"
     )
-    headers = ["ctx", "causal", "vertical-slash", "vertical-slash / causal"]
+    headers = ["ctx", "causal", "vertical-slash", "vertical-slash / causal", "dense mask", "dense mask / causal"]
     table = [
-        [r["context_len"], f"{r['causal_cpu_s']:.3f}", f"{r['vertical_slash_cpu_s']:.3f}", f"{r['ratio']:.2f}"]
+        [
+            r["context_len"],
+            f"{r['causal_cpu_s']:.3f}",
+            f"{r['vertical_slash_cpu_s']:.3f}",
+            f"{r['ratio']:.2f}",
+            f"{r['dense_mask_cpu_s']:.3f}",
+            f"{r['dense_mask_cpu_s'] / r['causal_cpu_s']:.2f}",
+        ]
         for r in rows
     ]
     print(format_table(headers, table), flush=True)

@@ -16,7 +16,8 @@ def register(bench_sub: Subparsers) -> None:
         "rows: full (the causal path), wgkv with tau 0 (gates run, every key admitted, so the causal path "
         "attends) and wgkv (the vertical-slash path), with interleaved repetitions after a warm-up, and "
         "reports median wall and process CPU seconds and their ratio to full. A second table times one "
-        "layer's attention alone: causal SDPA vs vertical_slash_attention over the whole prompt. Without "
+        "layer's attention alone over the whole prompt: causal SDPA, vertical_slash_attention (block-sparse) "
+        "and its dense masked form. Without "
         "--model, the random-weight bench model with untrained gates is used (the path is timed, not a choice).",
     )
     gp.add_argument(
