@@ -59,11 +59,11 @@ def test_kernel_equals_the_dense_column_sums(n: int, kv_heads: int, group: int, 
 @needs_compiler
 def test_kernel_builds_once_per_cache(fresh_build: Path) -> None:
     assert cpu_kernels.available()
-    (library,) = fresh_build.glob("column_sums-*.so")
+    (library,) = fresh_build.glob("cpu_kernels-*.so")
     built_at = library.stat().st_mtime_ns
     cpu_kernels._library.cache_clear()
     assert cpu_kernels.available()  # a new process (here: a cleared cache) loads the same file
-    assert [p.stat().st_mtime_ns for p in fresh_build.glob("column_sums-*.so")] == [built_at]
+    assert [p.stat().st_mtime_ns for p in fresh_build.glob("cpu_kernels-*.so")] == [built_at]
     assert not [p for p in fresh_build.iterdir() if p.is_dir()]  # no build scratch left behind
 
 

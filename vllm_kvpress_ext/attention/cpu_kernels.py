@@ -1,8 +1,12 @@
 """CPU kernels in C++, compiled on first use for the machine that runs them and loaded with ctypes.
 
-Only one so far, `causal_column_sums_given_lse` (`column_sums.cpp`), which H2O's prefill scores
-need: the column sums of a prompt's causal attention, given each query's log-sum-exp. torch has no
-op that does it without a second full attention pass (see `policies/h2o.py`).
+Two so far, in one library:
+
+- `causal_column_sums_given_lse` (`column_sums.cpp`), which H2O's prefill scores need: the column
+  sums of a prompt's causal attention, given each query's log-sum-exp. torch has no op that does it
+  without a second full attention pass (see `policies/h2o.py`).
+- `paged_decode_attention` (`paged_decode.cpp`): a decode step's attention read straight from the
+  ragged pages, where torch's path first copies each request's entries into a dense padded tensor.
 
 Build: `$CXX` (else `c++`) compiles with `-O3 -march=native -ffast-math -fopenmp` (fast math lets the
 exponentials vectorise), then links in a second step without `-ffast-math`: linked with it, the
@@ -35,7 +39,7 @@ import torch
 
 DISABLE_ENV = "KVPRESS_DISABLE_CPU_KERNELS"
 CACHE_ENV = "KVPRESS_KERNEL_CACHE"
-SOURCE = Path(__file__).with_name("column_sums.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("column_sums.cpp", "paged_decode.cpp"))
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")  # never -ffast-math here (see the module docstring)
 BUILD_TIMEOUT_S = 120
@@ -70,18 +74,21 @@ def _compiler() -> str | None:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_flags()]
+    parts = [*(source.read_text() for source in SOURCES), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_flags()]
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
-    target = cache_dir() / f"column_sums-{digest[:16]}.so"
+    target = cache_dir() / f"cpu_kernels-{digest[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        objects, built = Path(scratch) / "column_sums.o", Path(scratch) / target.name
-        for command in (
-            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(objects)],
-            [compiler, *LINK_FLAGS, str(objects), "-o", str(built)],
-        ):
+        objects = [Path(scratch) / f"{source.stem}.o" for source in SOURCES]
+        built = Path(scratch) / target.name
+        commands = [
+            [compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)]
+            for source, obj in zip(SOURCES, objects, strict=True)
+        ]
+        commands.append([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(built)])
+        for command in commands:
             result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if result.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -99,9 +106,20 @@ def _library() -> ctypes.CDLL | None:
     except Exception as exc:  # a broken toolchain must not take serving down: the torch path is exact too
         warnings.warn(f"CPU kernel build failed ({exc}); using torch's attention instead", stacklevel=3)
         return None
-    function = library.kvpress_column_sums
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    column_sums = library.kvpress_column_sums
+    column_sums.restype = ctypes.c_int
+    column_sums.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    paged_decode = library.kvpress_paged_decode
+    paged_decode.restype = ctypes.c_int
+    paged_decode.argtypes = [
+        *(pointer, pointer, pointer, size, size),  # query, kv, block_tables and their row / head strides
+        *(pointer, size, pointer),  # seq_lens and its row stride, rows
+        *(pointer, size, size, pointer),  # ring_tables and strides, ring_lens
+        *(pointer, size, size, size, size, size),  # out, batch, Hq, Hkv, page_size, dim
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
     return library
 
 
@@ -150,3 +168,73 @@ def causal_column_sums_given_lse(
     if status != 0:
         raise RuntimeError(f"kvpress_column_sums rejected its arguments (status {status})")
     return out.view(num_kv_heads, num_q_heads // num_kv_heads, n)
+
+
+MAX_DECODE_GROUP, MAX_DECODE_HEAD_DIM, MAX_DECODE_PAGE_SIZE = 32, 256, 256  # paged_decode.cpp's stack buffers
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    ring_tables: torch.Tensor | None = None,
+    ring_lens: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """`reference.paged_decode_attention`'s output (no probabilities) read straight from the pages, or
+    None where the kernel cannot run: not a CPU, not float32, a shape past its buffers, or no library.
+
+    query `[B, Hq, d]`; kv_pool `[P, 2, page_size, d]`; `block_tables[R, Hkv, P']`, `seq_lens[R, Hkv]`
+    for the layer; `rows[B]`; with a ring, `ring_tables[R, Hkv, Pr]` and `ring_lens[R]`.
+    """
+    tensors = [query, kv_pool, block_tables, seq_lens, rows]
+    if any(t.device.type != "cpu" for t in tensors) or query.dtype != torch.float32 or kv_pool.dtype != torch.float32:
+        return None
+    if not kv_pool.is_contiguous():  # the kernel addresses pages by offset; never copy a whole pool
+        return None
+    batch, num_q_heads, dim = query.shape
+    num_kv_heads, page_size = block_tables.shape[1], kv_pool.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not divide into {num_kv_heads} KV heads")
+    group = num_q_heads // num_kv_heads
+    if group > MAX_DECODE_GROUP or dim > MAX_DECODE_HEAD_DIM or page_size > MAX_DECODE_PAGE_SIZE:
+        return None
+    if not available():
+        return None
+    library = _library()
+    assert library is not None
+    query = query.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    rows = rows.to(torch.int64).contiguous()
+    has_ring = ring_tables is not None and ring_lens is not None and ring_tables.shape[-1] > 0
+    ring = ring_tables.to(torch.int32).contiguous() if has_ring and ring_tables is not None else None
+    ring_count = ring_lens.to(torch.int64).contiguous() if has_ring and ring_lens is not None else None
+    out = torch.empty_like(query)
+    status = library.kvpress_paged_decode(
+        query.data_ptr(),
+        kv_pool.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        tables.stride(1),
+        lens.data_ptr(),
+        lens.stride(0),
+        rows.data_ptr(),
+        ring.data_ptr() if ring is not None else None,
+        ring.stride(0) if ring is not None else 0,
+        ring.stride(1) if ring is not None else 0,
+        ring_count.data_ptr() if ring_count is not None else None,
+        out.data_ptr(),
+        batch,
+        num_q_heads,
+        num_kv_heads,
+        page_size,
+        dim,
+        scale,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"kvpress_paged_decode rejected its arguments (status {status})")
+    return out

@@ -9,18 +9,23 @@ Dispatch rule (checked on every call, so tests and operators can flip it at run 
 - For `paged_decode_attention` only, the CUDA extension built from `csrc/` when
   `KVPRESS_BUILD_CUDA=1` and it supports the shape (head_dim 64 or 128, group <= 16, one dtype);
   it is JIT-compiled on first use, and a failed build falls back to Triton with one warning.
+- For `paged_decode_attention` without `probs_out` on float32 CPU tensors, the C++ kernel of
+  `cpu_kernels.py` (`paged_decode.cpp`: reads the pages in place, no dense copy) where it builds and
+  `KVPRESS_DISABLE_CPU_KERNELS` is unset.
+- `vertical_slash_attention` off CUDA: its block-sparse torch form (`block_sparse.py`), or the
+  reference's one masked call over the whole square with `KVPRESS_PREFILL_ATTENTION_ORACLE=1`.
 - Otherwise the pure-torch reference (`reference.py`): CPU tensors, no Triton, or disabled.
 
-Why the CPU never runs a kernel: Triton only targets GPUs (its interpreter, which the tests use on
-CPU, is orders of magnitude slower than torch), and the references are what the CPU path was
-tuned for. Triton is imported lazily and only here, so the package imports without it.
+Why the CPU runs no Triton: Triton only targets GPUs (its interpreter, which the tests use on CPU, is
+orders of magnitude slower than torch). Its kernels here are torch code tuned for it and the small
+C++ library of `cpu_kernels.py` (H2O's column sums, the paged decode), compiled on first use. Triton
+is imported lazily and only here, so the package imports without it.
 
 `gather_paged`, `paged_prefill_attention` (torch's fused SDPA under the oracle's mask,
 `reference.paged_prefill_attention_sdpa`; the einsum oracle with `KVPRESS_PREFILL_ATTENTION_ORACLE=1`),
 `causal_attention` (SDPA, already fused on GPU),
 `causal_attention_with_lse` (torch's CPU flash attention, SDPA elsewhere) and
-`varlen_causal_attention` have no kernel of this project and always run the reference. The CPU's
-own C++ kernel (H2O's column sums) lives in `cpu_kernels.py`.
+`varlen_causal_attention` have no kernel of this project and always run the reference.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from types import ModuleType
 
 import torch
 
-from vllm_kvpress_ext.attention import reference
+from vllm_kvpress_ext.attention import cpu_kernels, reference
+from vllm_kvpress_ext.attention.block_sparse import vertical_slash_attention_blocks
 from vllm_kvpress_ext.attention.reference import (
     causal_attention,
     causal_attention_with_lse,
@@ -145,6 +151,12 @@ def paged_decode_attention(
                 query, kv_pool, position_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens
             )
             return out
+        if query.device.type == "cpu":
+            out_cpu = cpu_kernels.paged_decode_attention(
+                query, kv_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens
+            )
+            if out_cpu is not None:
+                return out_cpu
     return reference.paged_decode_attention(
         query, kv_pool, position_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens, probs_out
     )
@@ -180,12 +192,18 @@ def vertical_slash_attention(
     scale: float,
     query_start: int = 0,
 ) -> torch.Tensor:
-    """Prefill attention under the vertical-slash mask; see `reference.vertical_slash_attention`."""
+    """Prefill attention under the vertical-slash mask; see `reference.vertical_slash_attention`.
+
+    Triton's block-sparse kernel on CUDA; elsewhere the block-sparse torch path (`block_sparse.py`),
+    or the reference's one masked call over the whole square with `KVPRESS_PREFILL_ATTENTION_ORACLE=1`.
+    """
     kernel = _triton("vertical_slash", query, keys, values)
     if kernel is not None and query.dtype == keys.dtype == values.dtype:
         out: torch.Tensor = kernel.vertical_slash_attention(query, keys, values, admitted, window, scale, query_start)
         return out
-    return reference.vertical_slash_attention(query, keys, values, admitted, window, scale, query_start)
+    if _flag(PREFILL_ORACLE_ENV):
+        return reference.vertical_slash_attention(query, keys, values, admitted, window, scale, query_start)
+    return vertical_slash_attention_blocks(query, keys, values, admitted, window, scale, query_start)
 
 
 def write_kv(
