@@ -141,3 +141,18 @@ def test_bench_capacity_samples_sharing_the_prompt_hold_more_at_once() -> None:
     assert separate["held_peak"] == 2
     assert shared["held_peak"] >= 4
     assert shared["kv_mib_per_request"] < separate["kv_mib_per_request"] / 2
+
+
+def test_bench_linear_times_both_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from model_utils import write_suite_model
+
+    from vllm_kvpress_ext.bench.linear_bench import LinearBenchConfig, run_linear_bench
+
+    model = write_suite_model(tmp_path / "model")
+    results = run_linear_bench(LinearBenchConfig(model=str(model), rows=(1, 3), repeats=1))
+    out = capsys.readouterr().out
+    assert "14 projections" in out and "F.linear / oneDNN" in out  # 2 layers x 7 projections
+    assert [r["rows"] for r in results] == [1, 3]
+    assert all(r["f_linear_ms"] > 0 and r["onednn_ms"] > 0 for r in results)
+    with pytest.raises(ValueError, match="row counts"):
+        LinearBenchConfig(model=str(model), rows=(0,))

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from .base import AttentionContext
 from .config import ModelConfig
+from .linear import Linear
 from .rope import RotaryEmbedding, apply_rope
 
 
@@ -43,9 +44,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(d, f, bias=bias)
-        self.up_proj = nn.Linear(d, f, bias=bias)
-        self.down_proj = nn.Linear(f, d, bias=bias)
+        self.gate_proj = Linear(d, f, bias=bias)
+        self.up_proj = Linear(d, f, bias=bias)
+        self.down_proj = Linear(f, d, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -65,10 +66,10 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         d, hd = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=config.attention_bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=config.o_proj_bias)
+        self.q_proj = Linear(d, self.num_heads * hd, bias=config.attention_bias)
+        self.k_proj = Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
+        self.v_proj = Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
+        self.o_proj = Linear(self.num_heads * hd, d, bias=config.o_proj_bias)
         self.q_norm: RMSNorm | None = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary  # shared with the model and every layer; holds no parameters

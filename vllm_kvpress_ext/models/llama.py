@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import cast
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import AttentionContext
 from .config import ModelConfig
 from .layers import DecoderLayer, RMSNorm
+from .linear import Linear, linear
 from .rope import RotaryEmbedding
 
 
@@ -47,8 +47,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = DecoderLayers(DecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head: nn.Linear | None = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head: Linear | None = (
+            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: AttentionContext) -> Tensor:
@@ -66,4 +66,4 @@ class LlamaFamilyForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """fp32 logits [T, vocab] for final hidden states [T, D]; callers slice to the rows they sample."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()

@@ -1,0 +1,107 @@
+"""`kvpress bench linear`: the model's projections through torch's `F.linear` and through oneDNN.
+
+Every dense projection of the model (`models/linear.py`) runs through oneDNN on the CPU unless
+`KVPRESS_DISABLE_ONEDNN_LINEAR=1`. This bench times what that choice changes: for each row count
+(decode batches of a few rows to prefill chunks of thousands), one pass over every projection of
+every layer of the loaded model with its own weights, in forward order, so the weights stream from
+memory as in a forward pass instead of sitting in cache, once with `F.linear` and once with
+`models.linear.linear`, interleaved, median of `--repeats`. The lm_head is left out (the engine
+applies it to the sampled rows only).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vllm_kvpress_ext.bench.report import format_table
+
+
+@dataclass(frozen=True)
+class LinearBenchConfig:
+    model: str = "smollm2-135m"
+    rows: tuple[int, ...] = (1, 16, 64, 512, 2048)
+    repeats: int = 5
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.rows or min(self.rows) < 1:
+            raise ValueError("row counts must be >= 1")
+        if self.repeats < 1:
+            raise ValueError("repeats must be >= 1")
+
+
+def _projections(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, bias) of every projection in forward order: the decoder layers' nn.Linear modules."""
+    return [
+        (module.weight, module.bias)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+    ]
+
+
+def _pass_seconds(
+    op: Callable[..., torch.Tensor], inputs: dict[int, torch.Tensor], weights: list[tuple[torch.Tensor, Any]]
+) -> float:
+    start = time.perf_counter()
+    for weight, bias in weights:
+        op(inputs[weight.shape[1]], weight, bias)
+    return time.perf_counter() - start
+
+
+def run_linear_bench(config: LinearBenchConfig) -> list[dict[str, Any]]:
+    from vllm_kvpress_ext.models.linear import linear
+    from vllm_kvpress_ext.models.loader import load_model
+
+    model = load_model(config.model, dtype=config.dtype)
+    weights = _projections(model)
+    generator = torch.Generator().manual_seed(config.seed)
+    ops: dict[str, Callable[..., torch.Tensor]] = {"F.linear": F.linear, "oneDNN": linear}
+    results = []
+    with torch.inference_mode():
+        for rows in config.rows:
+            widths = {w.shape[1] for w, _ in weights}
+            inputs = {k: torch.randn(rows, k, generator=generator).to(weights[0][0].dtype) for k in widths}
+            times: dict[str, list[float]] = {name: [] for name in ops}
+            for repeat in range(config.repeats + 1):  # the first pass warms up and is not counted
+                for name, op in ops.items():
+                    seconds = _pass_seconds(op, inputs, weights)
+                    if repeat:
+                        times[name].append(seconds)
+            flops = sum(2 * rows * w.numel() for w, _ in weights)
+            torch_s, onednn_s = statistics.median(times["F.linear"]), statistics.median(times["oneDNN"])
+            results.append(
+                {
+                    "rows": rows,
+                    "f_linear_ms": torch_s * 1e3,
+                    "onednn_ms": onednn_s * 1e3,
+                    "speedup": torch_s / onednn_s,
+                    "f_linear_gflops": flops / torch_s / 1e9,
+                    "onednn_gflops": flops / onednn_s / 1e9,
+                }
+            )
+    headers = ["rows", "F.linear ms", "oneDNN ms", "F.linear / oneDNN", "F.linear GFLOP/s", "oneDNN GFLOP/s"]
+    table = [
+        [
+            r["rows"],
+            f"{r['f_linear_ms']:.2f}",
+            f"{r['onednn_ms']:.2f}",
+            f"{r['speedup']:.2f}",
+            f"{r['f_linear_gflops']:.0f}",
+            f"{r['onednn_gflops']:.0f}",
+        ]
+        for r in results
+    ]
+    print(
+        f"{len(weights)} projections ({sum(w.numel() for w, _ in weights) / 1e6:.1f}M weights, {config.dtype}), "
+        f"one pass each in forward order, median of {config.repeats}, {torch.get_num_threads()} threads:"
+    )
+    print(format_table(headers, table), flush=True)
+    return results
