@@ -28,6 +28,7 @@ import torch
 from vllm_kvpress_ext.cache import PagedKVCache, PagePool, RequestCapacityError
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
+from vllm_kvpress_ext.engine.host_allocator import tune_host_allocator
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
 from vllm_kvpress_ext.engine.prefix_store import PrefixStore
@@ -109,6 +110,8 @@ class ModelRunner:
         # first if needed. An existing path always wins over a catalog name.
         self.model_dir = resolve_model(model_dir)
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            tune_host_allocator()  # activations reuse freed blocks instead of faulting in fresh pages
         self.model = load_model(self.model_dir, dtype=dtype, device=self.device)
         self.config = self.model.config
         self.dtype = next(self.model.parameters()).dtype

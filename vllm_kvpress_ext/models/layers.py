@@ -49,7 +49,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(f, d, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x)).mul_(self.up_proj(x)))  # in place: one T x F buffer fewer
 
 
 class Attention(nn.Module):
