@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_kvpress_ext.attention.reference import check_vertical_slash_arguments
+
 DEFAULT_BLOCK_SIZE = 128  # 64-512 measured within 20% of each other at 2K-8K on SmolLM2's shape; 128 at about the best
 
 
@@ -65,16 +67,11 @@ def vertical_slash_attention_blocks(
     query `[n, Hq, d]` at positions `query_start + i`; keys/values `[N, Hkv, d]` at 0..N-1 with
     N = query_start + n; `admitted[Hkv, N]` bool. Returns `[n, Hq, d]` in the query's dtype.
     """
-    n, num_q_heads, head_dim = query.shape
-    total, num_kv_heads = keys.shape[0], keys.shape[1]
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    check_vertical_slash_arguments(query, keys, admitted, window, query_start)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if total != query_start + n:
-        raise ValueError(f"keys must cover positions 0..{query_start + n - 1}, got {total} of them")
-    if admitted.shape != (num_kv_heads, total):
-        raise ValueError(f"admitted must be [{num_kv_heads}, {total}], got {list(admitted.shape)}")
+    n, num_q_heads, head_dim = query.shape
+    total, num_kv_heads = keys.shape[0], keys.shape[1]
     device = query.device
     admitted = admitted.to(device, torch.bool)
     group = num_q_heads // num_kv_heads

@@ -374,6 +374,19 @@ def causal_attention_with_lse(
     return out.transpose(1, 2), lse.float().transpose(1, 2)
 
 
+def check_vertical_slash_arguments(
+    query: torch.Tensor, keys: torch.Tensor, admitted: torch.Tensor, window: int, query_start: int
+) -> None:
+    """The shapes every vertical-slash attention (this one, `block_sparse.py`'s) accepts, or a ValueError."""
+    n, total, num_kv_heads = query.shape[0], keys.shape[0], keys.shape[1]
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if total != query_start + n:
+        raise ValueError(f"keys must cover positions 0..{query_start + n - 1}, got {total} of them")
+    if admitted.shape != (num_kv_heads, total):
+        raise ValueError(f"admitted must be [{num_kv_heads}, {total}], got {list(admitted.shape)}")
+
+
 def vertical_slash_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -392,14 +405,9 @@ def vertical_slash_attention(
     wrote to the global cache). The diagonal is inside the band for any `window >= 1`, so no row is
     empty. Returns `[n, Hq, d]`.
     """
+    check_vertical_slash_arguments(query, keys, admitted, window, query_start)
     n, num_q_heads, head_dim = query.shape
     total, num_kv_heads = keys.shape[0], keys.shape[1]
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    if total != query_start + n:
-        raise ValueError(f"keys must cover positions 0..{query_start + n - 1}, got {total} of them")
-    if admitted.shape != (num_kv_heads, total):
-        raise ValueError(f"admitted must be [{num_kv_heads}, {total}], got {list(admitted.shape)}")
     group = num_q_heads // num_kv_heads
     i = torch.arange(query_start, total, device=query.device).view(n, 1)
     j = torch.arange(total, device=query.device).view(1, total)
