@@ -189,8 +189,9 @@ def paged_decode_attention(
     query `[B, Hq, d]`; kv_pool `[P, 2, page_size, d]`; `block_tables[R, Hkv, P']`, `seq_lens[R, Hkv]`
     for the layer; `rows[B]`; with a ring, `ring_tables[R, Hkv, Pr]` and `ring_lens[R]`.
     """
-    tensors = [query, kv_pool, block_tables, seq_lens, rows]
-    if any(t.device.type != "cpu" for t in tensors) or query.dtype != torch.float32 or kv_pool.dtype != torch.float32:
+    if not all(t.is_cpu for t in (query, kv_pool, block_tables, seq_lens, rows)):
+        return None
+    if query.dtype != torch.float32 or kv_pool.dtype != torch.float32:
         return None
     if not kv_pool.is_contiguous():  # the kernel addresses pages by offset; never copy a whole pool
         return None

@@ -151,12 +151,11 @@ def paged_decode_attention(
                 query, kv_pool, position_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens
             )
             return out
-        if query.device.type == "cpu":
-            out_cpu = cpu_kernels.paged_decode_attention(
-                query, kv_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens
-            )
-            if out_cpu is not None:
-                return out_cpu
+        out_cpu = cpu_kernels.paged_decode_attention(  # None off the CPU, or where it cannot run
+            query, kv_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens
+        )
+        if out_cpu is not None:
+            return out_cpu
     return reference.paged_decode_attention(
         query, kv_pool, position_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens, probs_out
     )
