@@ -34,7 +34,14 @@ def paged_cache(
 @needs_compiler
 @pytest.mark.parametrize(
     ("page_size", "kv_heads", "group", "dim", "max_len"),
-    [(1, 1, 1, 8, 5), (4, 2, 3, 16, 37), (16, 3, 3, 64, 300), (16, 2, 8, 128, 129), (256, 1, 2, 32, 600)],
+    [
+        (1, 1, 1, 8, 5),
+        (4, 2, 3, 16, 37),
+        (16, 3, 3, 64, 300),  # two blocks of 256 entries
+        (16, 2, 8, 128, 129),  # two register-held column groups of 64
+        (256, 1, 2, 32, 600),
+        (8, 2, 4, 96, 700),  # a column group of 64 and 32 columns past it; three blocks, the last partial
+    ],
 )
 @pytest.mark.parametrize("ring", [False, True])
 def test_kernel_equals_the_reference(
