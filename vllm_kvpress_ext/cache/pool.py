@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_kvpress_ext.utils.huge_pages import huge_page_tensor
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -55,7 +57,10 @@ class PagePool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.kv = torch.zeros(num_pages, 2, page_size, head_dim, dtype=dtype, device=self.device)
+        shape = (num_pages, 2, page_size, head_dim)
+        # On the CPU every decode step reads much of the pool, in no particular order: 2 MB pages.
+        cpu = self.device.type == "cpu"
+        self.kv = huge_page_tensor(shape, dtype) if cpu else torch.zeros(shape, dtype=dtype, device=self.device)
         self.positions = torch.full((num_pages, page_size), -1, dtype=torch.int32, device=self.device)
         # Pages are handed out from the top of the stack; the initial order makes fresh pools
         # allocate 0, 1, 2, ... which keeps tests readable.
