@@ -34,34 +34,3 @@ def test_every_command_has_a_handler_and_a_help_page(path: tuple[str, ...]) -> N
     assert parser.prog == "kvpress " + " ".join(path)
     assert parser.format_help().startswith("usage: kvpress")
     assert callable(parser.get_default("handler"))
-
-
-def _serve_environment(preset: str | None) -> tuple[str, bool]:
-    """OMP_WAIT_POLICY as `kvpress serve` leaves it, and whether torch had been imported before it set it."""
-    import os
-    import subprocess
-    import sys
-
-    script = (
-        "import os, sys\n"
-        "from vllm_kvpress_ext.cli import main\n"
-        "seen = []\n"
-        "original = os.environ.setdefault\n"
-        "def spy(key, value):\n"
-        "    seen.append('torch' in sys.modules)\n"
-        "    return original(key, value)\n"
-        "os.environ.setdefault = spy\n"
-        "main(['serve', '/nonexistent/model'])\n"
-        "print(os.environ['OMP_WAIT_POLICY'], seen[0])\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if preset is not None:
-        env["OMP_WAIT_POLICY"] = preset
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    policy, torch_loaded = result.stdout.split()
-    return policy, torch_loaded == "True"
-
-
-def test_serve_sets_a_passive_openmp_wait_policy_before_torch_loads() -> None:
-    assert _serve_environment(None) == ("PASSIVE", False)
-    assert _serve_environment("ACTIVE")[0] == "ACTIVE"  # the operator's own setting wins

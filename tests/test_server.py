@@ -8,6 +8,7 @@ Pool accounting is checked through `/metrics` (`kvpress_kv_pages_used`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import socket
@@ -27,7 +28,7 @@ from vllm_kvpress_ext.engine import LLM, LLMEngine, SamplingParams
 from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
 from vllm_kvpress_ext.server.app import create_app
 from vllm_kvpress_ext.server.config import BUNDLED_MODEL_DIR, ServerConfig, parse_size
-from vllm_kvpress_ext.server.launch import build_engine
+from vllm_kvpress_ext.server.launch import build_engine, engine_thread
 from vllm_kvpress_ext.server.streaming import TextDeltas
 from vllm_kvpress_ext.tasks.tokenizer import BOS, EOS, VOCABULARY, save_tokenizer
 
@@ -42,9 +43,11 @@ SNAPKV_SMALL = {"name": "snapkv", "ratio": 0.1, "window": 4}
 class LiveServer:
     """uvicorn serving `create_app(config, engine)` on an ephemeral 127.0.0.1 port, in a thread."""
 
-    def __init__(self, config: ServerConfig, engine: LLMEngine) -> None:
+    def __init__(
+        self, config: ServerConfig, engine: LLMEngine, thread: concurrent.futures.ThreadPoolExecutor | None = None
+    ) -> None:
         self.engine = engine
-        self.app = create_app(config, engine)
+        self.app = create_app(config, engine, thread)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -98,6 +101,30 @@ def _start(model_dir: Path, **overrides: Any) -> LiveServer:
     }
     config = ServerConfig(**settings)
     return LiveServer(config, build_engine(config))
+
+
+def test_the_engine_is_built_and_stepped_on_one_thread(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvpress serve` builds the engine on the thread its loop then runs on (launch.engine_thread: one
+    OpenMP team, not two)."""
+    thread = engine_thread()
+    config = ServerConfig(model_dir=model_dir, served_model_name=MODEL, num_pages=256, page_size=4, dtype="float32")
+    built_on = thread.submit(threading.get_ident).result()
+    engine = thread.submit(build_engine, config).result()
+    stepped_on: set[int] = set()
+    step = engine.step
+
+    def recording_step() -> list[Any]:
+        stepped_on.add(threading.get_ident())
+        return step()
+
+    monkeypatch.setattr(engine, "step", recording_step)
+    try:
+        with LiveServer(config, engine, thread) as live, httpx.Client(base_url=live.url, timeout=30) as client:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+            assert client.post("/v1/completions", json=body).status_code == 200
+    finally:
+        thread.shutdown(wait=True)
+    assert stepped_on == {built_on}
 
 
 @pytest.fixture(scope="module")

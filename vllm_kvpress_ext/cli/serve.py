@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -157,18 +156,7 @@ def _add_http_arguments(serve: argparse.ArgumentParser) -> None:
     )
 
 
-# OpenMP threads that sleep as soon as a parallel region ends, instead of spinning on the cores for the next
-# one (libgomp's default). The engine thread's torch ops, the event loop's HTTP and streaming work and any
-# other process on the machine share the cores; a spinning team holds them between every two ops. Measured
-# on the 2-core development machine under `vllm bench serve` (docs/server.md): 1.16 req/s passive, 0.67
-# active, about 1.0 unset. Alone, with nothing to share the cores with, a decode step is slower passive
-# (wake-ups: 51 against 40 ms for 16 requests), which is why only the server sets it. An operator's own
-# OMP_WAIT_POLICY wins. It must be in the environment before torch loads libgomp: `run` sets it first.
-SERVER_OMP_WAIT_POLICY = "PASSIVE"
-
-
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", SERVER_OMP_WAIT_POLICY)
     from vllm_kvpress_ext.server.config import ModelDirError, ServerConfig, resolve_model_dir
 
     if args.random_model:

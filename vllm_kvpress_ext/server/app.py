@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -20,18 +21,21 @@ from vllm_kvpress_ext.server.routes import router
 from vllm_kvpress_ext.server.serving import ServerState
 
 
-def create_app(config: ServerConfig, engine: LLMEngine) -> FastAPI:
+def create_app(
+    config: ServerConfig, engine: LLMEngine, engine_thread: concurrent.futures.ThreadPoolExecutor | None = None
+) -> FastAPI:
     """An app serving `engine`. The engine loop starts with the app's lifespan and stops with it.
 
     The engine is built by the caller (`build_engine`) so that model-loading errors surface before
-    a port is bound, and so tests can keep a handle on it.
+    a port is bound, and so tests can keep a handle on it. `engine_thread`: the thread that built it,
+    for the loop to run on (`launch.engine_thread`); a thread of the loop's own otherwise.
     """
     metrics = ServerMetrics()
     loop = EngineLoop(engine, metrics, max_queue=config.max_queue)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        loop.start()
+        loop.start(engine_thread)
         try:
             yield
         finally:

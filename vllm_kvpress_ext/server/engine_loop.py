@@ -4,7 +4,8 @@
 (running it on the asyncio loop would stall every connection for a whole step). Handlers put
 commands (add, abort) on a thread-safe queue; the thread takes them between steps, runs
 `engine.step()`, and posts each request's outputs to that request's `asyncio.Queue` on the event
-loop with `call_soon_threadsafe`.
+loop with `call_soon_threadsafe`. `kvpress serve` builds the engine on that same thread, so that one
+thread runs all of torch's parallel work (`launch.engine_thread`).
 
 Failure policy, innermost first:
 
@@ -88,14 +89,16 @@ class LoopTimings:
     """Where the loop thread's wall time went (seconds), for profiling the server under load.
 
     `prefill_steps` / `decode_steps`: inside `engine.step()` (scheduling, forward pass, sampling, stops,
-    detokenisation, snapshots); `deliver`: turning outputs into updates and handing them to the event
-    loop; `commands`: adding and aborting; `idle`: blocked waiting for a command.
+    detokenisation, snapshots); `decode_outputs`: the decode steps' batch sizes, summed (over
+    `num_decode_steps`: the mean batch); `deliver`: turning outputs into updates and handing them to the
+    event loop; `commands`: adding and aborting; `idle`: blocked waiting for a command.
     """
 
     prefill_steps: float = 0.0
     decode_steps: float = 0.0
     num_prefill_steps: int = 0
     num_decode_steps: int = 0
+    decode_outputs: int = 0
     deliver: float = 0.0
     commands: float = 0.0
     idle: float = 0.0
@@ -229,7 +232,7 @@ class EngineLoop:
         self.max_queue = max_queue
         self._commands: queue.SimpleQueue[list[_Add] | _Abort | None] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
-        self._thread: threading.Thread | None = None
+        self._done: concurrent.futures.Future[None] | None = None  # set when the loop has returned
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._ids = itertools.count()
@@ -249,18 +252,31 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ event-loop side
 
-    def start(self) -> None:
-        if self._thread is not None:
+    def start(self, engine_thread: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
+        """Run the loop on a thread of its own, or on `engine_thread`'s one worker: pass the executor that built
+        the engine, so that a single thread ever runs torch's parallel work (`launch.engine_thread` says why)."""
+        if self._done is not None:
             raise RuntimeError("the engine loop is already running")
-        self._thread = threading.Thread(target=self._run, name="kvpress-engine", daemon=True)
-        self._thread.start()
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._done = done
+
+        def run() -> None:
+            try:
+                self._run()
+            finally:
+                done.set_result(None)
+
+        if engine_thread is None:
+            threading.Thread(target=run, name="kvpress-engine", daemon=True).start()
+        else:
+            engine_thread.submit(run)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the thread; in-flight requests are aborted and their handlers told so."""
         self._stopping.set()
         self._commands.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._done is not None:
+            concurrent.futures.wait([self._done], timeout)
 
     def drain(self) -> None:
         """Refuse new requests (503) and let the ones in flight finish; `stop` ends what is left."""
@@ -273,7 +289,7 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        running = self._thread is not None and self._thread.is_alive()
+        running = self._done is not None and not self._done.done()
         return running and not self._stopping.is_set() and not self._draining.is_set()
 
     async def submit(
@@ -433,6 +449,7 @@ class EngineLoop:
         else:
             self.timings.decode_steps += stepped - start
             self.timings.num_decode_steps += 1
+            self.timings.decode_outputs += len(outputs)
         if not outputs and stats.running == 0:
             time.sleep(0.001)  # nothing can start: do not spin
 
