@@ -44,14 +44,3 @@ def tune_host_allocator() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-
-
-def release_free_memory() -> None:
-    """Hand the heap's free pages back to the system now (`malloc_trim(0)`), where the trim threshold
-    above would keep them: after the weights moved out of the heap (utils/huge_pages.py), their old
-    blocks would otherwise stay resident until activations happen to reuse them."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    if trim is not None:
-        trim.argtypes = [ctypes.c_size_t]
-        trim(0)

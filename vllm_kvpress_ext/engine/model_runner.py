@@ -28,7 +28,7 @@ import torch
 from vllm_kvpress_ext.cache import PagedKVCache, PagePool, RequestCapacityError
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
-from vllm_kvpress_ext.engine.host_allocator import release_free_memory, tune_host_allocator
+from vllm_kvpress_ext.engine.host_allocator import tune_host_allocator
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
 from vllm_kvpress_ext.engine.prefix_store import PrefixStore
@@ -114,8 +114,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             tune_host_allocator()  # activations reuse freed blocks instead of faulting in fresh pages
         self.model = load_model(self.model_dir, dtype=dtype, device=self.device)
-        if self.device.type == "cpu" and move_to_huge_pages(self.model):  # every decode step reads all weights
-            release_free_memory()  # where they were
+        if self.device.type == "cpu":
+            move_to_huge_pages(self.model)  # every decode step reads all of the weights
         self.config = self.model.config
         self.dtype = next(self.model.parameters()).dtype
         cache_dtype = self.dtype if kv_dtype is None else resolve_dtype(kv_dtype)
