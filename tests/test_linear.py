@@ -1,5 +1,6 @@
 """The model's projections through oneDNN (`models/linear.py`): same results as `F.linear` to rounding,
-`F.linear` wherever a gradient is needed, and the switch that turns it off."""
+`F.linear` wherever a gradient is needed or oneDNN cannot run the dtype on this CPU, and the switch
+that turns it off."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ from vllm_kvpress_ext.models.linear import Linear, linear
 needs_onednn = pytest.mark.skipif(not linear_module.ONEDNN_ENABLED, reason="torch without oneDNN")
 
 
-@needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 64), (37, 64), (2, 5, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_onednn_equals_f_linear(dtype: torch.dtype, shape: tuple[int, ...], bias: bool) -> None:
+def test_linear_equals_f_linear(dtype: torch.dtype, shape: tuple[int, ...], bias: bool) -> None:
+    """On any CPU, through oneDNN where it runs the dtype and through F.linear where it does not."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g).to(dtype)
     weight = torch.randn(96, 64, generator=g).to(dtype)
@@ -30,6 +31,45 @@ def test_onednn_equals_f_linear(dtype: torch.dtype, shape: tuple[int, ...], bias
     assert got.shape == (*shape[:-1], 96) and got.dtype == dtype
     rtol, atol = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 5e-2)
     torch.testing.assert_close(got, F.linear(x, weight, b), rtol=rtol, atol=atol)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_probe_says_what_onednn_runs(dtype: torch.dtype) -> None:
+    """`onednn_runs` agrees with the op itself on this CPU (bf16 fails on AVX2-only CPUs, runs on AVX-512)."""
+    x, weight = torch.randn(3, 32).to(dtype), torch.randn(5, 32).to(dtype)
+    try:
+        torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        runs = True
+    except RuntimeError:
+        runs = False
+    assert linear_module.onednn_runs(dtype) == runs
+    assert (dtype in linear_module.onednn_linear_dtypes()) == runs
+    if not runs:  # what it does instead is exactly F.linear
+        assert torch.equal(linear(x, weight), F.linear(x, weight))
+
+
+def test_a_dtype_onednn_cannot_run_takes_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A oneDNN primitive error (bf16 on an AVX2-only CPU) is never the user's: the probe catches it once,
+    and a later failure the probe did not foresee switches the dtype to F.linear with one warning."""
+    calls: list[torch.dtype] = []
+
+    def failing(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.dtype)
+        raise RuntimeError("could not create a primitive descriptor for the inner product forward propagation")
+
+    monkeypatch.setattr(linear_module, "ONEDNN_ENABLED", True)
+    monkeypatch.setattr(linear_module, "_RUNS", {})
+    monkeypatch.setattr(linear_module, "_onednn", failing)
+    x, weight = torch.randn(4, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+    assert torch.equal(linear(x, weight), F.linear(x, weight))
+    assert torch.equal(linear(x, weight), F.linear(x, weight))
+    assert calls == [torch.bfloat16] and linear_module.onednn_linear_dtypes() == []  # probed once, never again
+
+    monkeypatch.setattr(linear_module, "_RUNS", {torch.bfloat16: True})  # the probe passed; this call fails
+    with pytest.warns(UserWarning, match="using F.linear from now on"):
+        assert torch.equal(linear(x, weight), F.linear(x, weight))
+    assert linear_module._RUNS[torch.bfloat16] is False
 
 
 def test_gradients_take_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,8 @@ Every dense projection of the model (`models/linear.py`) runs through oneDNN on 
 every layer of the loaded model with its own weights, in forward order, so the weights stream from
 memory as in a forward pass instead of sitting in cache, once with `F.linear` and once with
 `models.linear.linear`, interleaved, median of `--repeats`. The lm_head is left out (the engine
-applies it to the sampled rows only).
+applies it to the sampled rows only). Where oneDNN cannot run the dtype on this CPU (bf16 without
+AVX-512), `models.linear.linear` is `F.linear` too: the table then says so in its column names.
 """
 
 from __future__ import annotations
@@ -57,18 +58,21 @@ def _pass_seconds(
 
 
 def run_linear_bench(config: LinearBenchConfig) -> list[dict[str, Any]]:
-    from vllm_kvpress_ext.models.linear import linear
+    from vllm_kvpress_ext.models.linear import linear, onednn_runs
     from vllm_kvpress_ext.models.loader import load_model
 
     model = load_model(config.model, dtype=config.dtype)
     weights = _projections(model)
+    dtype = weights[0][0].dtype
+    with torch.inference_mode():
+        engine = "oneDNN" if onednn_runs(dtype) else "engine (F.linear)"
     generator = torch.Generator().manual_seed(config.seed)
     ops: dict[str, Callable[..., torch.Tensor]] = {"F.linear": F.linear, "oneDNN": linear}
     results = []
     with torch.inference_mode():
         for rows in config.rows:
             widths = {w.shape[1] for w, _ in weights}
-            inputs = {k: torch.randn(rows, k, generator=generator).to(weights[0][0].dtype) for k in widths}
+            inputs = {k: torch.randn(rows, k, generator=generator).to(dtype) for k in widths}
             times: dict[str, list[float]] = {name: [] for name in ops}
             for repeat in range(config.repeats + 1):  # the first pass warms up and is not counted
                 for name, op in ops.items():
@@ -87,7 +91,7 @@ def run_linear_bench(config: LinearBenchConfig) -> list[dict[str, Any]]:
                     "onednn_gflops": flops / onednn_s / 1e9,
                 }
             )
-    headers = ["rows", "F.linear ms", "oneDNN ms", "F.linear / oneDNN", "F.linear GFLOP/s", "oneDNN GFLOP/s"]
+    headers = ["rows", "F.linear ms", f"{engine} ms", f"F.linear / {engine}", "F.linear GFLOP/s", f"{engine} GFLOP/s"]
     table = [
         [
             r["rows"],
@@ -103,5 +107,7 @@ def run_linear_bench(config: LinearBenchConfig) -> list[dict[str, Any]]:
         f"{len(weights)} projections ({sum(w.numel() for w, _ in weights) / 1e6:.1f}M weights, {config.dtype}), "
         f"one pass each in forward order, median of {config.repeats}, {torch.get_num_threads()} threads:"
     )
+    if engine != "oneDNN":
+        print(f"oneDNN cannot run {dtype} projections on this CPU: the engine uses F.linear for them")
     print(format_table(headers, table), flush=True)
     return results

@@ -1,24 +1,35 @@
-"""The model's dense projections, through oneDNN on the CPU.
+"""The model's dense projections, through oneDNN on the CPU where this CPU runs it.
 
 torch's `F.linear` on a CPU goes to MKL's sgemm. On the AMD EPYC development machine (AVX-512) it ran
 this model's projections (576 x 1536 and friends, 1 to 2,048 rows) at 0.5x to 0.7x the speed of
 oneDNN's JIT-compiled kernels (`kvpress bench linear`). oneDNN is what torch's own
 `torch.ops.mkldnn._linear_pointwise` (the op torch.compile's CPU backend emits) runs. So every
 projection of the model goes through `linear` below: that op on CPU tensors when torch was built with
-oneDNN and no gradient is needed; `F.linear` otherwise (CUDA, training the write gates, or
-`KVPRESS_DISABLE_ONEDNN_LINEAR=1` in the environment the process starts with). The two differ by
-float rounding only (summation order), as batching already makes `F.linear` differ from itself.
+oneDNN, no gradient is needed and oneDNN has a kernel for the dtype on this CPU; `F.linear` otherwise
+(CUDA, training the write gates, or `KVPRESS_DISABLE_ONEDNN_LINEAR=1` in the environment the process
+starts with). The two differ by float rounding only (summation order), as batching already makes
+`F.linear` differ from itself.
+
+Which dtypes oneDNN runs depends on the CPU: bf16 needs AVX-512 (or AVX2 with VNNI-2); on an
+AVX2-only x86-64 CPU, or with `ONEDNN_MAX_CPU_ISA=AVX2`, creating the bf16 inner product fails with
+"could not create a primitive descriptor". So each dtype is tried once, on a tiny product, the first
+time a projection of that dtype runs, and the answer is kept for the life of the process; a dtype
+oneDNN cannot run goes to `F.linear` (ATen's own bf16 GEMM, slower on such a CPU, same results to
+rounding). `onednn_linear_dtypes()` says what was chosen (`kvpress info`, the engine's startup log).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 DISABLE_ENV = "KVPRESS_DISABLE_ONEDNN_LINEAR"
+#: The dtypes worth sending to oneDNN: fp16 projections on the CPU stay on `F.linear`.
+CANDIDATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _enabled() -> bool:
@@ -31,7 +42,38 @@ def _enabled() -> bool:
 # runs for every projection of every step, and reading the environment there cost about 1% of a
 # served decode step.
 ONEDNN_ENABLED = _enabled()
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# dtype -> whether oneDNN's inner product runs on this CPU: filled on first use of each dtype, on the
+# thread that runs the model (a probe at import would start an OpenMP team on the importing thread).
+_RUNS: dict[torch.dtype, bool] = {}
+
+
+def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    out: Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return out
+
+
+def _probe(dtype: torch.dtype) -> bool:
+    """Run a 2 x 16 by 16 x 8 product through oneDNN once; False if it cannot (or is not enabled)."""
+    if not ONEDNN_ENABLED or dtype not in CANDIDATE_DTYPES:
+        return False
+    try:
+        _onednn(torch.ones(2, 16, dtype=dtype), torch.ones(8, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
+
+
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether projections of `dtype` go through oneDNN in this process (probed once per dtype)."""
+    runs = _RUNS.get(dtype)
+    if runs is None:
+        runs = _RUNS[dtype] = _probe(dtype)
+    return runs
+
+
+def onednn_linear_dtypes() -> list[torch.dtype]:
+    """The dtypes whose projections oneDNN runs here; the others take `F.linear`."""
+    return [dtype for dtype in CANDIDATE_DTYPES if onednn_runs(dtype)]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -40,11 +82,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         ONEDNN_ENABLED
         and x.is_cpu
         and x.dtype == weight.dtype
-        and x.dtype in _ONEDNN_DTYPES
         and not (x.requires_grad or weight.requires_grad)  # the op has no backward
+        and onednn_runs(x.dtype)
     ):
-        out: Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        return out
+        try:
+            return _onednn(x, weight, bias)
+        except RuntimeError as error:  # a shape the probe did not cover: never a user-facing oneDNN error
+            _RUNS[x.dtype] = False
+            warnings.warn(f"oneDNN linear failed in {x.dtype} ({error}); using F.linear from now on", stacklevel=2)
     return F.linear(x, weight, bias)
 
 
