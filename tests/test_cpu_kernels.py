@@ -92,6 +92,63 @@ def test_a_failed_build_warns_once_and_falls_back(fresh_build: Path, monkeypatch
         torch.testing.assert_close(h2o_module.causal_column_sums(queries, keys, 16**-0.5), dense, rtol=5e-5, atol=1e-5)
 
 
+@needs_compiler
+def test_a_build_for_an_isa_this_cpu_lacks_is_never_loaded(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without AVX2 (its cpuinfo flags say so) is never handed the AVX2 or AVX-512 code that
+    `-march=native` or a shared cache would give it: no library is built or loaded, and the torch path serves."""
+    compiler = cpu_kernels._compiler()
+    assert compiler is not None
+    if "__AVX2__" not in cpu_kernels.build_isa(compiler, cpu_kernels.compile_flags()):
+        pytest.skip("this machine's native build uses no AVX2")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2")
+    with pytest.warns(UserWarning, match="which this CPU lacks"):
+        assert not cpu_kernels.available()
+    assert "avx2" in cpu_kernels.status() and cpu_kernels.status().startswith("off: the build failed")
+    assert not list(fresh_build.glob("cpu_kernels-*.so"))
+
+
+@needs_compiler
+def test_the_cache_names_the_build_by_cpu_and_isa(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two CPUs, or two instruction sets, never share a cached library: each gets a file of its own."""
+    compiler = cpu_kernels._compiler()
+    assert compiler is not None
+    real_flags = cpu_kernels._cpu_flags()
+    names = set()
+    for flags, arch in ((real_flags, ""), (real_flags + " another_feature", ""), (real_flags, "x86-64-v2")):
+        monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setenv(cpu_kernels.ARCH_ENV, arch)
+        names.add(cpu_kernels._build(compiler).name)
+    assert len(names) == 3 and len(list(fresh_build.glob("cpu_kernels-*.so"))) == 3
+
+
+def test_missing_cpu_features_reads_the_flags_line() -> None:
+    line = "flags\t\t: fpu sse2 avx avx2 fma"
+    assert cpu_kernels.missing_cpu_features(["__AVX2__", "__FMA__"], line) == []
+    assert cpu_kernels.missing_cpu_features(["__AVX2__", "__AVX512F__", "__AVX512BW__"], line) == [
+        "avx512f",
+        "avx512bw",
+    ]
+
+
+@needs_compiler
+def test_the_arch_switch_builds_avx2_code(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`KVPRESS_CPU_KERNEL_ARCH=x86-64-v3` (what CI's AVX2 pass sets) gives AVX2 code without AVX-512, and
+    it computes what the native build does."""
+    compiler = cpu_kernels._compiler()
+    assert compiler is not None
+    import platform
+
+    if platform.machine() != "x86_64" or "avx2" not in cpu_kernels._cpu_flags().split():
+        pytest.skip("x86-64 with AVX2 only")
+    monkeypatch.setenv(cpu_kernels.ARCH_ENV, "x86-64-v3")
+    isa = cpu_kernels.build_isa(compiler, cpu_kernels.compile_flags())
+    assert "__AVX2__" in isa and "__FMA__" in isa and "__AVX512F__" not in isa
+    queries, keys, dense = problem(300, 3, 2, 64, seed=4)
+    got = cpu_kernels.causal_column_sums_given_lse(queries, keys, log_sum_exps(queries, keys), 64**-0.5)
+    assert got is not None and cpu_kernels.status().startswith("on: AVX2 build (-march=x86-64-v3")
+    torch.testing.assert_close(got, dense, rtol=5e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("given_lse", [True, False])
 def test_disabled_kernel_gives_the_same_sums(given_lse: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")

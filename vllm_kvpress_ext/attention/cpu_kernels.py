@@ -12,14 +12,21 @@ Build: `$CXX` (else `c++`) compiles with `-O3 -march=native -ffast-math -fopenmp
 exponentials vectorise), then links in a second step without `-ffast-math`: linked with it, the
 library would carry `crtfastmath.o`, whose constructor sets flush-to-zero for the whole process on
 load and silently changes every other float computation in it. No torch headers (about a second).
+The source is portable C++ (`omp simd` loops, no intrinsics): `-march` alone picks the vector width,
+AVX-512 on a CPU that has it, AVX2 on one that does not. `KVPRESS_CPU_KERNEL_ARCH` replaces `native`
+(`x86-64-v3` builds the AVX2 code on an AVX-512 machine, as CI does to test it).
+
 The library is cached under `$KVPRESS_KERNEL_CACHE`, else
 `$XDG_CACHE_HOME/vllm-kvpress-ext/kernels`, else `~/.cache/vllm-kvpress-ext/kernels` (beside the
-pulled models, `hub/catalog.py`), named by a hash of the source, the flags, the compiler's version
-and this CPU's feature flags, so a cache shared between machines never hands one CPU code built for
-another. It is written to a temporary name and renamed, so concurrent builds do not clash. Without a
-compiler, with `KVPRESS_DISABLE_CPU_KERNELS=1`, or if the build fails (one warning), callers get
-None and use their torch path; results agree to float rounding either way
-(tests/test_cpu_kernels.py).
+pulled models, `hub/catalog.py`), named by a hash of the source, the flags, the compiler's version,
+the instruction sets the flags enable (the compiler's `__AVX512F__`-style macros) and this CPU's
+feature flags, so a cache shared between machines never hands one CPU code built for another. And
+before loading, the instruction sets the build uses are checked against this CPU's flags: a library
+that needs one this CPU lacks is never loaded (it would die of an illegal instruction), whatever the
+cache holds. It is written to a temporary name and renamed, so concurrent builds do not clash.
+Without a compiler, with `KVPRESS_DISABLE_CPU_KERNELS=1`, or if the build fails (one warning),
+callers get None and use their torch path; results agree to float rounding either way
+(tests/test_cpu_kernels.py). `status()` says which it is (`kvpress info`, the engine's startup log).
 """
 
 from __future__ import annotations
@@ -39,12 +46,37 @@ import torch
 
 DISABLE_ENV = "KVPRESS_DISABLE_CPU_KERNELS"
 CACHE_ENV = "KVPRESS_KERNEL_CACHE"
+ARCH_ENV = "KVPRESS_CPU_KERNEL_ARCH"
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("column_sums.cpp", "paged_decode.cpp"))
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC")
+BASE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")  # never -ffast-math here (see the module docstring)
 BUILD_TIMEOUT_S = 120
+# The compiler's instruction-set macros and the /proc/cpuinfo flag each one needs. A build whose
+# macros name a flag this CPU lacks is never loaded.
+ISA_MACROS: dict[str, str] = {
+    "__SSE4_2__": "sse4_2",
+    "__AVX__": "avx",
+    "__AVX2__": "avx2",
+    "__FMA__": "fma",
+    "__F16C__": "f16c",
+    "__AVX512F__": "avx512f",
+    "__AVX512BW__": "avx512bw",
+    "__AVX512DQ__": "avx512dq",
+    "__AVX512VL__": "avx512vl",
+    "__AVX512CD__": "avx512cd",
+    "__AVX512VNNI__": "avx512_vnni",
+    "__AVX512BF16__": "avx512_bf16",
+    "__AVX512FP16__": "avx512_fp16",
+    "__AMX_TILE__": "amx_tile",
+}
 
 _build_lock = threading.Lock()
+_status = "not built yet"
+
+
+def compile_flags() -> tuple[str, ...]:
+    arch = os.environ.get(ARCH_ENV, "").strip() or "native"
+    return (*BASE_FLAGS[:1], f"-march={arch}", *BASE_FLAGS[1:])
 
 
 def disabled() -> bool:
@@ -72,11 +104,34 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
+def build_isa(compiler: str, flags: tuple[str, ...]) -> list[str]:
+    """The instruction-set macros (`ISA_MACROS`) that `flags` turn on, in the table's order."""
+    result = subprocess.run(
+        [compiler, *flags, "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True, timeout=30
+    )
+    defined = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("#define ")}
+    return [macro for macro in ISA_MACROS if macro in defined]
+
+
+def missing_cpu_features(isa: list[str], cpu_flags: str) -> list[str]:
+    """The cpuinfo flags that a build using `isa` needs and this CPU's `cpu_flags` line lacks (x86 only:
+    elsewhere the table's macros are never defined)."""
+    present = set(cpu_flags.split(":", 1)[-1].split())
+    return [ISA_MACROS[macro] for macro in isa if ISA_MACROS[macro] not in present]
+
+
 def _build(compiler: str) -> Path:
+    flags = compile_flags()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [*(source.read_text() for source in SOURCES), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_flags()]
+    isa = build_isa(compiler, flags)
+    missing = missing_cpu_features(isa, _cpu_flags())
+    if missing:  # e.g. KVPRESS_CPU_KERNEL_ARCH=x86-64-v4 on an AVX2 CPU: loading it would kill the process
+        raise RuntimeError(f"-march={flags[1].split('=', 1)[1]} needs {', '.join(missing)}, which this CPU lacks")
+    parts = [*(source.read_text() for source in SOURCES), *flags, *LINK_FLAGS, version, *isa, _cpu_flags()]
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = cache_dir() / f"cpu_kernels-{digest[:16]}.so"
+    global _status
+    _status = f"on: {_isa_label(isa)} build (-march={flags[1].split('=', 1)[1]}, {(version.splitlines() or ['?'])[0]})"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -84,8 +139,7 @@ def _build(compiler: str) -> Path:
         objects = [Path(scratch) / f"{source.stem}.o" for source in SOURCES]
         built = Path(scratch) / target.name
         commands = [
-            [compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)]
-            for source, obj in zip(SOURCES, objects, strict=True)
+            [compiler, *flags, "-c", str(source), "-o", str(obj)] for source, obj in zip(SOURCES, objects, strict=True)
         ]
         commands.append([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(built)])
         for command in commands:
@@ -96,14 +150,32 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def _isa_label(isa: list[str]) -> str:
+    if "__AVX512F__" in isa:
+        return "AVX-512"
+    if "__AVX2__" in isa:
+        return "AVX2"
+    return "+".join(macro.strip("_") for macro in isa) or "baseline ISA"
+
+
+def status() -> str:
+    """What the kernels are in this process: `on: AVX2 build (...)`, `off: why`, or not built yet."""
+    if disabled():
+        return f"off: {DISABLE_ENV} is set"
+    return _status
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
+    global _status
     compiler = _compiler()
     if compiler is None:
+        _status = f"off: no C++ compiler ({os.environ.get('CXX', 'c++')} not found); torch's paths are used"
         return None
     try:
         library = ctypes.CDLL(str(_build(compiler)))
     except Exception as exc:  # a broken toolchain must not take serving down: the torch path is exact too
+        _status = f"off: the build failed ({str(exc)[:200]}); torch's paths are used"
         warnings.warn(f"CPU kernel build failed ({exc}); using torch's attention instead", stacklevel=3)
         return None
     column_sums = library.kvpress_column_sums
