@@ -8,7 +8,14 @@ from vllm_kvpress_ext.cli.common import Subparsers
 
 
 def register(sub: Subparsers) -> None:
-    info = sub.add_parser("info", help="print versions, devices and optional backends (triton, CUDA)")
+    info = sub.add_parser(
+        "info",
+        aliases=["env"],
+        help="print versions, devices, CPU features and the CPU paths chosen here (paste it into a bug report)",
+        description="Versions (torch, triton, CUDA devices), this CPU's vector features, and the paths chosen "
+        "for them once per process: ATen's kernels, oneDNN or F.linear per dtype for the projections, the C++ "
+        "kernels' build, transparent huge pages; and the environment variables that change those choices.",
+    )
     info.set_defaults(handler=run_info)
 
     demo = sub.add_parser(

@@ -18,6 +18,7 @@ state is undefined, and the driver must fail the batch).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,10 @@ from vllm_kvpress_ext.models.write_gate import GateStore
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.policies.base import Admission, DecodeLayer, DecodeStep, LayerPrefill, RequestPrefill
 from vllm_kvpress_ext.policies.capture import PrefillCapture
+from vllm_kvpress_ext.utils.env import cpu_paths_summary
 from vllm_kvpress_ext.utils.huge_pages import move_to_huge_pages
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KV_MEMORY = 1 << 30
 
@@ -114,8 +118,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             tune_host_allocator()  # activations reuse freed blocks instead of faulting in fresh pages
         self.model = load_model(self.model_dir, dtype=dtype, device=self.device)
-        if self.device.type == "cpu":
-            move_to_huge_pages(self.model)  # every decode step reads all of the weights
+        weights_arena = move_to_huge_pages(self.model) if self.device.type == "cpu" else None  # read every step
         self.config = self.model.config
         self.dtype = next(self.model.parameters()).dtype
         cache_dtype = self.dtype if kv_dtype is None else resolve_dtype(kv_dtype)
@@ -143,6 +146,13 @@ class ModelRunner:
         self.scale = self.config.head_dim**-0.5
         # The write gates this runner's requests use (WG-KV): loaded once per file, never shared with another runner.
         self.gate_store = GateStore()
+        self._weights_arena = weights_arena
+        if self.device.type == "cpu" and logger.isEnabledFor(logging.INFO):  # reading smaps costs a few ms
+            logger.info("CPU paths: %s", self.cpu_paths())
+
+    def cpu_paths(self) -> str:
+        """The CPU paths this runner's model runs on (`utils/env.py`): for the startup log."""
+        return cpu_paths_summary(self.dtype, self.cache.pool.kv, self._weights_arena)
 
     # ------------------------------------------------------------------ requests
 

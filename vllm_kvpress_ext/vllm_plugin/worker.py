@@ -155,6 +155,9 @@ class KVPressWorker(WorkerBase):
             self.runner.page_bytes,
             policy_label(self.default_policy),
         )
+        if self.device.type == "cpu" and not logging.getLogger("vllm_kvpress_ext").isEnabledFor(logging.INFO):
+            # The runner logs its CPU paths where this package's own logger is on; under vLLM, through vLLM's.
+            logger.info("vllm-kvpress-ext: CPU paths: %s", self.runner.cpu_paths())
 
     def _pool_size(self, additional: dict[str, Any], model_path: Path) -> tuple[int | None, int | None]:
         """(num_pages, kv_memory): `kv_num_pages` in additional_config, else `--kv-cache-memory-bytes`,
