@@ -1,7 +1,7 @@
 """Natural-language tasks rendered with a real tokenizer, and the natural accuracy bench end to end.
 
-The tokenizer is SmolLM2's (from its GGUF file) when it has been pulled, else the byte-level BPE
-of the GGUF file the tests write; nothing is downloaded.
+The tokenizer is the byte-level BPE of the GGUF file the tests write, on every machine: the data of a
+test never depends on which models a machine happens to have pulled. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 from gguf_utils import tiny_model, write_gguf
 
-from vllm_kvpress_ext.hub.catalog import CATALOG, cached_path
 from vllm_kvpress_ext.models import load_tokenizer
 from vllm_kvpress_ext.tasks.natural import (
     NATURAL_TASKS,
@@ -26,6 +25,7 @@ from vllm_kvpress_ext.tasks.natural import (
     render_questions,
     score,
 )
+from vllm_kvpress_ext.tasks.natural.tasks import common_word_vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +37,13 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    smollm = cached_path(CATALOG["smollm2-135m"])
-    return load_tokenizer(smollm if smollm.is_file() else tiny_gguf)
+def tokenizer(tiny_gguf: Path) -> Any:
+    return load_tokenizer(tiny_gguf)
 
 
 @pytest.mark.parametrize("task", list(NATURAL_TASKS))
 def test_render_fits_the_length_and_holds_the_answers(tokenizer: Any, task: str) -> None:
-    length = 1500
+    length = 2500  # a byte-level tokenizer: the word list's 120 counted items alone take about 1,600
     prompt = render(task, tokenizer, length, seed=7, protocol="agnostic")
     assert length - 80 <= len(prompt.token_ids) <= length  # the largest haystack that fits
     assert prompt.compress_after == prompt.context_tokens < len(prompt.token_ids)
@@ -89,6 +88,22 @@ def test_filler_kinds() -> None:
     assert first != second and all(s in prose for s in first)
     with pytest.raises(ValueError, match="filler must be one of"):
         filler_sentences("lorem", 3, random.Random(0))  # type: ignore[arg-type]
+
+
+def test_the_word_list_ships_with_the_package() -> None:
+    """The word-counting task reads its vocabulary from the package, not from the Python it runs on."""
+    words = common_word_vocabulary()
+    assert len(words) == len(set(words)) == 1207 and list(words) == sorted(words)
+    assert all(len(w) >= 4 and w.isalpha() and w.islower() for w in words)
+    draft = NATURAL_TASKS["nl_common_words"](random.Random("nl_common_words-7"), 40, "noise")
+    assert draft.answers[:4] == ("counter", "unnecessary", "adaptability", "enclosed")  # the same draw everywhere
+
+
+def test_a_bounded_haystack_says_it_is_full(tokenizer: Any) -> None:
+    """The word list holds 1,197 uncounted words: asked for more tokens than they make, the renderer says
+    so instead of doubling the size forever."""
+    with pytest.raises(ValueError, match="largest haystack makes"):
+        render("nl_common_words", tokenizer, 100_000, seed=1)
 
 
 def test_prose_filler_and_errors(tokenizer: Any) -> None:

@@ -3,7 +3,9 @@
 The prose is the English text of the Python language reference that every CPython installation
 carries in `pydoc_data.topics` (the `help()` topics): ordinary sentences kept in their original
 order, so the haystack reads as coherent documentation rather than a word salad. Nothing is
-downloaded; a sample's seed picks where in that text its haystack starts.
+downloaded; a sample's seed picks where in that text its haystack starts. That text changes between
+Python versions, so a prose sample is the same only on the same Python (the noise filler, and the
+word list of the word-counting task, `words.txt`, are the same everywhere).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ excluded) is found by bisection on the task's size, each try drawn from the same
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -86,6 +87,7 @@ def render_questions(
         draft = build(rng, size, filler, question=question) if question else build(rng, size, filler)  # type: ignore[call-arg]
         return (draft, *_tokens(tokenizer, draft))
 
+    @functools.cache  # the growth check asks a size again
     def length(size: int) -> int:
         drawn = [draw(size, q) for q in range(count)]
         return len(drawn[0][1]) + max(len(question) for _, _, question in drawn)
@@ -93,7 +95,11 @@ def render_questions(
     low, high = 0, 1
     if length(low) > context_length:
         raise ValueError(f"{task}: context_length={context_length} is too short for the task without any haystack")
-    while length(high) <= context_length:  # grow until too long, then bisect
+    while (reached := length(high)) <= context_length:  # grow until too long, then bisect
+        # A bounded haystack (the word list's vocabulary) is full. Below 64, a task's own minimum size may
+        # make two sizes equal (the coded-word count is at least 30).
+        if high >= 64 and reached == length(high // 2):
+            raise ValueError(f"{task}: its largest haystack makes {reached} tokens, short of {context_length}")
         low, high = high, high * 2
     while high - low > 1:
         mid = (low + high) // 2
