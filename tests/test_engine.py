@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_utils import hf_greedy, hf_logits, tiny_hf_model
+from tolerances import logprob_atol
 from transformers import PreTrainedModel
 
 from vllm_kvpress_ext.engine import LLM, LLMEngine, RequestRejectedError, SamplingParams
@@ -213,14 +214,17 @@ def test_logprobs_survive_preemption_and_are_off_by_default(model_pair: tuple[Pr
     _, path = model_pair
     batch = prompts(4, seed=3, low=20, high=40)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
-    roomy = LLM(path, dtype=torch.float32, num_pages=1024, page_size=4).generate(batch, params)
+    roomy_llm = LLM(path, dtype=torch.float32, num_pages=1024, page_size=4)
+    roomy, roomy_config = roomy_llm.generate(batch, params), roomy_llm.engine.config
     # As in test_preemption_by_recompute_keeps_greedy_output: 4 requests cannot coexist in 220 pages.
     tight = LLM(path, dtype=torch.float32, num_pages=220, page_size=4, max_num_batched_tokens=16)
     outs = tight.generate(batch, params)
     assert sum(o.num_preemptions for o in outs) > 0
     for want, got in zip(roomy, outs, strict=True):
         assert got.output_token_ids == want.output_token_ids
-        assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
+        for got_entry, want_entry in zip(got.logprobs, want.logprobs, strict=True):
+            tolerance = logprob_atol(torch.float32, roomy_config, want_entry.logprob)
+            assert got_entry.logprob == pytest.approx(want_entry.logprob, abs=tolerance)
         assert len(got.prompt_logprobs) == len(want.prompt_logprobs)  # a recompute appends nothing twice
         assert all(e.top == () for e in got.logprobs)
     plain = LLM(path, dtype=torch.float32, num_pages=512, page_size=4).generate(batch[:1], GREEDY)[0]
