@@ -24,7 +24,7 @@ def test_env_names_every_cpu_path(capsys: pytest.CaptureFixture[str]) -> None:
     report = capsys.readouterr().out
     fields = {line[:17].strip(): line[17:] for line in report.splitlines() if len(line) > 17}
     assert fields["ATen kernels"].strip() == torch.backends.cpu.get_cpu_capability()
-    bf16 = "bfloat16 oneDNN" if linear.onednn_runs(torch.bfloat16) else "bfloat16 F.linear (oneDNN cannot run it here)"
+    bf16 = "bfloat16 oneDNN" if linear.onednn_runs(torch.bfloat16) else "bfloat16 F.linear below 16 rows, else oneDNN"
     assert bf16 in fields["projections"]
     assert fields["C++ kernels"].startswith(("on: ", "off: "))
     assert "MiB on 2 MB pages" in fields["huge pages"]
@@ -42,7 +42,7 @@ def test_the_engine_logs_its_cpu_paths_at_startup(caplog: pytest.LogCaptureFixtu
 @pytest.mark.skipif(not linear.ONEDNN_ENABLED, reason="torch without oneDNN, or oneDNN switched off")
 def test_bf16_runs_where_onednn_has_no_bf16_kernels() -> None:
     """As on an AVX2-only x86-64 CPU (the variables make oneDNN and ATen behave so on any x86 CPU): the
-    projections take F.linear for bf16, say so, and a bf16 model generates."""
+    projections take F.linear or the widened fp32 product for bf16, say so, and a bf16 model generates."""
     script = (
         "import torch\n"
         "from vllm_kvpress_ext.assets import default_model_dir\n"
@@ -55,8 +55,8 @@ def test_bf16_runs_where_onednn_has_no_bf16_kernels() -> None:
         "except RuntimeError:\n"
         "    print('bfloat16 F.linear')\n"
         "print(projection_paths())\n"
-        "out = LLM(default_model_dir(), dtype='bfloat16', num_pages=64).generate(\n"
-        "    [[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]\n"
+        "out = LLM(default_model_dir(), dtype='bfloat16', num_pages=64).generate(\n"  # 40 rows: widened
+        "    [list(range(5, 45))], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]\n"
         "print(len(out.output_token_ids), out.finish_reason)\n"
     )
     env = {**os.environ, **AVX2_ONLY}

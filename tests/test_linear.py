@@ -72,6 +72,33 @@ def test_a_dtype_onednn_cannot_run_takes_f_linear(monkeypatch: pytest.MonkeyPatc
     assert linear_module._RUNS[torch.bfloat16] is False
 
 
+@needs_onednn
+def test_a_half_dtype_without_a_kernel_is_widened_from_16_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 or fp16 that oneDNN cannot run: F.linear below 16 rows, oneDNN's fp32 product from 16 rows,
+    rounded back; the two agree with F.linear to the half dtype's rounding."""
+    widened: list[torch.dtype] = []
+    onednn = linear_module._onednn
+
+    def spy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        widened.append(x.dtype)
+        return onednn(x, weight, bias)
+
+    monkeypatch.setattr(linear_module, "_RUNS", {torch.bfloat16: False, torch.float16: False, torch.float32: True})
+    monkeypatch.setattr(linear_module, "_onednn", spy)
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16):
+        weight, bias = torch.randn(48, 64, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
+        few = torch.randn(15, 64, generator=g).to(dtype)
+        assert torch.equal(linear(few, weight, bias), F.linear(few, weight, bias)) and not widened
+        many = torch.randn(4, 4, 64, generator=g).to(dtype)  # 16 rows in two leading dimensions
+        got = linear(many, weight, bias)
+        assert widened == [torch.float32] and got.dtype == dtype and got.shape == (4, 4, 48)
+        exact = F.linear(many.double(), weight.double(), bias.double())
+        torch.testing.assert_close(got.double(), exact.to(dtype).double(), rtol=1e-2, atol=1e-2)
+        widened.clear()
+    assert "oneDNN in float32" in linear_module.path_for(torch.bfloat16)
+
+
 def test_gradients_take_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     """A projection that needs a gradient (gate training backpropagates through the frozen model) must
     never reach the oneDNN op, which has no backward."""

@@ -7,7 +7,9 @@ every layer of the loaded model with its own weights, in forward order, so the w
 memory as in a forward pass instead of sitting in cache, once with `F.linear` and once with
 `models.linear.linear`, interleaved, median of `--repeats`. The lm_head is left out (the engine
 applies it to the sampled rows only). Where oneDNN cannot run the dtype on this CPU (bf16 without
-AVX-512), `models.linear.linear` is `F.linear` too: the table then says so in its column names.
+AVX-512, fp16 without AVX-512-FP16), `models.linear.linear` is `F.linear` for a few rows and oneDNN's
+fp32 product on widened operands from 16 rows: the column is then named "engine" and the line above
+the table says which path it takes.
 """
 
 from __future__ import annotations
@@ -58,14 +60,14 @@ def _pass_seconds(
 
 
 def run_linear_bench(config: LinearBenchConfig) -> list[dict[str, Any]]:
-    from vllm_kvpress_ext.models.linear import linear, onednn_runs
+    from vllm_kvpress_ext.models.linear import linear, onednn_runs, path_for
     from vllm_kvpress_ext.models.loader import load_model
 
     model = load_model(config.model, dtype=config.dtype)
     weights = _projections(model)
     dtype = weights[0][0].dtype
     with torch.inference_mode():
-        engine = "oneDNN" if onednn_runs(dtype) else "engine (F.linear)"
+        engine = "oneDNN" if onednn_runs(dtype) else "engine"
     generator = torch.Generator().manual_seed(config.seed)
     ops: dict[str, Callable[..., torch.Tensor]] = {"F.linear": F.linear, "oneDNN": linear}
     results = []
@@ -108,6 +110,6 @@ def run_linear_bench(config: LinearBenchConfig) -> list[dict[str, Any]]:
         f"one pass each in forward order, median of {config.repeats}, {torch.get_num_threads()} threads:"
     )
     if engine != "oneDNN":
-        print(f"oneDNN cannot run {dtype} projections on this CPU: the engine uses F.linear for them")
+        print(f"oneDNN has no {dtype} kernel on this CPU; the engine's path: {path_for(dtype)}")
     print(format_table(headers, table), flush=True)
     return results

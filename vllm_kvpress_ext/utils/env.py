@@ -83,17 +83,10 @@ def onednn_version() -> str | None:
 
 
 def projection_paths(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> str:
-    """Which op runs the model's projections per dtype, e.g. `float32 oneDNN, bfloat16 F.linear`."""
+    """Which op runs the model's projections per dtype, e.g. `float32 oneDNN, bfloat16 oneDNN`."""
     from vllm_kvpress_ext.models import linear
 
-    if not linear.ONEDNN_ENABLED:
-        why = f"{linear.DISABLE_ENV} is set" if os.environ.get(linear.DISABLE_ENV) else "no oneDNN"
-        return f"F.linear ({why})"
-    parts = []
-    for dtype in dtypes:
-        name = str(dtype).removeprefix("torch.")
-        parts.append(f"{name} oneDNN" if linear.onednn_runs(dtype) else f"{name} F.linear (oneDNN cannot run it here)")
-    return ", ".join(parts)
+    return ", ".join(f"{str(dtype).removeprefix('torch.')} {linear.path_for(dtype)}" for dtype in dtypes)
 
 
 def cpu_kernel_status() -> str:
