@@ -48,7 +48,7 @@ DISABLE_ENV = "KVPRESS_DISABLE_CPU_KERNELS"
 CACHE_ENV = "KVPRESS_KERNEL_CACHE"
 ARCH_ENV = "KVPRESS_CPU_KERNEL_ARCH"
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("column_sums.cpp", "paged_decode.cpp"))
-BASE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC")
+BASE_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC")  # and -march (`compile_flags`)
 LINK_FLAGS = ("-shared", "-fopenmp")  # never -ffast-math here (see the module docstring)
 BUILD_TIMEOUT_S = 120
 # The compiler's instruction-set macros and the /proc/cpuinfo flag each one needs. A build whose
@@ -74,9 +74,12 @@ _build_lock = threading.Lock()
 _status = "not built yet"
 
 
+def target_arch() -> str:
+    return os.environ.get(ARCH_ENV, "").strip() or "native"
+
+
 def compile_flags() -> tuple[str, ...]:
-    arch = os.environ.get(ARCH_ENV, "").strip() or "native"
-    return (*BASE_FLAGS[:1], f"-march={arch}", *BASE_FLAGS[1:])
+    return (f"-march={target_arch()}", *BASE_FLAGS)
 
 
 def disabled() -> bool:
@@ -126,12 +129,12 @@ def _build(compiler: str) -> Path:
     isa = build_isa(compiler, flags)
     missing = missing_cpu_features(isa, _cpu_flags())
     if missing:  # e.g. KVPRESS_CPU_KERNEL_ARCH=x86-64-v4 on an AVX2 CPU: loading it would kill the process
-        raise RuntimeError(f"-march={flags[1].split('=', 1)[1]} needs {', '.join(missing)}, which this CPU lacks")
+        raise RuntimeError(f"-march={target_arch()} needs {', '.join(missing)}, which this CPU lacks")
     parts = [*(source.read_text() for source in SOURCES), *flags, *LINK_FLAGS, version, *isa, _cpu_flags()]
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = cache_dir() / f"cpu_kernels-{digest[:16]}.so"
     global _status
-    _status = f"on: {_isa_label(isa)} build (-march={flags[1].split('=', 1)[1]}, {(version.splitlines() or ['?'])[0]})"
+    _status = f"on: {_isa_label(isa)} build (-march={target_arch()}, {(version.splitlines() or ['?'])[0]})"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
