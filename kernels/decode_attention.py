@@ -48,6 +48,23 @@ LOG2E = 1.4426950408889634
 DEFAULT_BLOCK_N = 128
 
 
+def default_block_n(head_dim: int, compute_fp32: bool, upcast: bool) -> int:
+    """The widest token tile that compiles for sm_90 without spilling (`kvpress bench kernels --compile-only`).
+
+    fp16 / bf16 up to head_dim 128 keep the tuned 128 tokens; at 256 a 128-token tile spills (272 B per
+    thread), 64 does not. fp32 dot products run on FMA units in registers: 64 tokens up to head_dim 128
+    (128 spills 120 to 1,152 B), 32 at 256 (128 needs 281 KiB of shared memory, over sm_90's 227; 64
+    spills 1 KiB). A cache in another dtype than the query (`UPCAST`) widens both to fp32 after loading:
+    32 tokens up to head_dim 128, 16 at 256 (64 spills from 192 B at head_dim 64 to 9 KiB at 256; what
+    is left is named in `bench/kernel_build.py`'s `ACCEPTED`).
+    """
+    if upcast:
+        return 32 if head_dim <= 128 else 16
+    if compute_fp32:
+        return 64 if head_dim <= 128 else 32
+    return DEFAULT_BLOCK_N if head_dim <= 128 else 64
+
+
 @triton.jit
 def _decode_partial_kernel(
     q_ptr,
@@ -214,14 +231,15 @@ def paged_decode_attention(
     ring_lens: torch.Tensor | None = None,
     *,
     split_tokens: int | None = None,
-    block_n: int = DEFAULT_BLOCK_N,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of the reference `paged_decode_attention` (same arguments, no `probs_out`).
 
     `position_pool` is accepted for signature parity and unused: decode attends to every cached
-    entry. `split_tokens` forces the split size (tests use it to exercise split-K on small inputs);
+    entry. `block_n` (the token tile) defaults to `default_block_n` for the dtypes and head dim.
+    `split_tokens` forces the split size (tests use it to exercise split-K on small inputs);
     by default `choose_splits` sizes the launch from the table width, without a host sync.
     """
     batch, num_q_heads, head_dim = query.shape
@@ -252,6 +270,10 @@ def paged_decode_attention(
         ring_args = (block_tables, seq_lens, 0, 0, 0)  # never read
     tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
 
+    upcast = query.dtype != kv_pool.dtype
+    compute_dtype = torch.float32 if upcast else query.dtype
+    if block_n is None:
+        block_n = default_block_n(head_dim, compute_dtype == torch.float32, upcast)
     block_n = max(16, next_power_of_2(block_n))
     num_splits, split = choose_splits(
         batch, num_kv_heads, max_pages * page_size + ring_tokens, block_n, multiprocessor_count(device), split_tokens
@@ -263,8 +285,6 @@ def paged_decode_attention(
         part_m = torch.empty(batch, num_q_heads, num_splits, device=device, dtype=torch.float32)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(batch, num_q_heads, num_splits, head_dim, device=device, dtype=torch.float32)
-    upcast = query.dtype != kv_pool.dtype
-    compute_dtype = torch.float32 if upcast else query.dtype
     block_d = max(16, next_power_of_2(head_dim))
     _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
         query,

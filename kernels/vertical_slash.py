@@ -193,6 +193,21 @@ def _vertical_slash_kernel(
     )
 
 
+def default_tiles(head_dim: int, fp32: bool) -> tuple[int, int]:
+    """(block_m, block_n) for sm_90 (`kvpress bench kernels --compile-only`, docs/gpu.md).
+
+    fp16 / bf16 up to head_dim 128: 128 x 64 with 4 warps, the fastest of 24 configurations on an H100
+    at head_dim 128 (docs/gpu.md), although with this Triton it spills 168 B per thread there (8 warps
+    do not spill, and were slower in that sweep). At head_dim
+    256, 128 x 64 spills 1.4 KiB per thread; 64 x 32 does not. fp32 runs its dot products on FMA units
+    in registers: 32 x 32 up to head_dim 128 (clean at 64; 496 B of spills at 128, the least of the tiles
+    tried), 16 x 16 at 256 (32 x 32 spills 9.6 KiB; 128 x 64 needs more shared memory than sm_90 has).
+    """
+    if fp32:
+        return (32, 32) if head_dim <= 128 else (16, 16)
+    return (128, 64) if head_dim <= 128 else (64, 32)
+
+
 def admitted_blocks(admitted: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per KV head, the key blocks holding any admitted column: (sorted ids `[Hkv, NB]`, counts `[Hkv, NB + 1]`).
 
@@ -220,8 +235,8 @@ def vertical_slash_attention(
     scale: float,
     query_start: int = 0,
     *,
-    block_m: int = 128,
-    block_n: int = 64,
+    block_m: int | None = None,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -249,8 +264,9 @@ def vertical_slash_attention(
     query = query if query.stride(-1) == 1 else query.contiguous()
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     values = values if values.stride(-1) == 1 else values.contiguous()
-    block_m = max(16, next_power_of_2(block_m))
-    block_n = max(16, next_power_of_2(block_n))
+    default_m, default_n = default_tiles(head_dim, query.dtype == torch.float32)
+    block_m = max(16, next_power_of_2(block_m or default_m))
+    block_n = max(16, next_power_of_2(block_n or default_n))
     adm = admitted.to(device=query.device, dtype=torch.bool).contiguous()
     ids, counts = admitted_blocks(adm, block_n)
     adm_u8 = adm.view(torch.uint8)
