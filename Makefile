@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast test-avx2 serve bench lint format clean mutation kvpress-venv images
+.PHONY: install test test-fast test-avx2 check-kernels serve bench lint format clean mutation kvpress-venv images
 
 install: $(STAMP)
 
@@ -51,6 +51,12 @@ AVX2_TESTS := tests/test_cpu_paths.py tests/test_linear.py tests/test_models.py 
 	tests/test_capture.py tests/test_expected_attention.py tests/test_kvzip.py tests/test_wgkv.py \
 	tests/test_wgkv_chunked.py tests/test_policies_baselines.py tests/test_policies_gvote_xkv.py \
 	tests/test_policies_kvec_lava.py tests/test_vllm_offline.py
+# Every GPU kernel compiled for Hopper (Triton, at the shapes and dtypes the engine launches) and the CUDA
+# extension for sm_80 and sm_90 (nvcc), with their registers, spills and shared memory checked; no GPU
+# needed, about 3 minutes on 2 cores (docs/gpu.md). .ci/run runs it.
+check-kernels: install
+	$(KVPRESS) bench kernels --compile-only --out build/kernel-build
+
 test-avx2: install
 	@if [ "$$(uname -m)" != x86_64 ]; then echo "test-avx2: x86-64 only; skipped on $$(uname -m)"; exit 0; fi; \
 	$(AVX2_ENV) $(PY) -m pytest $(AVX2_TESTS) $(PYTEST_ARGS)

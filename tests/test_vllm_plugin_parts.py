@@ -369,3 +369,47 @@ def test_metrics_file_is_chosen_again_when_its_variable_was_unset(monkeypatch: p
     assert again == first and metrics.metrics_file() == again
     monkeypatch.setenv(metrics.ENV, "/tmp/elsewhere.json")  # a parent's choice is taken as it is
     assert metrics.metrics_file() == Path("/tmp/elsewhere.json")
+
+
+def test_the_cuda_platform_wires_vllms_cuda_platform_to_the_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin's CUDA platform, as vLLM resolves it from `activation.CUDA_PLATFORM`, on a machine without
+    CUDA. vLLM's own `vllm.platforms.cuda` loads its CUDA ops at import (`libcuda.so.1`, then torch's
+    `libtorch_cuda.so`, which a CPU build of torch lacks), so a stand-in for that one module takes its place:
+    what is checked is the plugin's side, that vLLM's CUDA checks run first and the plugin's after them."""
+    import sys
+    import types
+
+    from vllm.config import VllmConfig
+    from vllm.platforms.interface import Platform
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from vllm_kvpress_ext.vllm_plugin.config import SCHEDULER_CLS, WORKER_CLS
+
+    calls: list[str] = []
+
+    class CudaPlatform(Platform):  # vLLM's CUDA platform, down to the two hooks the plugin extends
+        @classmethod
+        def check_and_update_config(cls, vllm_config: Any) -> None:
+            calls.append("vllm config")
+
+        @classmethod
+        def validate_request(cls, processed_inputs: Any, params: Any) -> None:
+            calls.append("vllm request")
+
+    monkeypatch.setitem(sys.modules, "vllm.platforms.cuda", types.SimpleNamespace(CudaPlatform=CudaPlatform))
+    monkeypatch.delitem(sys.modules, "vllm_kvpress_ext.vllm_plugin.cuda_platform", raising=False)
+    platform = resolve_obj_by_qualname(activation.CUDA_PLATFORM)
+    assert issubclass(platform, CudaPlatform) and platform().is_cuda()
+    config = VllmConfig()
+    config.parallel_config.worker_cls = "auto"
+    config.cache_config.enable_prefix_caching = True
+    platform.check_and_update_config(config)
+    assert calls == ["vllm config"]
+    assert config.parallel_config.worker_cls == WORKER_CLS and config.scheduler_config.scheduler_cls == SCHEDULER_CLS
+    assert not config.scheduler_config.async_scheduling and not config.cache_config.enable_prefix_caching
+    assert config.compilation_config.cudagraph_capture_sizes == []
+    platform.validate_request(None, VllmSamplingParams(max_tokens=4))
+    with pytest.raises(VLLMValidationError):
+        platform.validate_request(None, VllmSamplingParams(max_tokens=4, extra_args={"kv_policy": "nope"}))
+    assert calls == ["vllm config", "vllm request", "vllm request"]
+    monkeypatch.delitem(sys.modules, "vllm_kvpress_ext.vllm_plugin.cuda_platform")  # built on the stand-in

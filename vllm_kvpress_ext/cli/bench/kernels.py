@@ -1,9 +1,12 @@
-"""`kvpress bench kernels`: GPU kernel bandwidth and speedups over dense attention."""
+"""`kvpress bench kernels`: GPU kernel bandwidth and speedups over dense attention; `--compile-only`, every
+GPU kernel compiled and its resources checked on a machine without a GPU."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from vllm_kvpress_ext.cli.common import Subparsers, float_list, int_list
 
@@ -27,10 +30,30 @@ def register(bench_sub: Subparsers) -> None:
     bk.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"), help="default: float16")
     bk.add_argument("--repeats", type=int, default=10, help="timed calls per decode point, median (default: 10)")
     bk.add_argument("--cuda-ext", action="store_true", help="also build and time the CUDA decode kernel in csrc/")
+    build = bk.add_argument_group(
+        "compile only (no GPU needed)",
+        "--compile-only compiles every Triton kernel for --arch at the shapes and dtypes the engine launches, and "
+        "the CUDA extension for --cuda-arches with nvcc, and prints each kernel's registers, spills and shared "
+        "memory; exit status 1 if one fails to compile, spills or exceeds a limit (bench/kernel_build.py).",
+    )
+    build.add_argument("--compile-only", action="store_true", help="compile and report; run nothing")
+    build.add_argument("--arch", type=int, default=90, help="Triton target compute capability (default: 90)")
+    build.add_argument("--cuda-arches", type=int_list, default=(80, 90), help="nvcc targets for csrc/ (default: 80,90)")
+    build.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes (default: the CPU count)"
+    )
+    build.add_argument("--out", type=Path, default=None, help="also write kernel_build.json and .md here")
     bk.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compile_only:
+        from vllm_kvpress_ext.bench.kernel_build import run_kernel_build
+
+        if args.jobs < 1:
+            print("kvpress bench kernels: --jobs must be >= 1", file=sys.stderr)
+            return 2
+        return run_kernel_build(args.arch, tuple(args.cuda_arches), jobs=args.jobs, out=args.out)
     from vllm_kvpress_ext.bench.kernels_bench import (
         KernelsBenchConfig,
         KernelsBenchUnavailableError,
