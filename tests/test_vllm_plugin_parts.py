@@ -413,3 +413,31 @@ def test_the_cuda_platform_wires_vllms_cuda_platform_to_the_plugin(monkeypatch: 
         platform.validate_request(None, VllmSamplingParams(max_tokens=4, extra_args={"kv_policy": "nope"}))
     assert calls == ["vllm config", "vllm request", "vllm request"]
     monkeypatch.delitem(sys.modules, "vllm_kvpress_ext.vllm_plugin.cuda_platform")  # built on the stand-in
+
+
+def test_the_worker_on_cuda_sizes_its_pool_from_free_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's CUDA path with the device mocked where it is asked (`set_device`, `mem_get_info`): it picks
+    `cuda:<local rank>` and gives the pool the free memory within --gpu-memory-utilization, less the weights."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_kvpress_ext.vllm_plugin.worker import KVPressWorker, _weight_bytes
+
+    gib = 2**30
+    chosen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, 80 * gib))
+    worker = KVPressWorker.__new__(KVPressWorker)
+    worker.current_platform = SimpleNamespace(device_type="cuda")
+    worker.local_rank = 1
+    worker.init_device()
+    assert worker.device == torch.device("cuda", 1) and chosen == [torch.device("cuda", 1)]
+    worker.cache_config = SimpleNamespace(kv_cache_memory_bytes=None, gpu_memory_utilization=0.9)
+    worker.model_config = SimpleNamespace(dtype=torch.bfloat16)
+    weights = _weight_bytes(MODEL_DIR, torch.bfloat16)
+    assert weights > 0
+    assert worker._pool_size({}, MODEL_DIR) == (None, int(60 * gib - 80 * gib * (1.0 - 0.9) - weights))
+    assert worker._pool_size({"kv_num_pages": 77}, MODEL_DIR) == (77, None)
+    worker.cache_config.kv_cache_memory_bytes = 5 * gib
+    assert worker._pool_size({}, MODEL_DIR) == (None, 5 * gib)
