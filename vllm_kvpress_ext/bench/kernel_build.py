@@ -431,9 +431,8 @@ def compile_triton(
 
 
 def nvcc_path() -> str | None:
-    return shutil.which("nvcc") or next(
-        (str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.is_file() and os.access(p, os.X_OK)), None
-    )
+    """nvcc on PATH, else where the CUDA toolkit installs it."""
+    return shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
 
 
 #: The flags torch's JIT build (`cpp_extension.load`, `kernels/cuda_decode.py`) passes to nvcc.
