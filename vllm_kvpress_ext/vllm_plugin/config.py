@@ -21,6 +21,12 @@ logger = logging.getLogger("vllm.kvpress")
 
 WORKER_CLS = "vllm_kvpress_ext.vllm_plugin.worker.KVPressWorker"
 SCHEDULER_CLS = "vllm_kvpress_ext.vllm_plugin.scheduler.KVPressScheduler"
+# `additional_config["kv_runner"]`: who runs the model. "project" (the default) is the plugin's own
+# runner and pool; "vllm" is vLLM's model runner and model zoo (native/), without compression yet.
+RUNNER_KEY = "kv_runner"
+RUNNERS = ("project", "vllm")
+NATIVE_WORKER_CLS = "vllm_kvpress_ext.vllm_plugin.native.worker.VllmRunnerWorker"
+NATIVE_ATTENTION_BACKEND = "vllm_kvpress_ext.vllm_plugin.native.attention.KVPressAttentionBackend"
 
 
 class UnsupportedConfigError(ValueError):
@@ -72,12 +78,62 @@ def record_explicit_prefix_caching(engine_args: Any) -> None:
         engine_args.additional_config = {**dict(engine_args.additional_config or {}), PREFIX_CACHING_KEY: True}
 
 
+def chosen_runner(additional: dict[str, Any]) -> str:
+    """`additional_config["kv_runner"]`, checked: "project" unless set."""
+    runner = additional.get(RUNNER_KEY, "project")
+    if runner not in RUNNERS:
+        raise UnsupportedConfigError(f"additional_config {RUNNER_KEY} must be one of {RUNNERS}, got {runner!r}")
+    return str(runner)
+
+
+def _policy_name(spec: Any) -> str | None:
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, dict):
+        return str(spec.get("name")) if spec.get("name") is not None else None
+    return None
+
+
+def apply_native_config(vllm_config: Any) -> None:
+    """vLLM's runner and scheduler with the plugin's worker and attention backend: eager, synchronous,
+    every custom op on its torch path; the full cache only (no policy compresses on this path yet)."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    refuse_unsupported(vllm_config)
+    model = vllm_config.model_config
+    if model is not None and getattr(model, "is_moe", False):
+        # Measured: vLLM 0.32's unquantized fused-MoE layer selects no experts kernel on an out-of-tree
+        # platform, and its forward fails on the missing kernel (docs/architecture.md).
+        raise UnsupportedConfigError(
+            "kv_runner 'vllm' cannot run mixture-of-experts models on this platform yet: vLLM's fused-MoE layer "
+            "has no kernel for it"
+        )
+    additional = vllm_config.additional_config or {}
+    if "kv_policy" in additional:
+        check_policy_spec(additional["kv_policy"])
+        if _policy_name(additional["kv_policy"]) != "full":
+            raise UnsupportedConfigError(
+                f"additional_config {RUNNER_KEY}='vllm' serves the full cache only for now; "
+                f"kv_policy {additional['kv_policy']!r} needs the plugin's own runner (kv_runner 'project')"
+            )
+    vllm_config.parallel_config.worker_cls = NATIVE_WORKER_CLS
+    vllm_config.scheduler_config.async_scheduling = False
+    compilation = vllm_config.compilation_config
+    compilation.mode = CompilationMode.NONE
+    compilation.cudagraph_mode = CUDAGraphMode.NONE
+    compilation.cudagraph_capture_sizes = []
+    compilation.custom_ops = ["none"]  # vLLM's ops run their torch paths: no vllm._C here
+
+
 def apply_kvpress_config(vllm_config: Any) -> None:
     """Swap worker and scheduler, make scheduling synchronous and eager, force prefix caching off."""
     from vllm.config import CompilationMode, CUDAGraphMode
 
-    refuse_unsupported(vllm_config)
     additional = vllm_config.additional_config or {}
+    if chosen_runner(additional) == "vllm":
+        apply_native_config(vllm_config)
+        return
+    refuse_unsupported(vllm_config)
     if "kv_policy" in additional:
         check_policy_spec(additional["kv_policy"])
     vllm_config.parallel_config.worker_cls = WORKER_CLS

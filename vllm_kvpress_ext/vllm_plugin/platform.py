@@ -15,7 +15,7 @@ import torch
 from vllm.exceptions import VLLMValidationError
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from vllm_kvpress_ext.vllm_plugin.config import apply_kvpress_config
+from vllm_kvpress_ext.vllm_plugin.config import NATIVE_ATTENTION_BACKEND, apply_kvpress_config, chosen_runner
 from vllm_kvpress_ext.vllm_plugin.request_policy import RequestPolicyError, request_policy, unsupported_sampling
 
 
@@ -43,19 +43,26 @@ def _neutralise_accelerator_cache_calls() -> None:
 _neutralise_accelerator_cache_calls()
 
 
-def validate_kvpress_request(params: Any) -> None:
-    """Refuse, as HTTP 400, a bad per-request policy or a sampling feature the worker lacks."""
+def validate_kvpress_request(params: Any, runner: str = "project") -> None:
+    """Refuse, as HTTP 400, a bad per-request policy or a sampling feature the worker lacks. On vLLM's own
+    runner (`runner="vllm"`) vLLM's sampler serves every sampling feature, and no policy but `full` runs yet."""
     from vllm.sampling_params import SamplingParams
 
     if not isinstance(params, SamplingParams):
         raise VLLMValidationError("vllm-kvpress-ext serves text generation only (no pooling)")
-    refused = unsupported_sampling(params)
-    if refused is not None:
-        raise VLLMValidationError(refused[1], parameter=refused[0])
+    if runner != "vllm":
+        refused = unsupported_sampling(params)
+        if refused is not None:
+            raise VLLMValidationError(refused[1], parameter=refused[0])
     try:
-        request_policy(params.extra_args, None)
+        policy = request_policy(params.extra_args, None)
     except RequestPolicyError as exc:
         raise VLLMValidationError(str(exc), parameter=exc.param or "kv_policy") from None
+    if runner == "vllm" and policy is not None:  # a policy that compresses
+        raise VLLMValidationError(
+            f"kv_policy {policy.name!r}: this server runs vLLM's own runner, which serves the full cache only for now",
+            parameter="kv_policy",
+        )
 
 
 class KVPressCpuPlatform(Platform):
@@ -96,10 +103,28 @@ class KVPressCpuPlatform(Platform):
     def set_device(cls, device: torch.device) -> None:
         """One CPU device; nothing to select."""
 
+    # Which runner this process's engine uses (config.RUNNER_KEY): set when the config is checked, read
+    # by `validate_request` in the same (API) process.
+    runner: str = "project"
+
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
+        cls.runner = chosen_runner(vllm_config.additional_config or {})
         apply_kvpress_config(vllm_config)
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
-        validate_kvpress_request(params)
+        validate_kvpress_request(params, cls.runner)
+
+    @classmethod
+    def get_attn_backend_cls(
+        cls, selected_backend: Any, attn_selector_config: Any, num_heads: int | None = None
+    ) -> str:
+        """Asked only by vLLM's own model runner (`kv_runner: vllm`): the plugin's torch backend."""
+        if getattr(attn_selector_config, "use_mla", False) or getattr(attn_selector_config, "use_sparse", False):
+            raise NotImplementedError("vllm-kvpress-ext: MLA and sparse attention have no per-head KV cache to keep")
+        return NATIVE_ATTENTION_BACKEND
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.manual_seed(seed)

@@ -1,0 +1,85 @@
+"""Every place where vLLM's runner needs something this platform must supply, in one module.
+
+vLLM's CUDA wheel carries no CPU kernels (`vllm._C` does not load on a CPU build of torch), and its
+runner reaches two of them outside the attention backend:
+
+- `BlockTable.compute_slot_mapping` calls `_COMPUTE_SLOT_MAPPING_KERNEL`, a Triton kernel whose CPU
+  fallback is `torch.ops._C.compute_slot_mapping_kernel_impl`. `slot_mapping` below is the same
+  computation in torch: token t of request r, at position p, goes to slot
+  `block_table[r, p // block_size] * block_size + p % block_size`; the slots past the batch are
+  padded with -1.
+- `Worker._maybe_get_memory_pool_context` asks for a sleep-mode allocator, which exists for CUDA and
+  XPU only: on this platform there is nothing to pool, so weights and KV cache load plainly.
+
+`install()` applies both once per process; each replacement checks that vLLM still has what it
+replaces, so a vLLM release that moves them fails here, by name, instead of deep in a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+_installed = False
+
+
+def slot_mapping(
+    num_reqs: int,
+    num_tokens: int,
+    max_num_tokens: int,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    block_table: torch.Tensor,
+    block_table_stride: int,
+    out: torch.Tensor,
+    block_size: int,
+    *context_parallel: Any,
+) -> None:
+    """`out[:num_tokens]` = the cache slot of each scheduled token; `out[num_tokens:max_num_tokens]` = -1."""
+    if any(size != 1 for size in context_parallel[:1]):
+        raise NotImplementedError("decode context parallelism is not supported on this platform")
+    starts = query_start_loc[: num_reqs + 1].to(torch.int64)
+    request = torch.repeat_interleave(torch.arange(num_reqs, device=out.device), starts[1:] - starts[:-1])
+    token_positions = positions[:num_tokens].to(torch.int64)
+    blocks = block_table[request, token_positions // block_size].to(torch.int64)
+    out[:num_tokens] = blocks * block_size + token_positions % block_size
+    out[num_tokens:max_num_tokens] = -1
+
+
+class _SlotMappingKernel:
+    """Stands where vLLM keeps its slot-mapping kernel object: callable, and warm-up registration a no-op."""
+
+    def __init__(self, replaced: Any) -> None:
+        self.replaced = replaced
+
+    def register_warmup(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __call__(self, *args: Any) -> None:
+        slot_mapping(*args)
+
+
+def _no_memory_pool(self: Any, tag: str | None = None, **kwargs: Any) -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
+
+
+def install() -> None:
+    """Apply the replacements above (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    import vllm.v1.worker.block_table as block_table
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if not hasattr(block_table, "_COMPUTE_SLOT_MAPPING_KERNEL"):
+        raise RuntimeError("vLLM's BlockTable no longer has _COMPUTE_SLOT_MAPPING_KERNEL: update native/adapter.py")
+    if not hasattr(Worker, "_maybe_get_memory_pool_context"):
+        raise RuntimeError("vLLM's Worker no longer has _maybe_get_memory_pool_context: update native/adapter.py")
+    if not isinstance(block_table._COMPUTE_SLOT_MAPPING_KERNEL, _SlotMappingKernel):
+        block_table._COMPUTE_SLOT_MAPPING_KERNEL = _SlotMappingKernel(  # type: ignore[assignment]
+            block_table._COMPUTE_SLOT_MAPPING_KERNEL
+        )
+    Worker._maybe_get_memory_pool_context = _no_memory_pool  # type: ignore[method-assign]
+    _installed = True
