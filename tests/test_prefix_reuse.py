@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_utils import write_suite_model
+from tolerances import logprob_atol
 
 from vllm_kvpress_ext.bench.accuracy import budgets_for, make_policy
 from vllm_kvpress_ext.cache import KeepPlan, PagedKVCache
@@ -168,3 +169,40 @@ def test_thousands_of_attach_and_evict_cycles_conserve_pages() -> None:
         store.detach(req)
     store.clear()
     assert not store.entries and cache.pool.num_free == cache.pool.num_pages
+
+
+@pytest.mark.parametrize("name", ["snapkv", "kvzip", "h2o"])
+def test_a_question_after_its_compressed_context_runs_as_one_chunk(
+    model_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The question tokens after compression take one prefill chunk over the compressed cache, not one decode
+    step each, with the same tokens and log-probabilities; a policy that acts at every decode step (H2O) keeps
+    the steps."""
+    policy = make_policy(name, budgets_for(name, (0.3,))[0])
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    config = engine_for(model_path, False).config
+
+    def run(chunked: bool) -> tuple[object, int]:
+        engine = engine_for(model_path, False)
+        if not chunked:
+            monkeypatch.setattr(engine.runner, "runs_tail_as_chunk", lambda request: False)
+        prompt = tokens(engine, 1, CONTEXT) + tokens(engine, 2, 30)
+        request_id = engine.add_request(prompt, params, policy=policy, compress_after=CONTEXT)
+        steps = 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            for out in engine.step():
+                if out.finished and out.request_id == request_id:
+                    result = out
+        return result, steps
+
+    chunked, chunked_steps = run(True)
+    stepped, stepped_steps = run(False)
+    assert chunked.output_token_ids == stepped.output_token_ids  # type: ignore[attr-defined]
+    for got, want in zip(chunked.logprobs, stepped.logprobs, strict=True):  # type: ignore[attr-defined]
+        assert got.logprob == pytest.approx(want.logprob, abs=logprob_atol(torch.float32, config, want.logprob))
+    if name == "h2o":
+        assert chunked_steps == stepped_steps
+    else:
+        assert stepped_steps - chunked_steps == 30 - 1  # 30 question tokens: 30 decode steps became one chunk

@@ -114,7 +114,7 @@ class LLMEngine:
         """Queue a request; `policy` overrides the engine's default (`"full"` turns compression off).
 
         `compress_after` (default: the whole prompt) is how many prompt tokens are prefilled before
-        the policy compresses; the rest of the prompt then runs through decode steps from the
+        the policy compresses; the rest of the prompt then runs from the
         compressed cache (the strict and question-agnostic evaluation protocols).
 
         `sample_of` names a request with the same prompt, policy and `compress_after` whose compressed

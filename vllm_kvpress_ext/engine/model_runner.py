@@ -298,8 +298,8 @@ class ModelRunner:
     def attach_prefix(self, request: Request) -> bool:
         """Start a waiting request from a cached compressed prefix, if one matches; True if it did.
 
-        The request then holds a row forked from the prefix and runs the rest of its prompt as decode
-        steps, exactly as it would right after compressing that prefix itself.
+        The request then holds a row forked from the prefix and runs the rest of its prompt from it
+        (`runs_tail_as_chunk`), exactly as it would right after compressing that prefix itself.
         """
         if self.prefix_store is None or not self.prefix_store.attach(request):
             return False
@@ -373,6 +373,24 @@ class ModelRunner:
             return 0
         return int(self.cache.pages_per_head(request.request_id).sum())
 
+    def runs_tail_as_chunk(self, request: Request) -> bool:
+        """Whether the prompt tokens a request still owes after its policy compressed (the question after its
+        context, the rest of a prompt after an attached prefix) run as prefill chunks over the compressed
+        cache rather than one decode step each.
+
+        The attention is the same either way: each token sees the compressed entries and the tokens before
+        it (the chunk's paged prefill masks by position). A chunk does it in one pass. Policies that act at
+        every decode step keep the steps, since their per-token hooks are part of what they compute: H2O's
+        accumulated scores, decode-time attention, and WG-KV's gated ring.
+        """
+        policy = request.policy
+        return (
+            request.status is RequestStatus.RUNNING
+            and request.num_tokens - request.num_processed > 1
+            and request.admission is None
+            and (policy is None or not (policy.wants_decode_steps or policy.wants_decode_attention))
+        )
+
     def pages_to_decode(self, requests: list[Request], tokens: int = 1) -> int:
         """Pages `tokens` more tokens for each of `requests` (all holding rows) allocate, copy-on-write included."""
         rows = [r.row for r in requests]
@@ -432,7 +450,8 @@ class ModelRunner:
             assert req.row is not None
             compression = None
             try:
-                capture = self._capture_for(req)
+                # A prompt tail after compression (`runs_tail_as_chunk`) captures nothing: the policy is done.
+                capture = None if req.status is RequestStatus.RUNNING else self._capture_for(req)
                 if self._compresses_layerwise(req, chunk):
                     compression = LayerwiseCompression(self, req, chunk.start, chunk.end)
                     slots = None  # allocated layer by layer inside the forward pass

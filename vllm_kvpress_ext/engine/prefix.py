@@ -163,7 +163,8 @@ def add_forked_request(
     """Start `prompt` (which begins with the snapshot's prefix) from a copy of the prefix cache.
 
     The policy compresses right away, as if a prefill with `compress_after=snapshot.length` had just
-    completed; the remaining prompt tokens and the answer go through the engine's decode steps.
+    completed; the remaining prompt tokens (one chunk where the policy allows, `ModelRunner.runs_tail_as_chunk`)
+    and the answer go through the engine's steps.
     """
     n = snapshot.length
     if prompt[:n] != snapshot.token_ids or len(prompt) <= n:

@@ -25,7 +25,8 @@ Automatic matching (`matching="auto"`, opt-in because it changes what a compress
   (`PagedKVCache.truncate_request`). A policy that evicts during decode (H2O, ...) changes its
   entries and state at every token, so its session entries attach only whole (m = their length).
 - The attached request then behaves exactly as if it had named b as its context (`compress_after` =
-  b): tokens m.. of its prompt run as decode steps from the cache. A request that names its context
+  b): tokens m.. of its prompt run from the cache (one prefill chunk where the policy allows,
+  `ModelRunner.runs_tail_as_chunk`, else decode steps). A request that names its context
   only attaches to entries compressed at that same boundary; one whose boundary is a fallback
   (`context_is_fallback`: chat's "every message but the last") takes any match first.
 
@@ -63,7 +64,7 @@ class CachedPrefix:
     users: int = 0  # running requests attached to it
     tokens: tuple[int, ...] = ()  # the token ids of positions 0 .. length - 1
     namespace: str = ""  # model and policy repr (`prefix_namespace`)
-    boundary: int = 0  # tokens prefilled before the policy compressed; the rest was written by decode steps
+    boundary: int = 0  # tokens prefilled before the policy compressed; the rest was written after it
     truncatable: bool = False  # whether a request may attach to a part of it (m in [boundary, length])
     page_hashes: tuple[bytes, ...] = ()  # its whole pages' chained hashes, under which the index lists it
 

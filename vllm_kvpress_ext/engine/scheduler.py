@@ -105,6 +105,16 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, req.num_processed, end))
             budget -= end - req.num_processed
         available = free - self._pages_promised()
+        for req in self.active:  # prompt tails after compression, one chunk each where the pages are there
+            if budget <= 0 or not self.runner.runs_tail_as_chunk(req):
+                continue
+            end = min(req.num_tokens, req.num_processed + budget)
+            pages = self.runner.pages_to_decode([req], end - req.num_processed)
+            if pages > available:
+                continue  # the tail goes on as decode steps
+            chunks.append(ScheduledChunk(req, req.num_processed, end))
+            budget -= end - req.num_processed
+            available -= pages
         while self.waiting and len(self.active) < self.max_num_seqs:
             req = self.waiting[0]
             if self.runner.attach_prefix(req):  # a cached compressed prefix: no prefill, no reservation

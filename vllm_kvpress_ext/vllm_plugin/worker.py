@@ -259,7 +259,8 @@ class KVPressWorker(WorkerBase):
 
     def _schedule(self, scheduler_output: Any, failed: dict[str, str]) -> tuple[Schedule, list[tuple[Request, int]]]:
         """vLLM's scheduled token counts as the runner's schedule, plus the prompt tails of attached requests
-        (more than one token for a running request), which run as decode steps of their own."""
+        (more than one token for a running request): one prefill chunk where the runner allows it
+        (`runs_tail_as_chunk`), else decode steps of their own."""
         schedule = Schedule()
         tails: list[tuple[Request, int]] = []
         for request_id, count in scheduler_output.num_scheduled_tokens.items():
@@ -272,6 +273,8 @@ class KVPressWorker(WorkerBase):
                 schedule.prefill.append(ScheduledChunk(request, request.num_processed, start + count))
             elif count == 1:
                 schedule.decode.append(request)
+            elif self.runner is not None and self.runner.runs_tail_as_chunk(request):
+                schedule.prefill.append(ScheduledChunk(request, request.num_processed, request.num_processed + count))
             else:
                 tails.append((request, count))
         return schedule, tails
