@@ -441,3 +441,14 @@ def test_the_worker_on_cuda_sizes_its_pool_from_free_device_memory(monkeypatch: 
     assert worker._pool_size({"kv_num_pages": 77}, MODEL_DIR) == (77, None)
     worker.cache_config.kv_cache_memory_bytes = 5 * gib
     assert worker._pool_size({}, MODEL_DIR) == (None, 5 * gib)
+
+
+@pytest.mark.parametrize("field", ["kv_prefix_tokens", "kv_prefix_messages"])
+@pytest.mark.parametrize("value", [3, -1, 10**9, "x", None])
+def test_a_context_field_the_plugin_does_not_serve_is_a_400_not_ignored(field: str, value: Any) -> None:
+    """vLLM drops unknown body fields unread: without this, a client naming its context got a 200 for a
+    request that was not what it asked for."""
+    with pytest.raises(APIError) as refused:
+        rewrite_request({"prompt": "a", field: value, "kv_policy": "snapkv"})
+    assert refused.value.status == 400 and refused.value.param == field
+    assert "not yet by the vLLM plugin" in str(refused.value)

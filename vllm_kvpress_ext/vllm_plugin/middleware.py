@@ -23,7 +23,7 @@ import multiprocessing
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from vllm_kvpress_ext.api.errors import APIError
+from vllm_kvpress_ext.api.errors import APIError, unsupported
 from vllm_kvpress_ext.api.policy_spec import policy_spec
 from vllm_kvpress_ext.vllm_plugin.metrics import choose_metrics_file, register_collector
 from vllm_kvpress_ext.vllm_plugin.usage import install_usage_hooks, usage_fields
@@ -36,8 +36,19 @@ Send = Callable[[Message], Awaitable[None]]
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
+# The embedded server's fields that name a context for compressed reuse (docs/prefix_reuse.md). vLLM would
+# drop them unread and answer 200 as if the request had not asked; until the plugin serves them, a 400.
+CONTEXT_FIELDS = ("kv_prefix_tokens", "kv_prefix_messages")
+
+
 def rewrite_request(payload: dict[str, Any]) -> dict[str, Any]:
-    """Fold a top-level `kv_policy` into `vllm_xargs` (raises `APIError` when they disagree or are invalid)."""
+    """Fold a top-level `kv_policy` into `vllm_xargs` (raises `APIError` when they disagree or are invalid),
+    and refuse the context fields the plugin does not serve yet."""
+    for field in CONTEXT_FIELDS:
+        if field in payload:
+            raise unsupported(
+                field, "naming a context for compressed reuse is served by `kvpress serve`, not yet by the vLLM plugin"
+            )
     if "kv_policy" not in payload:
         return payload
     raw_xargs = payload.get("vllm_xargs")
