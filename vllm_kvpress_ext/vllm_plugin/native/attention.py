@@ -10,8 +10,10 @@ a backend that says `forward_includes_kv_cache_update = False`.
 entries, in order: the queries sit at the last positions, so query i of n sees entries up to
 `seq_len - n + i` (causal), and with a sliding window `w` only those within `w` positions, as HF
 transformers' `sliding_window` (position q sees k when `q - k < w`). GQA reads KV head
-`h // (num_heads / num_kv_heads)`. One `scaled_dot_product_attention` per request, on the pages read
-into a dense tensor: this step is about exactness, the page-reading kernels come with the pool.
+`h // (num_heads / num_kv_heads)` (SDPA's `enable_gqa`). A batch of decodes (one query each) is one
+`scaled_dot_product_attention` over the requests' entries gathered into a padded tensor (the cache's
+slots of every request computed once per step, in the metadata); a batch with prefill chunks takes
+one call per request. The page-reading kernels come with the project's pool behind this backend.
 """
 
 from __future__ import annotations
@@ -35,14 +37,16 @@ from vllm.v1.attention.backend import (
 
 @dataclass
 class KVPressAttentionMetadata(AttentionMetadata):
-    """One step's batch, as the backend reads it: host copies for the per-request loop."""
+    """One step's batch, as the backend reads it."""
 
     num_actual_tokens: int
     num_reqs: int
     query_start_loc: list[int]  # [num_reqs + 1]
     seq_lens: list[int]  # [num_reqs]: cached entries of each request after this step's writes
-    block_table: torch.Tensor  # [num_reqs, max_blocks]
-    slot_mapping: torch.Tensor  # [num_actual_tokens]
+    slot_mapping: torch.Tensor  # [num_actual_tokens]: where this step's tokens are written
+    entry_slots: torch.Tensor  # [num_reqs, max seq_len]: the cache slot of each request's entry, in order
+    entry_valid: torch.Tensor  # [num_reqs, max seq_len]: which of those are within the request's seq_len
+    decode_only: bool  # one query per request: one batched attention call
 
 
 class KVPressAttentionMetadataBuilder(AttentionMetadataBuilder[KVPressAttentionMetadata]):
@@ -56,13 +60,23 @@ class KVPressAttentionMetadataBuilder(AttentionMetadataBuilder[KVPressAttentionM
     ) -> KVPressAttentionMetadata:
         common = common_attn_metadata
         num_reqs = common.num_reqs
+        seq_lens = common.seq_lens[:num_reqs].to(torch.int64)
+        longest = int(seq_lens.max()) if num_reqs else 0
+        block_size = self.kv_cache_spec.block_size
+        tables = common.block_table_tensor[:num_reqs, : -(-longest // block_size)].to(torch.int64)
+        offsets = torch.arange(block_size, device=tables.device)
+        entry_slots = (tables.unsqueeze(-1) * block_size + offsets).reshape(num_reqs, -1)[:, :longest]
+        entry_valid = torch.arange(longest, device=tables.device).unsqueeze(0) < seq_lens.unsqueeze(1)
+        query_start_loc = common.query_start_loc_cpu[: num_reqs + 1].tolist()
         return KVPressAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=num_reqs,
-            query_start_loc=common.query_start_loc_cpu[: num_reqs + 1].tolist(),
-            seq_lens=common.seq_lens[:num_reqs].tolist(),
-            block_table=common.block_table_tensor[:num_reqs],
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens.tolist(),
             slot_mapping=common.slot_mapping[: common.num_actual_tokens],
+            entry_slots=entry_slots.masked_fill(~entry_valid, 0),
+            entry_valid=entry_valid,
+            decode_only=common.num_actual_tokens == num_reqs,
         )
 
 
@@ -114,11 +128,8 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
         count = min(key.shape[0], slot_mapping.shape[0])
         slots = slot_mapping[:count].to(torch.int64)
         valid = slots >= 0
-        slots = slots[valid]
-        block_size = kv_cache.shape[2]
-        blocks, offsets = slots // block_size, slots % block_size
         entries = torch.cat([key[:count][valid], value[:count][valid]], dim=-1)  # [n, Hkv, 2d]
-        kv_cache[blocks, :, offsets] = entries.to(kv_cache.dtype)
+        _by_slot(kv_cache)[slots[valid]] = entries.to(kv_cache.dtype)
 
     def forward(
         self,
@@ -137,40 +148,57 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
         if attn_metadata is None:  # the profiling run, before the cache exists
             return output.fill_(0)
         out = output.view(output.shape[0], self.num_heads, self.head_size)
-        starts = attn_metadata.query_start_loc
-        block_size = kv_cache.shape[2]
-        group = self.num_heads // self.num_kv_heads
-        for r in range(attn_metadata.num_reqs):
+        by_slot = _by_slot(kv_cache)
+        meta = attn_metadata
+        if meta.decode_only:
+            entries = by_slot[meta.entry_slots].transpose(1, 2)  # [B, Hkv, L, 2d]
+            queries = query[: meta.num_reqs].unsqueeze(2)  # [B, Hq, 1, d]
+            lengths = torch.tensor(meta.seq_lens).view(-1, 1, 1, 1)
+            visible = meta.entry_valid.view(meta.num_reqs, 1, 1, -1)
+            attended = self._attend(queries, entries, visible, lengths - 1)  # each query at position L - 1
+            out[: meta.num_reqs] = attended.squeeze(2).to(out.dtype)
+            return output
+        starts = meta.query_start_loc
+        for r in range(meta.num_reqs):
             begin, end = starts[r], starts[r + 1]
             if end == begin:
                 continue
-            length = attn_metadata.seq_lens[r]
-            blocks = attn_metadata.block_table[r, : -(-length // block_size)].to(torch.int64)
-            # [blocks, Hkv, block_size, 2d] -> [Hkv, entries, 2d], the request's entries in order
-            entries = kv_cache[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, 2 * self.head_size)[:, :length]
-            keys, values = entries[..., : self.head_size], entries[..., self.head_size :]
+            length = meta.seq_lens[r]
+            entries = by_slot[meta.entry_slots[r, :length]].transpose(0, 1)  # [Hkv, L, 2d]
             queries = query[begin:end].transpose(0, 1)  # [Hq, n, d]
-            out[begin:end] = self._attend(queries, keys, values, length, group).transpose(0, 1).to(out.dtype)
+            positions = torch.arange(length - (end - begin), length).view(1, -1, 1)  # the queries' positions
+            visible = torch.ones(1, 1, length, dtype=torch.bool)
+            out[begin:end] = self._attend(queries, entries, visible, positions).transpose(0, 1).to(out.dtype)
         return output
 
     def _attend(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, group: int
+        self, queries: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor, query_positions: torch.Tensor
     ) -> torch.Tensor:
-        n = queries.shape[1]
-        query_positions = torch.arange(length - n, length).unsqueeze(1)
-        key_positions = torch.arange(length).unsqueeze(0)
-        visible = key_positions <= query_positions
+        """`queries [..., Hq, n, d]` over `entries [..., Hkv, L, 2d]` (entry j at position j); `visible`
+        broadcasts to `[..., Hq, n, L]` (padding off), and causality and the window come from the positions."""
+        keys = entries[..., : self.head_size].to(queries.dtype)
+        values = entries[..., self.head_size :].to(queries.dtype)
+        key_positions = torch.arange(keys.shape[-2])
+        mask = visible & (key_positions <= query_positions)
         if self.sliding_window is not None:
-            visible &= query_positions - key_positions < self.sliding_window
-        keys, values = keys.to(queries.dtype), values.to(queries.dtype)
-        if group > 1:
-            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+            mask = mask & (query_positions - key_positions < self.sliding_window)
         if self.logits_soft_cap is None:
-            return F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible, scale=self.scale)
-        scores = torch.matmul(queries, keys.transpose(1, 2)).float() * self.scale
+            return F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+            )
+        group = self.num_heads // self.num_kv_heads
+        keys, values = keys.repeat_interleave(group, -3), values.repeat_interleave(group, -3)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * self.scale
         scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
-        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         return torch.matmul(weights.to(values.dtype), values)
+
+
+def _by_slot(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The layer's cache `[blocks, Hkv, block_size, 2d]` as `[slots, Hkv, 2d]`, slot = block * block_size + offset.
+    A view: vLLM's LBNHC layout stores each block's tokens outermost, heads inside them."""
+    blocks, heads, block_size, width = kv_cache.shape
+    return kv_cache.transpose(1, 2).view(blocks * block_size, heads, width)  # `view` refuses to copy
 
 
 class KVPressAttentionBackend(AttentionBackend):

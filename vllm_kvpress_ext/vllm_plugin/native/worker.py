@@ -35,6 +35,14 @@ class VllmRunnerWorker(Worker):
         set_random_seed(self.model_config.seed)
         self.model_runner = CPUModelRunner(self.vllm_config, self.device)
 
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        # vLLM's GPU worker drops torch to one thread after loading ("no steady-state CPU op benefits from
+        # intra-op parallelism" holds where the model runs on a GPU). Here the model runs on these threads:
+        # keep the count the worker started with (vLLM's share of the CPUs for this worker).
+        threads = torch.get_num_threads()
+        super().load_model(load_dummy_weights=load_dummy_weights)
+        torch.set_num_threads(threads)
+
     def determine_available_memory(self) -> int:
         configured = self.cache_config.kv_cache_memory_bytes
         return int(configured) if configured else DEFAULT_KV_MEMORY
