@@ -236,7 +236,7 @@ class CompileOnlyDriver:
         # partials, `fp32/fp16` for a reduce writing fp16.
         floats = [t.lstrip("*") for t in src.signature.values() if isinstance(t, str) and t.startswith(("*fp", "*bf"))]
         variant = " ".join(["/".join(dict.fromkeys(floats)), *labels])
-        threads = metadata.num_warps * 32 * getattr(metadata, "num_ctas", 1)
+        threads = metadata.num_warps * 32  # per block (a cluster of CTAs is blocks side by side)
         self.builds.append(
             KernelBuild("triton", name, variant, self.arch, threads, registers, spill, int(metadata.shared))
         )

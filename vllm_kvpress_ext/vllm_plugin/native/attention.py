@@ -43,7 +43,6 @@ class KVPressAttentionMetadata(AttentionMetadata):
     num_reqs: int
     query_start_loc: list[int]  # [num_reqs + 1]
     seq_lens: list[int]  # [num_reqs]: cached entries of each request after this step's writes
-    slot_mapping: torch.Tensor  # [num_actual_tokens]: where this step's tokens are written
     entry_slots: torch.Tensor  # [num_reqs, max seq_len]: the cache slot of each request's entry, in order
     entry_valid: torch.Tensor  # [num_reqs, max seq_len]: which of those are within the request's seq_len
     decode_only: bool  # one query per request: one batched attention call
@@ -73,7 +72,6 @@ class KVPressAttentionMetadataBuilder(AttentionMetadataBuilder[KVPressAttentionM
             num_reqs=num_reqs,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens.tolist(),
-            slot_mapping=common.slot_mapping[: common.num_actual_tokens],
             entry_slots=entry_slots.masked_fill(~entry_valid, 0),
             entry_valid=entry_valid,
             decode_only=common.num_actual_tokens == num_reqs,
