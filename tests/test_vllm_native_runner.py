@@ -7,7 +7,6 @@ decode batched together; Gemma 3's sliding window shorter than the prompts)."""
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,13 +53,9 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module", autouse=True)
 def in_process_engine() -> Iterator[None]:
-    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    yield
-    if saved is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
 
 
 def write_checkpoint(root: Path, name: str) -> tuple[Path, list[list[int]]]:

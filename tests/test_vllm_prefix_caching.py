@@ -10,7 +10,6 @@ default (prefix caching on without asking) keeps the plugin's store off.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,13 +35,9 @@ POLICIES: list[Any] = ["full", {"name": "snapkv", "ratio": 0.3}, {"name": "h2o",
 
 @pytest.fixture(scope="module", autouse=True)
 def in_process_engine() -> Iterator[None]:
-    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    yield
-    if saved is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
 
 
 def make_llm(**kwargs: Any) -> LLM:
