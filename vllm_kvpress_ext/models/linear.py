@@ -23,7 +23,7 @@ ATEN_CPU_CAPABILITY=avx2` on the development machine, bf16, ms per pass: 1 row F
 widened 51.6; 16 rows 92.3 / 58.3; 64 rows 349 / 156; 512 rows 2,716 / 664 (fp16 on the AVX-512
 machine, which has no fp16 oneDNN kernel either: 16 rows 90.8 / 57.6, 64 rows 346 / 160). Widening
 computes in fp32 and rounds once, so it is at least as exact as the half product.
-`onednn_linear_dtypes()` says what was chosen (`kvpress info`, the engine's startup log).
+`path_for(dtype)` says what was chosen (`kvpress info`, the engine's startup log).
 """
 
 from __future__ import annotations
@@ -80,12 +80,6 @@ def onednn_runs(dtype: torch.dtype) -> bool:
     if runs is None:
         runs = _RUNS[dtype] = _probe(dtype)
     return runs
-
-
-def onednn_linear_dtypes() -> list[torch.dtype]:
-    """The dtypes whose projections oneDNN runs as they are here; the others take `F.linear`, or, for a half
-    dtype at 16 rows or more, oneDNN's fp32 product."""
-    return [dtype for dtype in CANDIDATE_DTYPES if onednn_runs(dtype)]
 
 
 def path_for(dtype: torch.dtype) -> str:

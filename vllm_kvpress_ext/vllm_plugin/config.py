@@ -86,14 +86,6 @@ def chosen_runner(additional: dict[str, Any]) -> str:
     return str(runner)
 
 
-def _policy_name(spec: Any) -> str | None:
-    if isinstance(spec, str):
-        return spec
-    if isinstance(spec, dict):
-        return str(spec.get("name")) if spec.get("name") is not None else None
-    return None
-
-
 def apply_native_config(vllm_config: Any) -> None:
     """vLLM's runner and scheduler with the plugin's worker and attention backend: eager, synchronous,
     every custom op on its torch path; the full cache only (no policy compresses on this path yet)."""
@@ -110,8 +102,10 @@ def apply_native_config(vllm_config: Any) -> None:
         )
     additional = vllm_config.additional_config or {}
     if "kv_policy" in additional:
+        from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
+
         check_policy_spec(additional["kv_policy"])
-        if _policy_name(additional["kv_policy"]) != "full":
+        if default_policy(additional) is not None:  # one that compresses
             raise UnsupportedConfigError(
                 f"additional_config {RUNNER_KEY}='vllm' serves the full cache only for now; "
                 f"kv_policy {additional['kv_policy']!r} needs the plugin's own runner (kv_runner 'project')"
