@@ -72,11 +72,12 @@ def test_bench_policies_runs_the_baseline_first_and_repeats(
         return timed(engine, prompt, params, policy)
 
     monkeypatch.setattr(policies_bench, "_timed_request", counting)
-    argv = ["bench", "policies", "--prompt-lens", "40", "--policies", "h2o", "--decode-steps", "1", "--repeats", "2"]
+    argv = ["bench", "policies", "--prompt-lens", "600", "--policies", "h2o", "--decode-steps", "1", "--repeats", "2"]
     assert main(argv) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("40 ")]
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("600 ")]
     assert [r[1] for r in rows] == ["full", "h2o"]
-    assert prompt_lengths == [4, 4, 40, 40, 40, 40]  # a warm-up per policy, then each request twice
+    # A warm-up per policy (512 tokens: long enough for every policy to compress), then each request twice.
+    assert prompt_lengths == [512, 512, 600, 600, 600, 600]
     with pytest.raises(SystemExit) as exit_info:
         main([*argv[:-1], "0"])
     assert exit_info.value.code == 2 and "--repeats" in capsys.readouterr().err
@@ -156,3 +157,54 @@ def test_bench_linear_times_both_paths(tmp_path: Path, capsys: pytest.CaptureFix
     assert all(r["f_linear_ms"] > 0 and r["onednn_ms"] > 0 for r in results)
     with pytest.raises(ValueError, match="row counts"):
         LinearBenchConfig(model=str(model), rows=(0,))
+
+
+def test_bench_decode_step_measures_a_step_against_its_floor(capsys: pytest.CaptureFixture[str]) -> None:
+    """The floor counts what a step reads: compressing to a quarter cuts the kept K/V bytes to about a
+    quarter and lowers the floor by exactly the bytes' difference over the same bandwidth; H2O, which
+    needs decode attention weights, shows more host syncs per step than full."""
+    from vllm_kvpress_ext.bench.decode_step import DecodeStepConfig, run_decode_step_bench
+
+    results = run_decode_step_bench(
+        DecodeStepConfig(policies=("full", "snapkv", "h2o"), batch=2, prompt_len=256, steps=3, profile_steps=2)
+    )
+    by_name = {r["policy"]: r for r in results}
+    full, snap = by_name["full"], by_name["snapkv"]
+    assert full["weights_GB"] == snap["weights_GB"] > 0
+    assert 0.2 < snap["kv_GB"] / full["kv_GB"] < 0.35
+    bandwidth = (full["weights_GB"] + full["kv_GB"]) / full["floor_ms"]
+    assert snap["floor_ms"] == pytest.approx((snap["weights_GB"] + snap["kv_GB"]) / bandwidth, rel=1e-9)
+    for r in results:
+        assert r["step_ms"] > 0 and r["x_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
+        assert r["device_busy_ms"] > 0 and r["top_host_ops"]
+    assert by_name["h2o"]["host_syncs"] > full["host_syncs"]
+    assert "x floor" in capsys.readouterr().out
+
+
+def test_decode_step_weight_bytes_count_an_untied_embedding_by_rows() -> None:
+    import torch
+
+    from vllm_kvpress_ext.bench.decode_step import weight_bytes_read
+
+    class Untied(torch.nn.Module):
+        def __init__(self, lm_head: bool) -> None:
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(100, 8)
+            self.proj = torch.nn.Linear(8, 8, bias=False)
+            self.lm_head = torch.nn.Linear(8, 100, bias=False) if lm_head else None
+
+    # 4 rows of the table, the projection, the logits matrix; tied: the whole table, read for the logits.
+    assert weight_bytes_read(Untied(lm_head=True), batch=4) == 4 * (4 * 8 + 64 + 800)
+    assert weight_bytes_read(Untied(lm_head=False), batch=4) == 4 * (800 + 64)
+
+
+def test_bench_policies_profiles_each_compression(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--profile` runs one more request per compressing policy with its compression under the profiler:
+    KVzip's reconstruction pass (a prefill's worth of work) shows far more device time than SnapKV's scoring."""
+    argv = ["bench", "policies", "--prompt-lens", "256", "--policies", "snapkv,kvzip", "--decode-steps", "1"]
+    assert main([*argv, "--profile"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("compression profile") :].splitlines()
+    busy = {line.split()[0]: float(line.split()[1]) for line in table[3:] if line.strip()}
+    assert set(busy) == {"snapkv", "kvzip"}
+    assert busy["kvzip"] > 3 * busy["snapkv"] > 0

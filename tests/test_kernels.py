@@ -369,6 +369,62 @@ def test_window_scores_per_head_positions_and_half_precision(device: str) -> Non
         torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
 
 
+# The launch defaults `kvpress bench kernels --compile-only` chose per head_dim and dtype (docs/gpu.md):
+# run at GPU shapes with no block size forced, so the tiles under test are the ones the dispatcher uses.
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+on_gpu = pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON, reason="needs CUDA and triton")
+
+
+@pytest.mark.cuda
+@on_gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize(
+    ("query_dtype", "cache_dtype"),
+    [(F32, F32), (F16, F16), (BF16, BF16), (F32, BF16), (BF16, F16)],
+    ids=["fp32", "fp16", "bf16", "fp32-q-bf16-cache", "bf16-q-fp16-cache"],
+)
+def test_decode_default_tiles_on_cuda(head_dim: int, query_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    kernel = _kernel("decode_attention")
+    query, kv, positions, tables, lens, rows, rt, rl = _decode_case("cuda", 4, head_dim, cache_dtype, True, head_dim)
+    query = query.to(query_dtype)
+    scale = head_dim**-0.5
+    expected = reference.paged_decode_attention(query, kv, positions, tables, lens, rows, scale, rt, rl)
+    out = kernel.paged_decode_attention(query, kv, positions, tables, lens, rows, scale, rt, rl)
+    assert out.dtype == expected.dtype == query_dtype
+    _close(out.float(), expected.float(), query_dtype)  # mixed dtypes compute in fp32, then round to the query's
+
+
+@pytest.mark.cuda
+@on_gpu
+@pytest.mark.parametrize(("head_dim", "dtype"), [(128, BF16), (128, F32), (256, BF16), (256, F32)])
+def test_vertical_slash_default_tiles_on_cuda(head_dim: int, dtype: torch.dtype) -> None:
+    kernel = _kernel("vertical_slash")
+    n = 2000
+    q, k, v = _vs_inputs("cuda", n, 2, 4, head_dim, dtype, seed=head_dim)
+    admitted = (torch.rand(2, n, generator=torch.Generator().manual_seed(5)) < 0.2).cuda()
+    scale = head_dim**-0.5
+    out = kernel.vertical_slash_attention(q, k, v, admitted, 256, scale)
+    expected = reference.vertical_slash_attention(q, k, v, admitted, 256, scale)
+    assert out.dtype == dtype
+    _close(out, expected, dtype)
+
+
+@pytest.mark.cuda
+@on_gpu
+@pytest.mark.parametrize(("head_dim", "dtype"), [(128, F32), (256, F32), (256, BF16)])
+def test_window_scores_default_tiles_on_cuda(head_dim: int, dtype: torch.dtype) -> None:
+    kernel = _kernel("window_scores")
+    gen = torch.Generator().manual_seed(head_dim)
+    heads, group, n, w = 2, 4, 3000, 64
+    keys = torch.randn(heads, n, head_dim, generator=gen).to("cuda", dtype)
+    queries = torch.randn(w, heads * group, head_dim, generator=gen).to("cuda", dtype)
+    key_pos, query_pos = torch.arange(n, device="cuda"), torch.arange(n - w, n, device="cuda")
+    out = kernel.window_scores(queries, query_pos, keys, key_pos, head_dim**-0.5)
+    expected = reference.window_scores(queries, query_pos, keys, key_pos, head_dim**-0.5)
+    tol = 1e-5 if dtype == F32 else 2e-3
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
 # ------------------------------------------------------------------------- the hot path through the ops
 
 
@@ -696,12 +752,21 @@ def test_bench_kernels_runs_on_gpu(capsys: pytest.CaptureFixture[str]) -> None:
 
     figures = run_kernels_bench(
         KernelsBenchConfig(
-            requests=4, kept_tokens=512, full_context=1024, prefill_lens=(4096,), copy_mib=64, repeats=2, warmup=1
+            requests=4,
+            kept_tokens=512,
+            full_context=1024,
+            prefill_lens=(4096,),
+            floor_lens=(1024,),
+            copy_mib=64,
+            repeats=2,
+            warmup=1,
         )
     )
     out = capsys.readouterr().out
     assert "share of copy bandwidth" in out and "vertical-slash" in out
     assert figures["copy_GBps"] > 0 and figures["decode_speedup_r0.1"] > 0
+    assert "against its floor" in out
+    assert all(figures[f"floor_{k}_1024"] > 0 for k in ("decode", "kv_write", "compaction", "window_scores"))
 
 
 # ------------------------------------------------------------------------------------------- CUDA (csrc)

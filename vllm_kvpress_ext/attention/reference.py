@@ -494,6 +494,7 @@ def mask_future_(scores: torch.Tensor, key_positions: torch.Tensor, query_positi
     """
     n, window = scores.shape[-1], query_positions.shape[0]
     keys = key_positions.reshape(-1, n)
+    query_positions = query_positions.to(keys.device)  # captured positions may sit on the host
     if keys.shape[0] == 1 and n > 1 and bool((keys[0, 1:] >= keys[0, :-1]).all()):
         lowest = query_positions.min().to(keys.dtype) if window else None
         first = int(torch.searchsorted(keys[0].contiguous(), lowest, right=True)) if lowest is not None else n

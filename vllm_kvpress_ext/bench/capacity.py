@@ -25,21 +25,16 @@ skipped with a line saying so.
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from vllm_kvpress_ext.bench.budgets import budgeted_policy
 from vllm_kvpress_ext.bench.models import (
-    model_or_bench_model,
+    model_of_shape,
     runnable_policies,
-    shaped_model_dir,
     write_untrained_gates,
 )
 from vllm_kvpress_ext.bench.report import format_table
@@ -135,21 +130,8 @@ def _one_policy(engine: LLMEngine, config: CapacityConfig, policy: KVPolicy, sha
     }
 
 
-@contextmanager
-def _model(config: CapacityConfig) -> Iterator[Path]:
-    if config.model or config.shape == "bench":
-        with model_or_bench_model(config.model, config.seed) as model_dir:
-            yield model_dir
-        return
-    with tempfile.TemporaryDirectory(prefix="kvpress-capacity-model-") as tmp:
-        start = time.perf_counter()
-        model_dir = shaped_model_dir(config.shape, tmp, config.dtype, config.device, config.seed)
-        print(f"wrote a random {config.shape} model in {time.perf_counter() - start:.0f} s")
-        yield model_dir
-
-
 def run_capacity_bench(config: CapacityConfig) -> list[dict[str, Any]]:
-    with _model(config) as model_dir:
+    with model_of_shape(config.model, config.shape, config.dtype, config.device, config.seed) as model_dir:
         if config.model is None:
             write_untrained_gates(model_dir)
         policies = runnable_policies(config.policies, model_dir)

@@ -14,6 +14,13 @@ Three tables:
 3. Vertical-slash prefill: the block-sparse kernel against dense causal SDPA (flash) at 25 %
    admission, for two admission patterns: whole 64-token blocks (what the block skipping exploits)
    and tokens drawn uniformly (nearly every block holds an admitted column: the worst case).
+4. Each kernel against its floor, at every length of `floor_lens` (tokens per KV head): decode over
+   ragged heads of that mean length, the KV write of a prefill of that length, the compaction that
+   keeps a quarter of it (staged, as `apply_keep_plan` runs it), and the observation-window scores of
+   a 64-query window over it. The floor is the larger of bytes / copy bandwidth and FLOPs / the
+   measured matmul peak (a large bf16 / fp16 product); a kernel at 1.0x its floor could not be faster.
+   Bytes count what the op must move at least once: every K and V read (and written, for a write or a
+   copy), positions and slot indices; the two-pass window scores count their keys once.
 
 Timing: CUDA events around each call, `warmup` untimed calls first, median of `repeats`.
 """
@@ -55,6 +62,8 @@ class KernelsBenchConfig:
     warmup: int = 3
     repeats: int = 10
     prefill_repeats: int = 3
+    floor_lens: tuple[int, ...] = (8192, 32768)
+    score_window: int = 64
     cuda_ext: bool = False
     seed: int = 0
 
@@ -211,7 +220,98 @@ def run_kernels_bench(config: KernelsBenchConfig) -> dict[str, float]:
     query = _decode_bandwidth(c, dtype, scale, copy_bps, gen, figures)
     _decode_speedup(c, query, dtype, scale, gen, figures)
     _vertical_slash_speedup(c, dtype, scale, gen, figures)
+    if c.floor_lens:
+        _kernel_floors(c, dtype, scale, copy_bps, gen, figures)
     return figures
+
+
+def matmul_peak(dtype: torch.dtype, warmup: int, repeats: int, size: int = 8192) -> float:
+    """FLOP/s of one `size`-cubed product in `dtype` (fp32 runs as IEEE fp32: TF32 is off by default)."""
+    a = torch.randn(size, size, device="cuda", dtype=dtype)
+    b = torch.randn(size, size, device="cuda", dtype=dtype)
+    ms = time_cuda(lambda: a @ b, warmup, repeats)
+    return 2 * size**3 / (ms / 1000.0)
+
+
+def _floor_row(
+    name: str, n: int, ms: float, num_bytes: float, flops: float, copy_bps: float, peak: float
+) -> tuple[list[object], float]:
+    floor_ms = 1000.0 * max(num_bytes / copy_bps, flops / peak)
+    bound = "memory" if num_bytes / copy_bps >= flops / peak else "compute"
+    return [name, n, f"{ms:.3f}", f"{floor_ms:.3f}", bound, f"{ms / floor_ms:.2f}x"], ms / floor_ms
+
+
+def _kernel_floors(
+    c: KernelsBenchConfig,
+    dtype: torch.dtype,
+    scale: float,
+    copy_bps: float,
+    gen: torch.Generator,
+    figures: dict[str, float],
+) -> None:
+    """4. Decode, KV write, compaction and window scores, each against max(bytes / copy bw, FLOPs / matmul peak)."""
+    from vllm_kvpress_ext.kernels import compaction, decode_attention, kv_write, window_scores
+
+    peak = matmul_peak(dtype, c.warmup, c.repeats)
+    figures["matmul_TFLOPs"] = peak / 1e12
+    elem = torch.empty((), dtype=dtype).element_size()
+    d, hkv, hq = c.head_dim, c.num_kv_heads, c.num_q_heads
+    rows: list[list[object]] = []
+    for n in c.floor_lens:
+        cache = ragged_cache(c.requests, hkv, n, c.jitter, c.page_size, d, dtype, gen)
+        query = torch.randn(c.requests, hq, d, device="cuda", dtype=dtype)
+        ms = time_cuda(_decode_call(decode_attention.paged_decode_attention, cache, query, scale), c.warmup, c.repeats)
+        entries = int(cache.seq_lens.sum())
+        flops = 4.0 * entries * (hq // hkv) * d
+        row, ratio = _floor_row(f"decode ({c.requests} requests)", n, ms, cache.kv_bytes, flops, copy_bps, peak)
+        rows.append(row)
+        figures[f"floor_decode_{n}"] = ratio
+
+        # One request's prefill of n tokens per head: every (token, KV head) written once.
+        pages = hkv * (-(-n // c.page_size)) * 2
+        kv_pool = torch.zeros(pages, 2, c.page_size, d, device="cuda", dtype=dtype)
+        position_pool = torch.zeros(pages, c.page_size, dtype=torch.int32, device="cuda")
+        slots = torch.randperm(pages * c.page_size, generator=gen)[: n * hkv].to("cuda")
+        keys = torch.randn(n * hkv, d, device="cuda", dtype=dtype)
+        values = torch.randn_like(keys)
+        positions = torch.arange(n * hkv, device="cuda", dtype=torch.int32)
+        write = functools.partial(kv_write.write_kv, kv_pool, slots, keys, values, position_pool, positions)
+        ms = time_cuda(write, c.warmup, c.repeats)
+        moved = n * hkv * (2 * 2 * d * elem + 8 + 4 + 4)  # K, V read and written; slot, position in, position out
+        row, ratio = _floor_row("KV write (prefill)", n * hkv, ms, moved, 0.0, copy_bps, peak)
+        rows.append(row)
+        figures[f"floor_kv_write_{n}"] = ratio
+
+        # Compaction keeping a quarter, order-preserving: kept entry e moves to slot rank(e).
+        kept = n * hkv // 4
+        src = torch.sort(torch.randperm(n * hkv, generator=gen)[:kept]).values.to("cuda")
+        dst = torch.arange(kept, device="cuda")
+        ms = time_cuda(functools.partial(compaction.copy_slots, kv_pool, position_pool, src, dst), c.warmup, c.repeats)
+        moved = kept * (2 * 2 * d * elem + 2 * 4 + 2 * 8)  # K, V and position read and written; two slot lists
+        row, ratio = _floor_row("compaction (keep 25%)", kept, ms, moved, 0.0, copy_bps, peak)
+        rows.append(row)
+        figures[f"floor_compaction_{n}"] = ratio
+
+        # The observation-window scores of one layer (SnapKV's family): w queries over n keys per head.
+        w = c.score_window
+        key_tensor = torch.randn(hkv, n, d, device="cuda", dtype=dtype)
+        window_queries = torch.randn(w, hq, d, device="cuda", dtype=dtype)
+        key_positions = torch.arange(n, device="cuda")
+        query_positions = torch.arange(n - w, n, device="cuda")
+        scores = functools.partial(
+            window_scores.window_scores, window_queries, query_positions, key_tensor, key_positions, scale
+        )
+        ms = time_cuda(scores, c.warmup, c.repeats)
+        moved = hkv * n * (d * elem + 8 + 4) + w * hq * d * elem  # keys, key positions, the scores out
+        flops = 2 * 2.0 * w * hq * n * d  # two passes each form every score
+        row, ratio = _floor_row(f"window scores (w={w})", n, ms, moved, flops, copy_bps, peak)
+        rows.append(row)
+        figures[f"floor_window_scores_{n}"] = ratio
+    print(
+        f"\neach kernel against its floor: max(bytes / {copy_bps / 1e9:,.0f} GB/s copy, FLOPs / "
+        f"{peak / 1e12:,.0f} TFLOP/s matmul), {hq}/{hkv} heads, d={d}, {c.dtype}"
+    )
+    print(format_table(["kernel", "tokens (per head) / entries", "ms", "floor ms", "bound", "x floor"], rows))
 
 
 def _decode_bandwidth(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,9 +25,13 @@ BENCH_MODEL = {
 
 def bench_model_dir(root: str | Path | None = None, seed: int = 0) -> Path:
     """Write the random benchmark model into `root` (a fresh temporary directory by default)."""
+    from vllm_kvpress_ext.tasks.tokenizer import save_tokenizer
+
     out = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="kvpress-bench-model-"))
     config = llama_config(**BENCH_MODEL)  # type: ignore[arg-type]
-    return save_model(random_model(config, seed=seed), config, out)
+    save_model(random_model(config, seed=seed), config, out)
+    save_tokenizer(out)  # its ids fit the vocabulary; KVzip's reconstruction pass renders a text prompt
+    return out
 
 
 def suite_bench_model_dir(root: str | Path, seed: int = 0) -> Path:
@@ -86,6 +91,7 @@ def shaped_model_dir(shape: str, root: str | Path, dtype: str = "bfloat16", devi
     from vllm_kvpress_ext.models.config import ModelConfig
     from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
     from vllm_kvpress_ext.models.loader import _checkpoint_name, resolve_dtype
+    from vllm_kvpress_ext.tasks.tokenizer import save_tokenizer
 
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
@@ -104,7 +110,25 @@ def shaped_model_dir(shape: str, root: str | Path, dtype: str = "bfloat16", devi
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # A tokenizer (the synthetic suite's; its ids fit any shape's vocabulary): KVzip's reconstruction pass
+    # renders a text prompt, so a model without one cannot run every policy.
+    save_tokenizer(out)
     return out
+
+
+@contextmanager
+def model_of_shape(model: str | None, shape: str, dtype: str, device: str, seed: int = 0) -> Iterator[Path]:
+    """`model` as a path; else the random model of `shape` (`SHAPES`), written to a temporary directory
+    removed afterwards, its tensors drawn on `device`."""
+    if model or shape == "bench":
+        with model_or_bench_model(model, seed) as model_dir:
+            yield model_dir
+        return
+    with tempfile.TemporaryDirectory(prefix=f"kvpress-{shape}-model-") as tmp:
+        start = time.perf_counter()
+        model_dir = shaped_model_dir(shape, tmp, dtype, device, seed)
+        print(f"wrote a random {shape} model in {time.perf_counter() - start:.0f} s")
+        yield model_dir
 
 
 def write_untrained_gates(model_dir: str | Path) -> Path:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from vllm_kvpress_ext.bench.models import model_or_bench_model, runnable_policies, write_untrained_gates
+from vllm_kvpress_ext.bench.profiling import format_top_ops, summarize, wrap_profiled
 from vllm_kvpress_ext.bench.report import format_table
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.engine.request import KVStats
@@ -40,6 +41,7 @@ class PoliciesBenchConfig:
     prompt_lens: tuple[int, ...] = (2048, 8192)
     decode_steps: int = 8
     repeats: int = 1
+    profile: bool = False  # also profile each policy's compression at the longest prompt
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
@@ -60,8 +62,11 @@ def _run(config: PoliciesBenchConfig, model_dir: Path) -> list[dict[str, object]
     engine = _engine_for(config, model_dir)
     g = torch.Generator().manual_seed(config.seed)
     params = SamplingParams(max_tokens=config.decode_steps + 1, temperature=0.0, ignore_eos=True)
-    for name in policies:  # warm-up: first calls, lazily built kernels
-        _timed_request(engine, [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0), name)
+    # Warm-up: first calls and lazily built kernels. The prompt is long enough for every policy to compress
+    # (a 4-token prompt is shorter than the observation windows), so no kernel compiles inside a timed run.
+    warm = torch.randint(0, engine.config.vocab_size, (min(512, *config.prompt_lens),), generator=g).tolist()
+    for name in policies:
+        _timed_request(engine, warm, params, name)
     results: list[dict[str, object]] = []
     for prompt_len in config.prompt_lens:
         prompt = torch.randint(0, engine.config.vocab_size, (prompt_len,), generator=g).tolist()
@@ -87,7 +92,38 @@ def _run(config: PoliciesBenchConfig, model_dir: Path) -> list[dict[str, object]
                 }
             )
     _print_table(results)
+    if config.profile:
+        _profile_compressions(engine, policies[1:], prompt, params)
     return results
+
+
+def _profile_compressions(engine: LLMEngine, policies: list[str], prompt: list[int], params: SamplingParams) -> None:
+    """One more request per policy with its compression (`ModelRunner.complete_prefill`) under the profiler.
+
+    What a policy does inside the prefill's own pass (H2O's column sums) is not in this profile.
+    """
+    rows = []
+    for name in policies:
+        profiles: list[Any] = []
+        undo = wrap_profiled(engine.runner, "complete_prefill", engine.device, profiles)
+        try:
+            _timed_request(engine, prompt, params, name)
+        finally:
+            undo()
+        if not profiles:
+            continue
+        figures = [summarize(events, 1, engine.device.type == "cuda") for events in profiles]
+        rows.append(
+            [
+                name,
+                f"{sum(f['device_busy_ms'] for f in figures):.1f}",
+                f"{sum(f['launches'] for f in figures):.0f}",
+                f"{sum(f['host_syncs'] for f in figures):.0f}",
+                format_top_ops(figures[0]["top_host_ops"][:3]),
+            ]
+        )
+    print(f"\ncompression profile, {len(prompt)}-token prompt (one request per policy)")
+    print(format_table(["policy", "device busy ms", "launches", "host syncs", "host ops with most self time"], rows))
 
 
 def _engine_for(config: PoliciesBenchConfig, model_dir: Path) -> LLMEngine:

@@ -29,6 +29,14 @@ def register(bench_sub: Subparsers) -> None:
     bk.add_argument("--window", type=int, default=1024, help="vertical-slash local band (default: 1024)")
     bk.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"), help="default: float16")
     bk.add_argument("--repeats", type=int, default=10, help="timed calls per decode point, median (default: 10)")
+    bk.add_argument("--heads", default="32/8", help="query heads / KV heads (default: 32/8, Llama-3-8B)")
+    bk.add_argument("--head-dim", type=int, default=128, help="default: 128")
+    bk.add_argument(
+        "--floor-lens",
+        type=int_list,
+        default=(8192, 32768),
+        help="tokens per head for the kernels-against-their-floor table (default: 8192,32768)",
+    )
     bk.add_argument("--cuda-ext", action="store_true", help="also build and time the CUDA decode kernel in csrc/")
     build = bk.add_argument_group(
         "compile only (no GPU needed)",
@@ -60,7 +68,18 @@ def run(args: argparse.Namespace) -> int:
         run_kernels_bench,
     )
 
+    try:
+        num_q_heads, num_kv_heads = (int(x) for x in args.heads.split("/"))
+        if num_q_heads < 1 or num_kv_heads < 1 or num_q_heads % num_kv_heads:
+            raise ValueError
+    except ValueError:
+        print(f"kvpress bench kernels: --heads must be Q/KV with KV dividing Q, got {args.heads!r}", file=sys.stderr)
+        return 2
     config = KernelsBenchConfig(
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=args.head_dim,
+        floor_lens=args.floor_lens,
         requests=args.requests,
         kept_tokens=args.kept_tokens,
         full_context=args.full_context,

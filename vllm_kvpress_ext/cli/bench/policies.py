@@ -26,6 +26,12 @@ def register(bench_sub: Subparsers) -> None:
         default=1,
         help="runs per request; the fastest is reported, steadier on a busy machine (default: 1)",
     )
+    pol.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile each policy's compression at the longest prompt: device time, kernel launches, host "
+        "syncs and the host ops with most self time",
+    )
     pol.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     pol.add_argument("--dtype", default="float32", help="model dtype (default: float32)")
     pol.set_defaults(handler=run)
@@ -41,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
             prompt_lens=args.prompt_lens,
             decode_steps=args.decode_steps,
             repeats=args.repeats,
+            profile=args.profile,
             device=args.device,
             dtype=args.dtype,
         )
