@@ -166,7 +166,8 @@ def test_a_failed_prefill_step_spares_the_requests_decoding(
         streams = [pool.submit(stream_text, server.url, {**body, "stream": True}, e) for e in started]
         assert all(e.wait(60) for e in started)  # every stream has a token: past its own prefill
         armed.set()
-        error = assert_error(complete(http, prompt="key trout is 3 .", max_tokens=4), 500)
+        # A prompt no earlier request began with: it prefills (a cached prefix would skip the failing pass).
+        error = assert_error(complete(http, prompt="x29 onion key trout is 3 .", max_tokens=4), 500)
         assert "injected prefill failure" in error["message"]
         for text, reason, done in (s.result() for s in streams):
             assert done and reason == "length" and text == alone

@@ -96,10 +96,14 @@ def test_offline_context_question_reuses_the_context(model_path: Path) -> None:
 def test_no_boundary_no_cache(model_path: Path) -> None:
     engine = engine_for(model_path, True)
     prompt = tokens(engine, 4, 40)
-    for compress_after in (None, 40):  # no question after the context: nothing to share
+    for compress_after in (None, 40):  # no question after the context: nothing compressed to share
         run_all(engine, [engine.add_request(prompt, GREEDY, policy="snapkv", compress_after=compress_after)])
+    store = engine.runner.prefix_store
+    assert store is not None and not store.entries
+    # Without a policy nothing is compressed: the finished request stays whole, reusable from position 0 on.
     run_all(engine, [engine.add_request(prompt, GREEDY, policy="full", compress_after=20)])
-    assert engine.runner.prefix_store is not None and not engine.runner.prefix_store.entries
+    [entry] = store.entries.values()
+    assert entry.boundary == 0 and entry.truncatable and entry.length == len(prompt) + GREEDY.max_tokens - 1
     with pytest.raises(ValueError, match="max_cached_prefixes"):
         engine_for(model_path, True, max_cached_prefixes=0)
 
@@ -206,3 +210,75 @@ def test_a_question_after_its_compressed_context_runs_as_one_chunk(
         assert chunked_steps == stepped_steps
     else:
         assert stepped_steps - chunked_steps == 30 - 1  # 30 question tokens: 30 decode steps became one chunk
+
+
+# ------------------------------------------------------------------------ exact reuse of uncompressed caches
+
+
+def test_uncompressed_prompts_reuse_every_shared_token_by_default(model_path: Path) -> None:
+    """Without a policy nothing is compressed, so a finished request's cache is exact for any later prompt
+    that shares a page or more of its tokens: in the default (named) matching mode, with no context named.
+    The outputs and log-probabilities equal a run without the cache; the reuse shows in `cached_tokens`."""
+    cached, fresh = engine_for(model_path, True), engine_for(model_path, False)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    system = tokens(cached, 0, 50)  # a shared system prompt of 12.5 pages of 4 tokens
+    prompts = [
+        system + tokens(cached, 1, 9),
+        system + tokens(cached, 2, 9),  # diverges after the system prompt: attaches at 50, mid-page
+        system + tokens(cached, 1, 9)[:5] + tokens(cached, 3, 4),  # shares 55 tokens with the first
+        tokens(cached, 4, 30),  # shares nothing
+    ]
+    got, alone = [], []
+    for prompt in prompts:  # one after the other: each finds the caches of those before it
+        got.append(run_all(cached, [rid := cached.add_request(prompt, params)])[rid])
+        alone.append(run_all(fresh, [rid := fresh.add_request(prompt, params)])[rid])
+    assert [o.cached_tokens for o in got] == [0, 50, 55, 0]  # type: ignore[attr-defined]
+    for g, a in zip(got, alone, strict=True):
+        assert g.output_token_ids == a.output_token_ids  # type: ignore[attr-defined]
+        for g_step, a_step in zip(g.logprobs, a.logprobs, strict=True):  # type: ignore[attr-defined]
+            tolerance = logprob_atol(torch.float32, cached.config, a_step.logprob)
+            assert g_step.logprob == pytest.approx(a_step.logprob, abs=tolerance)
+    # A compressing request never starts from an uncompressed entry (another policy is another namespace).
+    snap = run_all(cached, [rid := cached.add_request(prompts[0], params, policy="snapkv")])[rid]
+    assert snap.cached_tokens == 0  # type: ignore[attr-defined]
+    # Prompt log-probabilities come from the prefill: such a request computes its prompt.
+    with_prompt_logprobs = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    out = run_all(cached, [rid := cached.add_request(prompts[0], with_prompt_logprobs)])[rid]
+    assert out.cached_tokens == 0  # type: ignore[attr-defined]
+
+
+def test_uncompressed_sessions_give_their_pages_back_before_a_request_waits(model_path: Path) -> None:
+    """Finished requests' caches are memory nobody needs: a request that would not fit beside them evicts
+    them, least recently used first, instead of waiting; the pool's pages are conserved throughout."""
+    engine = engine_for(model_path, True, num_pages=160, max_cached_prefixes=8)
+    layers, heads = engine.config.num_hidden_layers, engine.config.num_key_value_heads
+    per_request = layers * heads * -(-(60 + 6) // 4)  # pages a 60-token prompt and 6 tokens hold uncompressed
+    assert 2 * per_request <= engine.cache.pool.num_pages < 3 * per_request
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for seed in range(4):  # four unrelated prompts, one after the other: each needs the pages of the oldest
+        out = run_all(engine, [rid := engine.add_request(tokens(engine, 100 + seed, 60), params)])[rid]
+        assert out.finish_reason == "length" and out.num_preemptions == 0  # type: ignore[attr-defined]
+    store = engine.runner.prefix_store
+    assert store is not None and store.evicted >= 2 and len(store.entries) <= 2
+    store.clear()
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages
+
+
+def test_a_request_that_outgrows_the_pool_beside_its_entry_ends_with_length(model_path: Path) -> None:
+    """A request attached to a finished request's cache that alone outgrows the pool is preempted; it
+    recomputes instead of attaching again (which would pin the entry beside it, and preempt it again, with
+    no end), so it ends with "length" and every page comes back."""
+    engine = engine_for(model_path, True, num_pages=160)  # 40 pages of 4 tokens per (layer, KV head)
+    prompt = tokens(engine, 7, 60)
+    run_all(engine, [engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))])
+    rid = engine.add_request([*prompt, 5], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    finished = None
+    for _ in range(2000):  # far more steps than 160 tokens take; a livelock would run out of them
+        finished = next((o for o in engine.step() if o.request_id == rid and o.finished), None)
+        if finished is not None:
+            break
+    assert finished is not None and finished.finish_reason == "length"
+    assert finished.num_preemptions >= 1  # type: ignore[attr-defined]
+    assert 61 + len(finished.output_token_ids) - 1 <= 160
+    engine.runner.prefix_store.clear()  # type: ignore[union-attr]
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages

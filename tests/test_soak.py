@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_server import PROMPT, LiveServer, _start, _write_model, metric, pool_empty, wait_for
+from test_server import PROMPT, LiveServer, _start, _write_model, pool_empty, wait_for
 
 ROUNDS = 120  # requests in the soak; about 15 s on 2 cores
 POLICIES: list[Any] = [
@@ -117,7 +117,6 @@ def test_soak_mixed_policies_aborts_and_bad_requests(live: LiveServer) -> None:
 
     with httpx.Client(base_url=live.url, timeout=30) as client:
         wait_for(lambda: pool_empty(client), timeout=30)
-        assert metric(client, "kvpress_kv_pages_used") == 0
         assert client.get("/health").status_code == 200
         assert client.get("/debug/kv").json()["failed_steps"] == 0
     growth = _rss_bytes() - baseline

@@ -4,7 +4,7 @@ Each turn of a conversation attaches to what the previous turn left, as `kvpress
 --prefix-matching auto` does: the plugin's scheduler tells vLLM the attached tokens are computed
 (`num_cached_tokens`), the worker forks the stored row, and the tokens equal the embedded engine's
 turn for turn (whose own tests prove them equal to the fresh run that builds the same cache). vLLM's
-default (prefix caching on without asking) keeps the plugin's store off.
+default (prefix caching on without asking) reuses only uncompressed caches, which is exact.
 """
 
 from __future__ import annotations
@@ -22,7 +22,11 @@ from vllm import SamplingParams as VllmSamplingParams
 from vllm_utils import MODEL_DIR, PAGE_SIZE, vllm_server
 
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
-from vllm_kvpress_ext.vllm_plugin.config import UnsupportedConfigError, check_prefix_caching_settings
+from vllm_kvpress_ext.vllm_plugin.config import (
+    UnsupportedConfigError,
+    check_prefix_caching_settings,
+    prefix_matching_mode,
+)
 from vllm_kvpress_ext.vllm_plugin.scheduler import KVPressScheduler
 
 pytestmark = pytest.mark.slow
@@ -125,11 +129,18 @@ def test_turns_attach_and_equal_the_embedded_engine(caching_llm: LLM, policy: An
     assert metrics.gauges["kvpress_prefix_cache_entries"] >= 1 and metrics.gauges["kvpress_prefix_cache_pages"] > 0
 
 
-def test_vllm_default_keeps_the_store_off() -> None:
-    llm = make_llm()  # vLLM turns prefix caching on by default; that is not a request for the plugin's store
-    messages = conversation("snapkv", seed=3)
-    assert all(cached == 0 for _, cached in vllm_turns(llm, "snapkv", messages[:2]))
-    assert scheduler_of(llm).prefix_mirror is None
+def test_vllm_default_reuses_uncompressed_caches_only() -> None:
+    """vLLM's default (prefix caching on, not asked for) is exact reuse: a full request's turns attach and
+    equal the embedded engine's, a compressing request's never do (that changes what its policy sees)."""
+    llm = make_llm()
+    snap = conversation("snapkv", seed=3)
+    assert all(cached == 0 for _, cached in vllm_turns(llm, "snapkv", snap[:2]))
+    messages = conversation("full", seed=4)
+    got = vllm_turns(llm, "full", messages)
+    assert got == embedded_turns("full", messages)
+    assert got[0][1] == 0 and got[1][1] == len(messages[0]) + MAX_TOKENS - 1
+    mirror = scheduler_of(llm).prefix_mirror
+    assert mirror is not None and mirror.matching == "named"
 
 
 def test_the_mirror_follows_the_workers_store(caching_llm: LLM) -> None:
@@ -157,6 +168,12 @@ def test_the_mirror_follows_the_workers_store(caching_llm: LLM) -> None:
 def test_prefix_caching_settings_are_checked() -> None:
     assert check_prefix_caching_settings({}) is False
     assert check_prefix_caching_settings({"kv_prefix_caching": True, "kv_max_cached_prefixes": 4}) is True
+    # Unset: exact reuse of uncompressed caches; asked for: compressed ones too; turned off: none.
+    assert prefix_matching_mode({}) == "named"
+    assert prefix_matching_mode({"kv_prefix_caching": True}) == "auto"
+    assert prefix_matching_mode({"kv_prefix_caching": False}) is None
+    with pytest.raises(UnsupportedConfigError):
+        prefix_matching_mode({"kv_max_cached_prefixes": 0})
     for bad in ({"kv_prefix_caching": "yes"}, {"kv_max_cached_prefixes": 0}, {"kv_max_cached_prefixes": True}):
         with pytest.raises(UnsupportedConfigError):
             check_prefix_caching_settings(bad)

@@ -128,7 +128,7 @@ def _one_policy(
                 f"{name}: a step decoded {len(outputs)} of {config.batch} requests; the pool is too small"
             )
     step_ms = 1000.0 * statistics.median(samples)
-    profiled = _profile(engine, config.profile_steps) if config.profile_steps else {}
+    profile_figures = _profile(engine, config.profile_steps) if config.profile_steps else {}
     while engine.has_unfinished_requests():
         engine.step()
     floor_ms = 1000.0 * (weights + kv_bytes) / bandwidth
@@ -140,7 +140,7 @@ def _one_policy(
         "weights_GB": weights / 1e9,
         "kv_GB": kv_bytes / 1e9,
         "decode_tok_s": config.batch / (step_ms / 1000.0),
-        **profiled,
+        **profile_figures,
     }
 
 

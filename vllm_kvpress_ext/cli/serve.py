@@ -98,9 +98,10 @@ def _add_engine_arguments(serve: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="keep compressed contexts of requests that set kv_prefix_tokens (with --prefix-matching auto, also "
-        "every finished request's cache) for later requests with the same context, policy and model to reuse; they "
-        "are dropped, least recently used first, before any running request is preempted (default: on; "
-        "docs/prefix_reuse.md)",
+        "every finished request's cache) for later requests with the same context, policy and model to reuse, and "
+        "the cache of every finished request that nothing compressed (policy full), which a later full request "
+        "whose prompt starts with the same tokens reuses exactly; they are dropped, least recently used first, "
+        "before any running request is preempted or a waiting one refused (default: on; docs/prefix_reuse.md)",
     )
     serve.add_argument(
         "--max-cached-prefixes",
@@ -113,8 +114,9 @@ def _add_engine_arguments(serve: argparse.ArgumentParser) -> None:
         "--prefix-matching",
         choices=PREFIX_MATCHING_MODES,
         default="named",
-        help="named: only requests that name their context (kv_prefix_tokens / kv_prefix_messages) store or "
-        "reuse it; auto: also attach any request to the longest stored prefix of its prompt with the same policy "
+        help="for compressed caches (uncompressed ones are reused exactly in both modes): named: only requests "
+        "that name their context (kv_prefix_tokens / kv_prefix_messages) store or reuse it; auto: also attach any "
+        "request to the longest stored prefix of its prompt with the same policy "
         "and parameters, keep each finished request's cache for the next turn of its conversation, and in chat "
         "take every message but the last as the context when none is named; this changes what a compressing "
         "policy sees (default: named; docs/prefix_reuse.md)",

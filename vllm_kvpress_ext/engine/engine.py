@@ -56,7 +56,9 @@ class LLMEngine:
     ) -> None:
         """`enable_prefix_caching` keeps up to `max_cached_prefixes` compressed contexts (requests with a
         context/question boundary, `compress_after` < prompt length) for later requests with the same
-        context, policy and model to attach to instead of prefilling (`engine/prefix_store.py`).
+        context, policy and model to attach to instead of prefilling (`engine/prefix_store.py`), and the
+        caches of finished uncompressed requests, which any later uncompressed prompt sharing their first
+        tokens reuses exactly.
 
         `prefix_matching="auto"` (opt-in: it changes what a compressing policy sees) also attaches
         requests that name no context to the longest stored prefix of their prompt, and keeps each

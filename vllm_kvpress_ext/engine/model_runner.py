@@ -317,9 +317,10 @@ class ModelRunner:
         return True
 
     def keep_session(self, request: Request) -> None:
-        """A request finished normally: with automatic prefix matching, its cache stays for a later turn."""
-        if self.prefix_store is not None and request.row is not None and request.compressed_at is not None:
-            self.prefix_store.store_session(request, request.compressed_at)
+        """A request finished normally: its cache stays for later prompts that share its tokens (uncompressed,
+        in every matching mode) or for a later turn (compressed, with automatic matching)."""
+        if self.prefix_store is not None and request.row is not None:
+            self.prefix_store.store_session(request)
 
     def prefix_store_stats(self) -> PrefixStoreStats | None:
         """The compressed prefix store's cumulative hits and reused tokens and what it holds now (None: off)."""

@@ -10,6 +10,13 @@ tokens go to its own pages, copy-on-write at the shared partial last page) with 
 policy state, and continues from token c exactly as the first request did right after compressing,
 so it produces the tokens it would produce from the same compressed cache built fresh.
 
+Uncompressed caches, in every matching mode: a request without a policy (`full`) leaves its row, when it
+finishes normally, as a session entry usable from position 0 (boundary 0: nothing was compressed, so any
+prefix of it is exact). A later request without a policy whose prompt shares a page or more of its tokens
+attaches at the longest common prefix and prefills only the rest, as vLLM's automatic prefix caching does,
+except that the match is not cut to whole pages. Its outputs are those of a run without the cache. A
+compressing request never attaches to such an entry (its namespace names another policy).
+
 Automatic matching (`matching="auto"`, opt-in because it changes what a compressing policy sees):
 
 - Entries are also indexed by chained page hashes of their tokens (page i's hash covers the
@@ -176,7 +183,7 @@ class PrefixIndex:
             entry = self.entries.get(prefix_key(self.model_dir, policy, prompt[:named]))
             if entry is not None:
                 best = (entry, entry.length)
-        if not self.auto:
+        if not self.auto and policy is not None:  # uncompressed entries are exact: matched in every mode
             return best
         namespace = prefix_namespace(self.model_dir, policy)
         hashes = page_hashes(namespace, prompt, self.page_size)
@@ -223,10 +230,10 @@ class PrefixStore(PrefixIndex):
         self.evicted = 0
 
     def cacheable(self, request: Request) -> bool:
-        """Whether the request's cache may be stored or attached to at all."""
-        if request.admission is not None:  # a write gate's ring is per request
-            return False
-        return request.policy is not None or self.auto
+        """Whether the request's cache may be stored or attached to at all: any request but one whose policy
+        gates writes (a write gate's ring is per request). An uncompressed request's cache is exact, so it is
+        stored and reused in every matching mode; a compressed one by name, or in `auto` by its tokens."""
+        return request.admission is None
 
     @staticmethod
     def boundary(request: Request) -> int | None:
@@ -263,10 +270,23 @@ class PrefixStore(PrefixIndex):
         )  # a named context is used whole (truncatable False)
         self._add_entry(request, context)
 
-    def store_session(self, request: Request, boundary: int) -> None:
-        """Keep what a finished request left (auto matching): its compressed context plus every token
-        written after it, for a later turn to attach to. `boundary` is where its policy compressed."""
-        if not self.auto or not self.cacheable(request) or request.row is None:
+    def session_boundary(self, request: Request) -> int | None:
+        """Where the session entry `store_session` keeps of `request` starts being usable, or None when it keeps
+        nothing (no completed prefill; a compressed cache outside `auto` matching). A compressed context is
+        used whole, so its entry's boundary is where the policy compressed; nothing was compressed in an
+        uncompressed one, so any prefix of it is exact: boundary 0."""
+        if request.compressed_at is None or not self.cacheable(request):
+            return None
+        if request.policy is None:
+            return 0
+        return request.compressed_at if self.auto else None
+
+    def store_session(self, request: Request) -> None:
+        """Keep what a finished request left: its compressed context plus every token written after it, for a
+        later turn to attach to (auto matching), or, uncompressed, for any later prompt that shares a page or
+        more of its tokens (every mode)."""
+        boundary = self.session_boundary(request)
+        if boundary is None or request.row is None:
             return
         tokens = request.all_token_ids[: request.num_processed]
         entry = session_entry(self.model_dir, self.page_size, request.policy, tokens, boundary)
@@ -292,6 +312,12 @@ class PrefixStore(PrefixIndex):
     def match(self, request: Request) -> tuple[CachedPrefix, int] | None:
         """The entry and token count a request can attach to, longest first; None if there is none."""
         if request.params.prompt_logprobs is not None or not self.cacheable(request):
+            return None
+        # A preempted request recomputes. Attached again, it would pin the entry it was preempted beside,
+        # and a request that alone outgrows the pool beside that entry would be preempted and re-attached
+        # forever; recomputing, it reserves its pages, the entry is evictable, and it either fits or ends
+        # with "length" (`LLMEngine._stop_if_pool_too_small`).
+        if request.num_preemptions:
             return None
         # A boundary only names a context for a compressing policy (without one the whole prompt is prefilled).
         named = None if request.context_is_fallback or request.policy is None else request.compress_after

@@ -3,10 +3,11 @@
 Called from the platforms' `check_and_update_config`, in every vLLM process, before the engine is
 built: it swaps in the plugin's worker and scheduler and turns off what cannot be right over a
 per-head pool that frees entries (vLLM's own prefix caching would skip prefill of tokens a policy
-evicted). Prefix caching asked for explicitly (`--enable-prefix-caching`, `LLM(enable_prefix_caching=
-True)`, or `additional_config["kv_prefix_caching"]`) is the plugin's own compressed prefix store
-instead (docs/vllm.md); vLLM's default (on) is not a request for it, since it changes what a
-compressing policy sees.
+evicted). Prefix caching is the plugin's own prefix store instead (docs/vllm.md): by default (vLLM's
+default, on) it reuses the caches of uncompressed requests exactly; asked for explicitly
+(`--enable-prefix-caching`, `LLM(enable_prefix_caching=True)`, or `additional_config["kv_prefix_caching"]`)
+it also reuses compressed ones, which changes what a compressing policy sees; `--no-enable-prefix-caching`
+turns it off.
 """
 
 from __future__ import annotations
@@ -71,11 +72,26 @@ def check_prefix_caching_settings(additional: dict[str, Any]) -> bool:
     return enabled
 
 
+def prefix_matching_mode(additional: dict[str, Any]) -> str | None:
+    """How the plugin's prefix store matches (`PREFIX_MATCHING_MODES`), or None when it is off.
+
+    Unset (vLLM's default, prefix caching on): "named", which reuses the caches of finished uncompressed
+    requests exactly, as vLLM's own prefix caching would, and nothing compressed. Asked for explicitly:
+    "auto", which also attaches compressed caches by their tokens (the next turn of a conversation). Turned
+    off explicitly (`--no-enable-prefix-caching`): None.
+    """
+    if PREFIX_CACHING_KEY not in additional:
+        check_prefix_caching_settings(additional)
+        return "named"
+    return "auto" if check_prefix_caching_settings(additional) else None
+
+
 def record_explicit_prefix_caching(engine_args: Any) -> None:
-    """`EngineArgs.enable_prefix_caching` is None unless the user set it: an explicit True turns the
-    plugin's prefix store on (`additional_config["kv_prefix_caching"]`); vLLM's default does not."""
-    if engine_args.enable_prefix_caching is True:
-        engine_args.additional_config = {**dict(engine_args.additional_config or {}), PREFIX_CACHING_KEY: True}
+    """`EngineArgs.enable_prefix_caching` is None unless the user set it: an explicit choice goes to
+    `additional_config["kv_prefix_caching"]` (`prefix_matching_mode` reads it); vLLM's default is no choice."""
+    if engine_args.enable_prefix_caching is not None:
+        choice = bool(engine_args.enable_prefix_caching)
+        engine_args.additional_config = {**dict(engine_args.additional_config or {}), PREFIX_CACHING_KEY: choice}
 
 
 def chosen_runner(additional: dict[str, Any]) -> str:
@@ -141,17 +157,18 @@ def apply_kvpress_config(vllm_config: Any) -> None:
     compilation.cudagraph_mode = CUDAGraphMode.NONE
     compilation.cudagraph_capture_sizes = []
     cache = vllm_config.cache_config
-    if check_prefix_caching_settings(additional):
+    mode = prefix_matching_mode(additional)
+    if mode == "auto":
         logger.info(
             "vllm-kvpress-ext: prefix caching by the plugin's compressed prefix store (a request attaches to the "
             "longest stored prefix of its prompt, each finished request's cache stays for the next turn; "
             "vLLM's own block hashing stays off)"
         )
-        cache.enable_prefix_caching = False
-    elif cache.enable_prefix_caching:
+    elif mode == "named":
         logger.info(
-            "vllm-kvpress-ext: vLLM's prefix caching is turned off (a compressed per-head cache no longer holds "
-            "every prompt token, so a cached prefix could skip prefill of evicted entries); pass "
-            "--enable-prefix-caching explicitly for the plugin's compressed prefix store"
+            "vllm-kvpress-ext: prefix caching by the plugin's prefix store: a finished uncompressed request's cache "
+            "serves later uncompressed prompts that start with the same tokens, exactly; compressed caches are not "
+            "reused unless --enable-prefix-caching is given (vLLM's own block hashing stays off: a compressed "
+            "per-head cache no longer holds every prompt token)"
         )
-        cache.enable_prefix_caching = False
+    cache.enable_prefix_caching = False

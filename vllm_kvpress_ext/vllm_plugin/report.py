@@ -37,6 +37,7 @@ class PoolReport:
     # needs), the pages dropping every unused entry would free, and for each running request its
     # compression boundary and tokens written (what it leaves as a session entry if it finishes now).
     prefix_model: str = ""
+    prefix_matching: str = "auto"  # the store's matching mode, which the scheduler's mirror must share
     prefix_keys: list[str] = field(default_factory=list)
     prefix_added: list[CachedPrefix] = field(default_factory=list)
     prefix_evictable: int = 0

@@ -281,7 +281,7 @@ class KVPressScheduler(Scheduler):
         if not report.prefix_model:
             return
         if self.prefix_mirror is None:
-            self.prefix_mirror = PrefixIndex(report.prefix_model, report.page_size, "auto")
+            self.prefix_mirror = PrefixIndex(report.prefix_model, report.page_size, report.prefix_matching)
         mirror = self.prefix_mirror
         stored = set(report.prefix_keys)
         for key in [k for k in mirror.entries if k not in stored]:

@@ -44,6 +44,7 @@ from vllm_kvpress_ext.engine.request import KVStats, Request, RequestStatus
 from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy
+from vllm_kvpress_ext.vllm_plugin.config import MAX_CACHED_PREFIXES_KEY, prefix_matching_mode
 from vllm_kvpress_ext.vllm_plugin.gguf_model import gguf_source
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, request_policy
@@ -135,6 +136,7 @@ class KVPressWorker(WorkerBase):
         self.default_policy = default_policy(additional)
         assert self.device is not None
         num_pages, kv_memory = self._pool_size(additional, model_path)
+        matching = prefix_matching_mode(additional)
         self.runner = ModelRunner(
             model_path,
             dtype=model.dtype,
@@ -143,10 +145,8 @@ class KVPressWorker(WorkerBase):
             kv_memory=kv_memory,
             page_size=self.cache_config.block_size,
             max_num_seqs=self.scheduler_config.max_num_seqs,
-            max_cached_prefixes=int(additional.get("kv_max_cached_prefixes", 16))
-            if additional.get("kv_prefix_caching")
-            else 0,
-            prefix_matching="auto",
+            max_cached_prefixes=int(additional.get(MAX_CACHED_PREFIXES_KEY, 16)) if matching is not None else 0,
+            prefix_matching=matching or "named",
         )
         logger.info(
             "vllm-kvpress-ext: %d KV pages of %d tokens (%d bytes each); default policy %s",
@@ -453,6 +453,8 @@ class KVPressWorker(WorkerBase):
         report.prefix_evictable = store.evictable_pages()
         report.prefix_stats = runner.prefix_store_stats()
         self.reported_prefixes = current
+        report.prefix_matching = store.matching
         for request_id, request in self.requests.items():
-            if request.row is not None and request.compressed_at is not None and store.cacheable(request):
-                report.prefix_sessions[request_id] = (request.compressed_at, request.num_processed)
+            boundary = store.session_boundary(request)
+            if request.row is not None and boundary is not None:
+                report.prefix_sessions[request_id] = (boundary, request.num_processed)
