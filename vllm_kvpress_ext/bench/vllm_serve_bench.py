@@ -61,6 +61,11 @@ def _bin(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 
 
+def _vllm_serve(executable: str, model: str, config: VllmServeBenchConfig) -> list[str]:
+    limits = ["--max-model-len", str(config.max_model_len), "--max-num-seqs", str(config.max_num_seqs)]
+    return [executable, "serve", model, "--served-model-name", "bench", *limits]
+
+
 def server_command(server: str, policy: str, model: str, port: int, config: VllmServeBenchConfig) -> list[str]:
     address = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     common = [*address, "--kv-policy", policy]
@@ -69,29 +74,10 @@ def server_command(server: str, policy: str, model: str, port: int, config: Vllm
             raise ValueError("the stock server needs stock_vllm, the vllm executable of an environment without it")
         if policy != "full":
             raise ValueError(f"stock vLLM cannot run policy {policy!r}: it keeps the full cache")
-        return [
-            config.stock_vllm,
-            "serve",
-            model,
-            "--served-model-name",
-            "bench",
-            "--max-model-len",
-            str(config.max_model_len),
-            "--max-num-seqs",
-            str(config.max_num_seqs),
-            *address,
-        ]
+        return [*_vllm_serve(config.stock_vllm, model, config), *address]
     if server == "vllm":
         return [
-            _bin("vllm"),
-            "serve",
-            model,
-            "--served-model-name",
-            "bench",
-            "--max-model-len",
-            str(config.max_model_len),
-            "--max-num-seqs",
-            str(config.max_num_seqs),
+            *_vllm_serve(_bin("vllm"), model, config),
             "--additional-config",
             json.dumps({"kv_num_pages": config.num_pages}),
             *common,

@@ -126,3 +126,11 @@ def task_params_arg(items: list[str] | None) -> dict[str, dict[str, Any]]:
             raise ValueError(f"--task-param wants TASK.PARAM=VALUE, got {item!r}")
         params.setdefault(task, {})[key] = yaml.safe_load(value)
     return params
+
+
+def add_model_or_shape(parser: argparse.ArgumentParser) -> None:
+    """`--model`, or a random-weight model of `--shape` (`bench.models.SHAPES`) written for the run."""
+    parser.add_argument("--model", default=None, help="HF-format model directory (default: random model of --shape)")
+    parser.add_argument(
+        "--shape", default="bench", choices=("bench", "llama3-8b"), help="random model shape (default: bench)"
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_kvpress_ext.cli.common import Subparsers, at_least, size
+from vllm_kvpress_ext.cli.common import Subparsers, add_model_or_shape, at_least, size
 
 
 def register(bench_sub: Subparsers) -> None:
@@ -16,10 +16,7 @@ def register(bench_sub: Subparsers) -> None:
         "at once, output and decode tokens/s, retention, KV bytes per request and preemptions. Without --model, "
         "a random-weight model of --shape is written to a temporary directory.",
     )
-    cap.add_argument("--model", default=None, help="HF-format model directory (default: random model of --shape)")
-    cap.add_argument(
-        "--shape", default="bench", choices=("bench", "llama3-8b"), help="random model shape (default: bench)"
-    )
+    add_model_or_shape(cap)
     cap.add_argument("--policies", default="full,snapkv,gvote,wgkv", help="default: full,snapkv,gvote,wgkv")
     cap.add_argument("--ratio", type=float, default=0.25, help="fraction of the prompt kept (default: 0.25)")
     cap.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens per request (default: 2048)")

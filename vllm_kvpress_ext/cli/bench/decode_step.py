@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_kvpress_ext.cli.common import Subparsers, at_least
+from vllm_kvpress_ext.cli.common import Subparsers, add_model_or_shape, at_least
 
 
 def register(bench_sub: Subparsers) -> None:
@@ -18,10 +18,7 @@ def register(bench_sub: Subparsers) -> None:
         "busy time, kernel launches and host syncs per step, and the host ops with most self time. Without "
         "--model, a random-weight model of --shape is written to a temporary directory.",
     )
-    ds.add_argument("--model", default=None, help="HF-format model directory (default: random model of --shape)")
-    ds.add_argument(
-        "--shape", default="bench", choices=("bench", "llama3-8b"), help="random model shape (default: bench)"
-    )
+    add_model_or_shape(ds)
     ds.add_argument("--policies", default="full,snapkv", help="default: full,snapkv")
     ds.add_argument("--ratio", type=float, default=0.25, help="fraction of the prompt kept (default: 0.25)")
     ds.add_argument("--batch", type=at_least(1), default=8, help="requests decoding together (default: 8)")
