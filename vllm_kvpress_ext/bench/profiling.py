@@ -3,7 +3,8 @@
 Shared by `kvpress bench decode-step` (a decode step) and `kvpress bench policies --profile` (a policy's
 compression). The counts are what make a GPU step slower than its bytes allow:
 - device busy: the summed time of the device's kernels and copies (on a CPU: the summed self time of
-  the ops, which run on the calling thread);
+  torch's ops, which run on the calling thread; the project's C++ attention kernels are called outside
+  torch's dispatcher and are not in it);
 - launches: kernel launches (CUDA only);
 - host syncs: the device-to-host waits (`cudaStreamSynchronize`, `cudaMemcpy`, `.item()` and friends),
   each a point where the host stops issuing work until the device catches up;
