@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from vllm_kvpress_ext.bench.budgets import budgeted_policy
+from vllm_kvpress_ext.bench.kernels_bench import copy_bandwidth
 from vllm_kvpress_ext.bench.models import model_of_shape, runnable_policies, write_untrained_gates
 from vllm_kvpress_ext.bench.profiling import format_top_ops, profiled, summarize, sync
 from vllm_kvpress_ext.bench.report import format_table
@@ -46,20 +47,6 @@ class DecodeStepConfig:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s of a clone on `device`, read + write bytes over the median time."""
-    x = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).uniform_()
-    x.clone()
-    samples = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        x.clone()
-        sync(device)
-        samples.append(time.perf_counter() - start)
-    return 2 * num_bytes / statistics.median(samples)
 
 
 def weight_bytes_read(model: torch.nn.Module, batch: int) -> int:
@@ -168,7 +155,7 @@ def run_decode_step_bench(config: DecodeStepConfig) -> list[dict[str, Any]]:
             num_pages=pages,
         )
         c = engine.config
-        bandwidth = copy_bandwidth(engine.device)
+        bandwidth = copy_bandwidth(1 << 30, 1, 5, engine.device)
         weights = weight_bytes_read(engine.model, config.batch)
         print(f"config: {asdict(config)}")
         print(

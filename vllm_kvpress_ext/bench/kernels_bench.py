@@ -1,6 +1,6 @@
 """`kvpress bench kernels`: what the Triton kernels buy on a GPU (CUDA only).
 
-Three tables:
+Four tables:
 
 1. Decode bandwidth. The GPU's copy bandwidth (a large tensor clone; read + write bytes over time)
    is the ceiling; decode attention over a ragged paged cache (default 32 requests, about 8K kept
@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -99,10 +100,21 @@ def time_cuda(fn: Callable[[], object], warmup: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def copy_bandwidth(num_bytes: int, warmup: int, repeats: int) -> float:
-    """Device copy bandwidth in bytes/s: a clone reads and writes `num_bytes` each."""
-    x = torch.empty(num_bytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    ms = time_cuda(x.clone, warmup, repeats)
+def copy_bandwidth(num_bytes: int, warmup: int, repeats: int, device: str | torch.device = "cuda") -> float:
+    """Copy bandwidth in bytes/s: a clone reads and writes `num_bytes` each. CUDA events time it on a GPU,
+    the wall clock elsewhere (the median of `repeats` either way)."""
+    x = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).uniform_()
+    if x.device.type == "cuda":
+        ms = time_cuda(x.clone, warmup, repeats)
+    else:
+        for _ in range(warmup):
+            x.clone()
+        samples = []
+        for _ in range(max(1, repeats)):
+            start = time.perf_counter()
+            x.clone()
+            samples.append(1000.0 * (time.perf_counter() - start))
+        ms = statistics.median(samples)
     return 2 * x.numel() * 4 / (ms / 1000.0)
 
 

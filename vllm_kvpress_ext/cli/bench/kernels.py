@@ -14,11 +14,12 @@ from vllm_kvpress_ext.cli.common import Subparsers, float_list, int_list
 def register(bench_sub: Subparsers) -> None:
     bk = bench_sub.add_parser(
         "kernels",
-        help="GPU only: decode bandwidth vs device copy, decode and vertical-slash prefill speedups over dense SDPA",
+        help="GPU only: decode bandwidth vs device copy, speedups over dense SDPA, each kernel against its floor",
         description="Needs a CUDA device and triton (exits with status 2 otherwise). Measures the device copy "
         "bandwidth, the Triton decode kernel's effective bandwidth (kept K/V bytes / time) as a share of it, decode "
-        "speedup over dense SDPA on the unpruned cache at several retentions, and vertical-slash prefill speedup "
-        "over dense causal SDPA. CUDA-event timing, warm-up, medians.",
+        "speedup over dense SDPA on the unpruned cache at several retentions, vertical-slash prefill speedup "
+        "over dense causal SDPA, and decode, KV write, compaction and window scores each against its floor "
+        "(max of bytes / copy bandwidth and FLOPs / measured matmul peak). CUDA-event timing, warm-up, medians.",
     )
     bk.add_argument("--requests", type=int, default=32, help="decode batch (default: 32)")
     bk.add_argument("--kept-tokens", type=int, default=8192, help="mean kept tokens per head (default: 8192)")

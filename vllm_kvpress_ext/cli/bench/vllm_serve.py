@@ -14,8 +14,9 @@ def register(bench_sub: Subparsers) -> None:
         help="vLLM's `vllm bench serve` (random dataset) against `vllm serve` with the plugin and `kvpress serve`",
         description="Per server and policy: starts the server on 127.0.0.1 with --num-pages KV pages, runs "
         "`vllm bench serve --dataset-name random` (chat, --ignore-eos) against it, and prints requests/s, TTFT, "
-        "ITL and the peak number of requests the pool let run at once (kvpress_requests_running_peak). Needs the "
-        "[vllm] extra.",
+        "ITL and the peak number of requests the pool let run at once (kvpress_requests_running_peak). With "
+        "--servers stock, vLLM without this project (from --stock-vllm, its own defaults) runs the full rows on "
+        "the same load. Needs the [vllm] extra.",
     )
     bv.add_argument(
         "--servers",
