@@ -75,12 +75,13 @@ def write_checkpoint(root: Path, name: str) -> tuple[Path, list[list[int]]]:
     return path, expected
 
 
-def native_llm(path: Path, **additional: Any) -> LLM:
+def native_llm(path: Path, max_num_batched_tokens: int | None = None, **additional: Any) -> LLM:
     return LLM(
         str(path),
         dtype="float32",
         max_model_len=256,
         max_num_seqs=4,
+        max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_memory_bytes=32 << 20,
         skip_tokenizer_init=True,
         additional_config={"kv_runner": "vllm", **additional},
@@ -96,6 +97,21 @@ def test_vllms_model_code_equals_transformers_token_for_token(name: str, tmp_pat
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outputs] == expected
         assert type(llm.llm_engine.model_config).__name__ == "ModelConfig"
+    finally:
+        del llm
+        gc.collect()
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_chunked_prefill_reads_earlier_chunks_from_the_pool(name: str, tmp_path: Path) -> None:
+    """Steps of at most 16 tokens: the 40-token prompt runs in three chunks beside the other request's decodes,
+    each later chunk attending to the earlier ones through the pool (Gemma 3's window layer by mask)."""
+    path, expected = write_checkpoint(tmp_path, name)
+    llm = native_llm(path, max_num_batched_tokens=16)
+    try:
+        params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     finally:
         del llm
         gc.collect()
@@ -130,3 +146,80 @@ def test_a_mixture_of_experts_model_is_refused_at_start(tmp_path: Path) -> None:
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "moe")
     with pytest.raises(ValueError, match="mixture-of-experts"):
         native_llm(tmp_path / "moe")
+
+
+def _worker(llm: LLM) -> Any:
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+
+
+def assert_no_page_leaked(pool: Any) -> None:
+    """Every page is free or held by a seated request."""
+    held = sum(pool.cache.usage(request_id).pages for request_id in pool.seats)
+    assert pool.cache.pool.num_free + held == pool.cache.pool.num_pages
+
+
+def test_the_cache_is_the_projects_pool_and_every_page_comes_back(tmp_path: Path) -> None:
+    """vLLM's layers get no cache of vLLM's; the pool holds each request's tokens in every (layer, KV head),
+    the finished requests' figures say so, and every page is free again afterwards."""
+    path, expected = write_checkpoint(tmp_path, "llama")
+    llm = native_llm(path)
+    try:
+        params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+        worker = _worker(llm)
+        pool = worker.model_runner.pool
+        cache = pool.cache
+        assert (cache.num_layers, cache.num_kv_heads, cache.head_dim) == (2, 2, 16)
+        assert all(kv.numel() == 0 for kv in worker.model_runner.kv_caches)  # vLLM allocated nothing
+        for prompt, output in zip(PROMPTS, outputs, strict=True):
+            figures = output.kv_transfer_params["kvpress"]
+            # The last sampled token is never written: the request finishes before it would be attended.
+            written = len(prompt) + NEW_TOKENS - 1
+            assert figures["policy"] == "full"
+            assert figures["kv_tokens_full"] == figures["kv_tokens_kept"] == 2 * 2 * written
+            assert figures["kv_bytes"] == 2 * 2 * -(-written // cache.page_size) * cache.pool.bytes_per_page
+        assert_no_page_leaked(pool)
+        # Finished requests leave the pool at the next step (vLLM names them in its next schedule).
+        again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+        assert list(again[0].outputs[0].token_ids) == expected[0]
+        assert len(pool.seats) == 1 and next(iter(pool.seats)).startswith(again[0].request_id)
+        assert_no_page_leaked(pool)
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_a_pool_with_room_for_one_request_serves_every_request_exactly(tmp_path: Path) -> None:
+    """vLLM's scheduler starts requests by the pool's pages (`KVPressScheduler`): with room for one request at
+    a time the batch still runs, one request after the other, token for token."""
+    path, expected = write_checkpoint(tmp_path, "llama")
+    # 2 layers x 2 KV heads x ceil(47 / 16) pages = 12 for the longer request; not enough for both at once.
+    llm = native_llm(path, kv_num_pages=14)
+    try:
+        params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+        assert_no_page_leaked(_worker(llm).model_runner.pool)
+    finally:
+        del llm
+        gc.collect()
+
+
+@pytest.mark.parametrize("long_first", [False, True])
+def test_a_prompt_the_pool_cannot_hold_fails_alone(tmp_path: Path, long_first: bool) -> None:
+    """Refused by the scheduler once the pool's size is known (`long_first=False`), or, as the very first
+    request, failed by the pool when its pages do not fit; the other request runs either way."""
+    path, expected = write_checkpoint(tmp_path, "llama")
+    llm = native_llm(path, kv_num_pages=8)  # 4 pages per 16 tokens: the 12-token prompt fits, the 40-token one not
+    try:
+        params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        prompts = PROMPTS[::-1] if long_first else PROMPTS
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        short, long = outputs[::-1] if long_first else outputs
+        assert list(short.outputs[0].token_ids) == expected[0]
+        assert long.outputs[0].finish_reason == "error" and not long.outputs[0].token_ids
+        assert_no_page_leaked(_worker(llm).model_runner.pool)
+    finally:
+        del llm
+        gc.collect()

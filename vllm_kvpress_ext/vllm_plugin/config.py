@@ -103,7 +103,7 @@ def chosen_runner(additional: dict[str, Any]) -> str:
 
 
 def apply_native_config(vllm_config: Any) -> None:
-    """vLLM's runner and scheduler with the plugin's worker and attention backend: eager, synchronous,
+    """vLLM's runner with the plugin's worker, pool, attention backend and scheduler: eager, synchronous,
     every custom op on its torch path; the full cache only (no policy compresses on this path yet)."""
     from vllm.config import CompilationMode, CUDAGraphMode
 
@@ -127,7 +127,14 @@ def apply_native_config(vllm_config: Any) -> None:
                 f"kv_policy {additional['kv_policy']!r} needs the plugin's own runner (kv_runner 'project')"
             )
     vllm_config.parallel_config.worker_cls = NATIVE_WORKER_CLS
+    # vLLM's scheduler, starting and preempting by the pool's reports (as on the plugin's own runner), which
+    # must be the last step's: scheduling is synchronous.
+    vllm_config.scheduler_config.scheduler_cls = SCHEDULER_CLS
     vllm_config.scheduler_config.async_scheduling = False
+    # vLLM's block hashing would promise prompt tokens that the pool never held: no prefix reuse on this path yet.
+    if vllm_config.cache_config.enable_prefix_caching:
+        logger.info("vllm-kvpress-ext: kv_runner 'vllm' does not reuse cached prefixes yet; prefix caching is off")
+    vllm_config.cache_config.enable_prefix_caching = False
     compilation = vllm_config.compilation_config
     compilation.mode = CompilationMode.NONE
     compilation.cudagraph_mode = CUDAGraphMode.NONE

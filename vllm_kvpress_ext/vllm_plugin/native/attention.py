@@ -1,19 +1,24 @@
-"""The attention backend vLLM's model layers call on this platform (torch; no compiled vLLM ops).
+"""The attention backend vLLM's model layers call on this platform: the project's page pool, its kernels.
 
-vLLM's `Attention` layer hands the backend each layer's new keys and values (`do_kv_cache_update`,
-written at the slots vLLM's scheduler assigned) and then the layer's queries (`forward`). The layer's
-cache is vLLM's own block layout, `kv_cache[num_blocks, num_kv_heads, block_size, 2 * head_size]`
-(keys in the first half of the last axis, values in the second), which is what the LBNHC layout gives
-a backend that says `forward_includes_kv_cache_update = False`.
+vLLM's `Attention` layer hands the backend each layer's new keys and values (`do_kv_cache_update`)
+and then the layer's queries (`forward`). The cache is not vLLM's: every layer reads and writes the
+project's per-(layer, KV head) page pool (`native/pool.py`), and vLLM's block tables and slot mapping
+go unused (vLLM's runner binds an empty tensor as each layer's `kv_cache`). The metadata builder asks
+the pool for the step's plan: the slot of each new token in every (layer, KV head), in the batch order
+of vLLM's runner.
 
-`forward` attends, for each request of the batch, from its new queries to its first `seq_len` cached
-entries, in order: the queries sit at the last positions, so query i of n sees entries up to
-`seq_len - n + i` (causal), and with a sliding window `w` only those within `w` positions, as HF
-transformers' `sliding_window` (position q sees k when `q - k < w`). GQA reads KV head
-`h // (num_heads / num_kv_heads)` (SDPA's `enable_gqa`). A batch of decodes (one query each) is one
-`scaled_dot_product_attention` over the requests' entries gathered into a padded tensor (the cache's
-slots of every request computed once per step, in the metadata); a batch with prefill chunks takes
-one call per request. The page-reading kernels come with the project's pool behind this backend.
+`forward` attends from each request's new queries to what its row holds, by the entries' stored
+positions (query at position p sees entries at positions <= p), so compressed, ragged heads need nothing
+else:
+
+- a batch of decodes is one call of the project's paged decode kernel (`attention.paged_decode_attention`:
+  the C++ kernel or torch on a CPU, Triton on CUDA);
+- a prompt's first chunk is causal attention over its own keys (`attention.causal_attention`), a later
+  chunk the paged prefill attention over the row (`attention.paged_prefill_attention`);
+- a layer with a sliding window or a logit soft cap (Gemma 2 and 3), which those kernels do not take,
+  gathers each request's entries and attends with masks in torch: position q sees k when `k <= q`
+  and, with a window `w`, `q - k < w` (HF transformers' `sliding_window`). GQA reads KV head
+  `h // (num_heads / num_kv_heads)`.
 """
 
 from __future__ import annotations
@@ -34,18 +39,15 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
+from vllm_kvpress_ext.attention import causal_attention, gather_paged, paged_decode_attention, paged_prefill_attention
+from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool, StepPlan
+
 
 @dataclass
 class KVPressAttentionMetadata(AttentionMetadata):
-    """One step's batch, as the backend reads it."""
+    """One step's batch, as the backend reads it: the pool's plan of the step."""
 
-    num_actual_tokens: int
-    num_reqs: int
-    query_start_loc: list[int]  # [num_reqs + 1]
-    seq_lens: list[int]  # [num_reqs]: cached entries of each request after this step's writes
-    entry_slots: torch.Tensor  # [num_reqs, max seq_len]: the cache slot of each request's entry, in order
-    entry_valid: torch.Tensor  # [num_reqs, max seq_len]: which of those are within the request's seq_len
-    decode_only: bool  # one query per request: one batched attention call
+    plan: StepPlan
 
 
 class KVPressAttentionMetadataBuilder(AttentionMetadataBuilder[KVPressAttentionMetadata]):
@@ -53,29 +55,23 @@ class KVPressAttentionMetadataBuilder(AttentionMetadataBuilder[KVPressAttentionM
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Set by the runner once its pool exists (`native/runner.py`): the pool, and the runner's batch order.
+        self.pool: NativePool | None = None
+        self.batch_request_ids: Any = None
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> KVPressAttentionMetadata:
+        if self.pool is None or self.batch_request_ids is None:
+            raise RuntimeError("the attention backend's builder was never given the pool")
         common = common_attn_metadata
         num_reqs = common.num_reqs
-        seq_lens = common.seq_lens[:num_reqs].to(torch.int64)
-        longest = int(seq_lens.max()) if num_reqs else 0
-        block_size = self.kv_cache_spec.block_size
-        tables = common.block_table_tensor[:num_reqs, : -(-longest // block_size)].to(torch.int64)
-        offsets = torch.arange(block_size, device=tables.device)
-        entry_slots = (tables.unsqueeze(-1) * block_size + offsets).reshape(num_reqs, -1)[:, :longest]
-        entry_valid = torch.arange(longest, device=tables.device).unsqueeze(0) < seq_lens.unsqueeze(1)
-        query_start_loc = common.query_start_loc_cpu[: num_reqs + 1].tolist()
-        return KVPressAttentionMetadata(
-            num_actual_tokens=common.num_actual_tokens,
-            num_reqs=num_reqs,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens.tolist(),
-            entry_slots=entry_slots.masked_fill(~entry_valid, 0),
-            entry_valid=entry_valid,
-            decode_only=common.num_actual_tokens == num_reqs,
+        plan = self.pool.plan(
+            list(self.batch_request_ids()[:num_reqs]),
+            common.query_start_loc_cpu[: num_reqs + 1].tolist(),
+            common.seq_lens[:num_reqs].tolist(),
         )
+        return KVPressAttentionMetadata(plan=plan)
 
 
 class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
@@ -113,6 +109,9 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             raise ValueError(f"{num_heads} query heads do not divide into {self.num_kv_heads} KV heads")
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # Set by the runner once its pool exists: the pool and this layer's index in it.
+        self.pool: NativePool | None = None
+        self.layer_index = -1
 
     def do_kv_cache_update(
         self,
@@ -122,12 +121,15 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Write each new token's key and value at its slot (slots < 0 are padding)."""
-        count = min(key.shape[0], slot_mapping.shape[0])
-        slots = slot_mapping[:count].to(torch.int64)
-        valid = slots >= 0
-        entries = torch.cat([key[:count][valid], value[:count][valid]], dim=-1)  # [n, Hkv, 2d]
-        _by_slot(kv_cache)[slots[valid]] = entries.to(kv_cache.dtype)
+        """Write each new token's key and value at its slot in every KV head of this layer."""
+        if self.pool is None:  # the profiling run, before the pool exists
+            return
+        plan = self.pool.current
+        slots = plan.token_slots[self.layer_index]  # [T, Hkv]
+        keys, values = key[: plan.num_tokens], value[: plan.num_tokens]
+        if plan.written is not None:
+            slots, keys, values = slots[plan.written], keys[plan.written], values[plan.written]
+        self.pool.cache.write(slots, keys, values)
 
     def forward(
         self,
@@ -143,60 +145,83 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
     ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported")
-        if attn_metadata is None:  # the profiling run, before the cache exists
+        if attn_metadata is None or self.pool is None:  # the profiling run, before the pool exists
             return output.fill_(0)
+        plan = attn_metadata.plan
         out = output.view(output.shape[0], self.num_heads, self.head_size)
-        by_slot = _by_slot(kv_cache)
-        meta = attn_metadata
-        if meta.decode_only:
-            entries = by_slot[meta.entry_slots].transpose(1, 2)  # [B, Hkv, L, 2d]
-            queries = query[: meta.num_reqs].unsqueeze(2)  # [B, Hq, 1, d]
-            lengths = torch.tensor(meta.seq_lens).view(-1, 1, 1, 1)
-            visible = meta.entry_valid.view(meta.num_reqs, 1, 1, -1)
-            attended = self._attend(queries, entries, visible, lengths - 1)  # each query at position L - 1
-            out[: meta.num_reqs] = attended.squeeze(2).to(out.dtype)
+        queries = query.view(query.shape[0], self.num_heads, self.head_size)
+        key = key.view(key.shape[0], self.num_kv_heads, self.head_size)
+        value = value.view(value.shape[0], self.num_kv_heads, self.head_size)
+        for begin, end in plan.failed_tokens:
+            out[begin:end] = 0
+        if self.sliding_window is not None or self.logits_soft_cap is not None:
+            self._masked(plan, queries, out)
             return output
-        starts = meta.query_start_loc
-        for r in range(meta.num_reqs):
-            begin, end = starts[r], starts[r + 1]
-            if end == begin:
-                continue
-            length = meta.seq_lens[r]
-            entries = by_slot[meta.entry_slots[r, :length]].transpose(0, 1)  # [Hkv, L, 2d]
-            queries = query[begin:end].transpose(0, 1)  # [Hq, n, d]
-            positions = torch.arange(length - (end - begin), length).view(1, -1, 1)  # the queries' positions
-            visible = torch.ones(1, 1, length, dtype=torch.bool)
-            out[begin:end] = self._attend(queries, entries, visible, positions).transpose(0, 1).to(out.dtype)
+        cache, layer_index = self.pool.cache, self.layer_index
+        if plan.decode_tokens.numel():
+            tokens = plan.decode_tokens.to(query.device)
+            out[tokens] = paged_decode_attention(
+                queries[tokens],
+                cache.pool.kv,
+                cache.pool.positions,
+                cache.device_block_tables[layer_index],
+                cache.device_seq_lens[layer_index],
+                plan.decode_rows,
+                self.scale,
+            ).to(out.dtype)
+        for span in plan.prefills:
+            chunk = slice(span.begin, span.end)
+            if span.first_position == 0:
+                attended = causal_attention(queries[chunk][None], key[chunk][None], value[chunk][None], self.scale)[0]
+            else:
+                attended = paged_prefill_attention(
+                    queries[chunk],
+                    plan.query_positions[chunk].to(query.device),
+                    cache.pool.kv,
+                    cache.pool.positions,
+                    cache.device_block_tables[layer_index, span.row],
+                    cache.device_seq_lens[layer_index, span.row],
+                    self.scale,
+                )
+            out[chunk] = attended.to(out.dtype)
         return output
 
+    def _masked(self, plan: StepPlan, queries: torch.Tensor, out: torch.Tensor) -> None:
+        """Each request's queries over its row's entries, masked by position (window, soft cap: torch)."""
+        assert self.pool is not None
+        cache, layer_index = self.pool.cache, self.layer_index
+        spans = [(span.begin, span.end, span.row) for span in plan.prefills]
+        spans += [(t, t + 1, r) for t, r in zip(plan.decode_tokens.tolist(), plan.decode_rows.tolist(), strict=True)]
+        for begin, end, row in spans:
+            keys, values, positions, valid = gather_paged(
+                cache.pool.kv,
+                cache.pool.positions,
+                cache.device_block_tables[layer_index, row],
+                cache.device_seq_lens[layer_index, row],
+            )  # [Hkv, N, d], positions and validity [Hkv, N]
+            query_positions = plan.query_positions[begin:end].to(positions.device).view(1, -1, 1)
+            key_positions = positions.to(torch.int64).unsqueeze(1)  # [Hkv, 1, N]
+            mask = valid.unsqueeze(1) & (key_positions <= query_positions)  # [Hkv, n, N]
+            if self.sliding_window is not None:
+                mask = mask & (query_positions - key_positions < self.sliding_window)
+            out[begin:end] = self._attend(queries[begin:end].transpose(0, 1), keys, values, mask).transpose(0, 1)
+
     def _attend(
-        self, queries: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor, query_positions: torch.Tensor
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """`queries [..., Hq, n, d]` over `entries [..., Hkv, L, 2d]` (entry j at position j); `visible`
-        broadcasts to `[..., Hq, n, L]` (padding off), and causality and the window come from the positions."""
-        keys = entries[..., : self.head_size].to(queries.dtype)
-        values = entries[..., self.head_size :].to(queries.dtype)
-        key_positions = torch.arange(keys.shape[-2])
-        mask = visible & (key_positions <= query_positions)
-        if self.sliding_window is not None:
-            mask = mask & (query_positions - key_positions < self.sliding_window)
+        """`queries [Hq, n, d]` over `keys`/`values [Hkv, N, d]` under `mask [Hkv, n, N]` -> `[Hq, n, d]`."""
+        group = self.num_heads // self.num_kv_heads
+        keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+        mask = mask.repeat_interleave(group, 0)
         if self.logits_soft_cap is None:
             return F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+                queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=group > 1
             )
-        group = self.num_heads // self.num_kv_heads
-        keys, values = keys.repeat_interleave(group, -3), values.repeat_interleave(group, -3)
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * self.scale
         scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
         weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         return torch.matmul(weights.to(values.dtype), values)
-
-
-def _by_slot(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The layer's cache `[blocks, Hkv, block_size, 2d]` as `[slots, Hkv, 2d]`, slot = block * block_size + offset.
-    A view: vLLM's LBNHC layout stores each block's tokens outermost, heads inside them."""
-    blocks, heads, block_size, width = kv_cache.shape
-    return kv_cache.transpose(1, 2).view(blocks * block_size, heads, width)  # `view` refuses to copy
 
 
 class KVPressAttentionBackend(AttentionBackend):

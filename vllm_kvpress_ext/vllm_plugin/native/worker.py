@@ -1,30 +1,43 @@
-"""`VllmRunnerWorker`: vLLM's GPU worker, started on the CPU with vLLM's `CPUModelRunner`.
+"""`VllmRunnerWorker`: vLLM's GPU worker, started on the CPU with the plugin's `KVPressModelRunner`.
 
 vLLM's own `CPUWorker` cannot start here: its constructor calls `torch.ops._C.init_cpu_memory_env`,
 which only vLLM's CPU build has. Everything else the CPU worker does is vLLM's GPU worker with a CPU
 runner, so this worker is that: vLLM's `Worker`, whose `init_device` starts the distributed group
-(gloo), seeds, and builds `CPUModelRunner`. vLLM's model code then runs its portable torch paths on
-this out-of-tree platform (`CustomOp.forward_oot` falls back to `forward_native`), and attention goes
-to `native/attention.py`.
+(gloo), seeds, and builds the runner (`native/runner.py`: vLLM's `CPUModelRunner` with the project's
+page pool as its KV cache). vLLM's model code then runs its portable torch paths on this out-of-tree
+platform (`CustomOp.forward_oot` falls back to `forward_native`), and attention goes to
+`native/attention.py`.
 
-Memory: the KV cache gets `--kv-cache-memory-bytes` (`kv_cache_memory_bytes`) when given, else the
-embedded engine's default (1 GiB), rather than vLLM's GPU memory profile, which reads CUDA memory.
+Around each step the worker keeps the pool in step with the scheduler (`NativePool.begin_step`: rows
+for new and resumed requests, pages back from finished and preempted ones) and attaches the pool's
+report to the step's output (`ModelRunnerOutput.kvpress`), from which `KVPressScheduler` budgets the
+next step and the finished requests' KV figures reach `usage`.
+
+Memory: vLLM's block planner is told it has room for every block its scheduler could ask for
+(`determine_available_memory`); nothing is allocated for those blocks. The pool's size is the runner's
+(`kv_num_pages`, `--kv-cache-memory-bytes`, or 1 GiB).
 """
 
 from __future__ import annotations
 
+import copy
+import math
+from typing import Any
+
 import torch
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY
 from vllm_kvpress_ext.vllm_plugin.native import adapter
+from vllm_kvpress_ext.vllm_plugin.native.runner import KVPressModelRunner
 
 
 class VllmRunnerWorker(Worker):
+    model_runner: KVPressModelRunner
+
     def init_device(self) -> None:
         from vllm.utils.torch_utils import set_random_seed
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
         adapter.install()
         self.device = torch.device("cpu")
@@ -33,7 +46,7 @@ class VllmRunnerWorker(Worker):
             self.vllm_config, self.rank, self.distributed_init_method, self.local_rank, "gloo"
         )
         set_random_seed(self.model_config.seed)
-        self.model_runner = CPUModelRunner(self.vllm_config, self.device)
+        self.model_runner = KVPressModelRunner(self.vllm_config, self.device)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         # vLLM's GPU worker drops torch to one thread after loading ("no steady-state CPU op benefits from
@@ -44,9 +57,39 @@ class VllmRunnerWorker(Worker):
         torch.set_num_threads(threads)
 
     def determine_available_memory(self) -> int:
-        configured = self.cache_config.kv_cache_memory_bytes
-        return int(configured) if configured else DEFAULT_KV_MEMORY
+        """Room for every block vLLM's scheduler could plan (max_num_seqs requests of max_model_len tokens)
+        in every layer: bookkeeping only, the runner allocates none of it."""
+        block_size = self.cache_config.block_size
+        blocks = self.scheduler_config.max_num_seqs * (math.ceil(self.model_config.max_model_len / block_size) + 1) + 1
+        specs = self.model_runner.get_kv_cache_spec()
+        return blocks * sum(spec.page_size_bytes for spec in specs.values())
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         # Eager execution, no graphs to capture: there is nothing to warm up.
         return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        pool = self.model_runner.pool
+        if pool is not None:
+            pool.begin_step(scheduler_output)
+        return self._with_report(super().execute_model(scheduler_output))
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        return self._with_report(super().sample_tokens(grammar_output))
+
+    def _with_report(self, output: Any) -> Any:
+        """The step's output with the pool's report (a copy: vLLM returns one shared empty output)."""
+        pool = self.model_runner.pool
+        if pool is None or not isinstance(output, ModelRunnerOutput):
+            return output
+        output = copy.copy(output)
+        report = pool.report()
+        output.kvpress = report
+        if report.failed:  # a failed request's token came from zeroed attention: it is not sent
+            sampled = list(output.sampled_token_ids)
+            for request_id in report.failed:
+                index = output.req_id_to_index.get(request_id)
+                if index is not None and index < len(sampled):
+                    sampled[index] = []
+            output.sampled_token_ids = sampled
+        return output

@@ -1,0 +1,266 @@
+"""`NativePool`: the project's per-(layer, KV head) page pool as the KV cache of vLLM's own model runner.
+
+vLLM's runner keeps its requests, its batch order and its block tables; this pool keeps the keys and
+values. vLLM's block manager still plans blocks for every request (its scheduler needs them to
+schedule), but no tensor backs them: the attention backend (`native/attention.py`) writes and reads
+only the pages here, which are ragged per (layer, KV head) and freed page by page.
+
+A request's life in the pool follows the scheduler's output (`begin_step`):
+
+- a new request, or one resumed after preemption, gets a fresh row (vLLM recomputes a preempted
+  request from its first token, so nothing of its earlier row is kept);
+- a finished or preempted request's row and pages go back at once;
+- each step's tokens get their slots in every (layer, KV head) when the first attention group's
+  metadata is built (`plan`), in the batch order of vLLM's runner.
+
+A request whose tokens do not fit, or whose cache disagrees with what vLLM says it computed, fails
+alone: it gets no slots, its attention output is zeros, and the step's report names it so the
+scheduler finishes it with an error (the other requests of the batch run on).
+
+After each step `report` tells the scheduler (`KVPressScheduler`) the pool's real state: free pages,
+pages each request holds, and what each decoding request's next token will allocate, which is how
+vLLM's scheduler starts and preempts requests by this pool rather than by its own blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_kvpress_ext.api.usage import kv_figures
+from vllm_kvpress_ext.cache import PagedKVCache
+from vllm_kvpress_ext.cache.pool import PoolExhaustedError
+from vllm_kvpress_ext.engine.request import KVStats
+from vllm_kvpress_ext.vllm_plugin.report import PoolReport
+
+
+@dataclass
+class PrefillSpan:
+    """Tokens `[begin, end)` of the step, one request's prompt chunk starting at position `first_position`."""
+
+    begin: int
+    end: int
+    row: int
+    first_position: int
+
+
+@dataclass
+class StepPlan:
+    """Where one step's tokens go in the pool, for every layer: built once per step, read by every layer.
+
+    `token_slots[L, T, H]` is the flat slot of token t in (layer, KV head); tokens of a failed request
+    are left out of `written` (None: every token is written). Decodes (one token of a request whose cache
+    holds its earlier tokens) are batched; prompt chunks are attended one request at a time.
+    """
+
+    num_tokens: int
+    token_slots: torch.Tensor
+    written: torch.Tensor | None
+    query_positions: torch.Tensor  # [T] int64
+    decode_tokens: torch.Tensor  # [Bd] indices into the step's tokens
+    decode_rows: torch.Tensor  # [Bd] their cache rows
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    failed_tokens: list[tuple[int, int]] = field(default_factory=list)  # [begin, end) spans output as zeros
+
+
+@dataclass
+class _Seat:
+    row: int
+    prompt_len: int
+    written: int = 0  # tokens whose K/V are in the pool (the next token goes to this position)
+
+
+class NativePool:
+    """The pool, its rows for vLLM's requests, and the current step's plan."""
+
+    def __init__(self, cache: PagedKVCache, layer_names: list[str]) -> None:
+        self.cache = cache
+        self.layer_index = {name: index for index, name in enumerate(layer_names)}
+        self.seats: dict[str, _Seat] = {}
+        self.failed: dict[str, str] = {}
+        self._plan: StepPlan | None = None
+        self._empty_slots = torch.zeros(cache.num_layers, 0, cache.num_kv_heads, dtype=torch.int64, device=cache.device)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def begin_step(self, scheduler_output: Any) -> None:
+        """Free what the scheduler finished or preempted, seat what it starts; forget the last plan."""
+        self._plan = None
+        self.failed = {}
+        for request_id in scheduler_output.finished_req_ids:
+            self.release(request_id)
+        for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self.release(request_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.release(new.req_id)  # an aborted request resubmitted under the same id starts over
+            prompt = new.prompt_token_ids
+            self._seat(new.req_id, len(prompt) if prompt is not None else 0, new.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            if request_id in cached.resumed_req_ids:
+                seat = self.seats.get(request_id)
+                prompt_len = seat.prompt_len if seat is not None else 0
+                self.release(request_id)
+                self._seat(request_id, prompt_len, cached.num_computed_tokens[index])
+
+    def _seat(self, request_id: str, prompt_len: int, computed: int) -> None:
+        if computed:
+            # Only vLLM's prefix cache or a KV connector could say tokens are computed before any were
+            # written here; both are off on this path.
+            self.failed[request_id] = f"vLLM reports {computed} tokens computed that the pool never held"
+            return
+        try:
+            row = self.cache.add_request(request_id)
+        except RuntimeError as exc:  # every row taken: more requests than max_num_seqs
+            self.failed[request_id] = str(exc)
+            return
+        self.seats[request_id] = _Seat(row=row, prompt_len=prompt_len)
+
+    def release(self, request_id: str) -> None:
+        if self.seats.pop(request_id, None) is not None:
+            self.cache.free_request(request_id)
+
+    def _fail(self, request_id: str, message: str) -> None:
+        self.failed[request_id] = message
+        self.release(request_id)
+
+    # ------------------------------------------------------------------ the step
+
+    @property
+    def current(self) -> StepPlan:
+        if self._plan is None:
+            raise RuntimeError("attention ran before the pool planned the step")
+        return self._plan
+
+    def plan(self, req_ids: list[str], query_start_loc: list[int], seq_lens: list[int]) -> StepPlan:
+        """Allocate this step's slots (once: every attention group's builder asks, the first one plans)."""
+        if self._plan is not None:
+            return self._plan
+        cache = self.cache
+        num_tokens = query_start_loc[len(req_ids)]
+        token_slots = torch.full(
+            (cache.num_layers, num_tokens, cache.num_kv_heads), -1, dtype=torch.int64, device=cache.device
+        )
+        query_positions = torch.empty(num_tokens, dtype=torch.int64)
+        written = torch.ones(num_tokens, dtype=torch.bool)
+        decodes: list[tuple[str, int, int]] = []  # (request, token index, position)
+        prefills: list[PrefillSpan] = []
+        failed_tokens: list[tuple[int, int]] = []
+        for index, request_id in enumerate(req_ids):
+            begin, end = query_start_loc[index], query_start_loc[index + 1]
+            first = seq_lens[index] - (end - begin)
+            query_positions[begin:end] = torch.arange(first, seq_lens[index])
+            seat = self.seats.get(request_id)
+            if seat is not None and seat.written != first:
+                self._fail(request_id, f"vLLM runs position {first}, the pool holds {seat.written} tokens")
+                seat = None
+            if seat is None:
+                self.failed.setdefault(request_id, "the request has no cache row")
+                written[begin:end] = False
+                failed_tokens.append((begin, end))
+                continue
+            if end - begin == 1 and first > 0:
+                decodes.append((request_id, begin, first))
+                continue
+            try:
+                slots = cache.append_slots([seat.row], query_positions[begin:end].view(1, -1))  # [L, 1, H, n]
+            except PoolExhaustedError as exc:
+                self._fail(request_id, str(exc))
+                written[begin:end] = False
+                failed_tokens.append((begin, end))
+                continue
+            token_slots[:, begin:end] = slots[:, 0].transpose(1, 2)
+            seat.written = seq_lens[index]
+            prefills.append(PrefillSpan(begin, end, seat.row, first))
+        decode_tokens, decode_rows = self._plan_decodes(decodes, token_slots, written, failed_tokens)
+        self._plan = StepPlan(
+            num_tokens=num_tokens,
+            token_slots=token_slots,
+            written=None if bool(written.all()) else written.to(cache.device),
+            query_positions=query_positions,
+            decode_tokens=decode_tokens,
+            decode_rows=decode_rows,
+            prefills=prefills,
+            failed_tokens=failed_tokens,
+        )
+        return self._plan
+
+    def _plan_decodes(
+        self,
+        decodes: list[tuple[str, int, int]],
+        token_slots: torch.Tensor,
+        written: torch.Tensor,
+        failed_tokens: list[tuple[int, int]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One allocation for the batch's decodes; if it does not fit, one per request, so only those that
+        do not fit fail."""
+        cache = self.cache
+        groups = [decodes]
+        while groups:
+            group = groups.pop()
+            if not group:
+                continue
+            rows = [self.seats[request_id].row for request_id, _, _ in group]
+            positions = torch.tensor([[position] for _, _, position in group], dtype=torch.int64)
+            try:
+                slots = cache.append_slots(rows, positions)  # [L, B, H, 1]
+            except PoolExhaustedError as exc:
+                if len(group) > 1:
+                    groups.extend([group[: len(group) // 2], group[len(group) // 2 :]])
+                    continue
+                request_id, token, _ = group[0]
+                self._fail(request_id, str(exc))
+                written[token] = False
+                failed_tokens.append((token, token + 1))
+                continue
+            tokens = torch.tensor([token for _, token, _ in group], dtype=torch.int64)
+            token_slots[:, tokens.to(cache.device)] = slots[..., 0]
+            for request_id, _, position in group:
+                self.seats[request_id].written = position + 1
+        seated = [(request_id, token) for request_id, token, _ in decodes if request_id in self.seats]
+        kept = sorted((token, self.seats[request_id].row) for request_id, token in seated)
+        return (
+            torch.tensor([token for token, _ in kept], dtype=torch.int64),
+            torch.tensor([row for _, row in kept], dtype=torch.int64),
+        )
+
+    # ------------------------------------------------------------------ what the scheduler learns
+
+    def report(self) -> PoolReport:
+        cache = self.cache
+        report = PoolReport(
+            pages_total=cache.pool.num_pages,
+            pages_free=cache.pool.num_free,
+            page_size=cache.page_size,
+            pages_per_token_block=cache.num_layers * cache.num_kv_heads,
+            page_bytes=cache.pool.bytes_per_page,
+            failed=dict(self.failed),
+            num_layers=cache.num_layers,
+            num_kv_heads=cache.num_kv_heads,
+        )
+        decoding = [(request_id, seat) for request_id, seat in self.seats.items() if seat.written >= seat.prompt_len]
+        if decoding:
+            rows = torch.tensor([seat.row for _, seat in decoding], dtype=torch.int64)
+            # Per request: pages its next token allocates, a new page in each (layer, head) whose last is full
+            # (`PagedKVCache.pages_needed_to_append` for one row, vectorised over the batch: rows on this path
+            # have no local ring and share no pages).
+            lens = cache.seq_lens[:, rows].to(torch.int64)  # [L, B, H]
+            next_pages = (lens % cache.page_size == 0).sum(dim=(0, 2))
+            for (request_id, _), pages in zip(decoding, next_pages.tolist(), strict=True):
+                report.decode_pages[request_id] = int(pages)
+        for request_id, seat in self.seats.items():
+            usage = cache.usage(request_id)
+            report.pages_held[request_id] = usage.pages
+            if seat.written < seat.prompt_len:
+                continue
+            kv = KVStats(
+                tokens_kept=usage.tokens,
+                tokens_full=cache.num_layers * cache.num_kv_heads * seat.written,
+                kv_bytes=usage.bytes,
+                # The row's high-water mark (exact: counted at every allocation since the row was seated).
+                kv_bytes_peak=cache.peak_pages(request_id) * cache.pool.bytes_per_page,
+            )
+            report.kv[request_id] = kv_figures("full", kv)
+        return report

@@ -1,0 +1,108 @@
+"""`KVPressModelRunner`: vLLM's `CPUModelRunner` whose KV cache is the project's per-(layer, KV head) pool.
+
+vLLM's runner sizes and allocates one tensor per layer in its own block layout
+(`initialize_kv_cache_tensors`). This runner allocates the project's page pool instead, once for all
+layers, and binds an empty tensor where each layer expects its cache: the attention backend never
+reads vLLM's blocks. Everything else about the KV cache stays vLLM's: its KV cache groups (full and
+sliding-window layers alike), its block manager and block tables. Those still plan every request's
+blocks, so the worker gives vLLM's planner room for as many blocks as its scheduler could ask for
+(`bookkeeping_bytes`), none of it allocated; the real limit is the pool, which `KVPressScheduler`
+applies from the pool's reports.
+
+Pool size: `additional_config["kv_num_pages"]`, else `--kv-cache-memory-bytes`, else the embedded
+engine's default (1 GiB). Pages hold `--block-size` tokens of one (layer, KV head).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from typing import Any, cast
+
+import torch
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.utils import bind_kv_cache
+
+from vllm_kvpress_ext.cache import PagedKVCache
+from vllm_kvpress_ext.cache.pool import PagePool
+from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY
+from vllm_kvpress_ext.vllm_plugin.native.attention import KVPressAttentionImpl, KVPressAttentionMetadataBuilder
+from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool
+
+logger = logging.getLogger("vllm.kvpress.runner")
+
+
+class KVPressModelRunner(CPUModelRunner):
+    pool: NativePool | None = None
+
+    def initialize_kv_cache_tensors(
+        self,
+        kv_cache_config: Any,
+        kernel_block_sizes: list[int],
+        kv_cache_allocation_context: AbstractContextManager[Any] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        context = self.compilation_config.static_forward_context
+        names = sorted(
+            {name for group in kv_cache_config.kv_cache_groups for name in group.layer_names},
+            key=extract_layer_index,
+        )
+        layers = [context[name] for name in names]
+        shapes = {(layer.num_kv_heads, layer.head_size) for layer in layers}
+        if len(shapes) != 1:
+            raise NotImplementedError(
+                f"vllm-kvpress-ext's pool holds one KV head count and head size for every layer; this model has "
+                f"{sorted(shapes)}"
+            )
+        for name, layer in zip(names, layers, strict=True):
+            if not isinstance(layer.impl, KVPressAttentionImpl):
+                raise NotImplementedError(f"layer {name} does not run the plugin's attention backend")
+        ((num_kv_heads, head_size),) = shapes
+        dtype = self.kv_cache_dtype
+        page_size = self.cache_config.block_size
+        cache = PagedKVCache(
+            len(layers),
+            num_kv_heads,
+            head_size,
+            num_pages=self._pool_pages(page_size, head_size, dtype),
+            page_size=page_size,
+            max_requests=self.scheduler_config.max_num_seqs,
+            dtype=dtype,
+            device=self.device,
+        )
+        pool = NativePool(cache, names)
+        self.pool = pool
+        pages = cache.pool.num_pages
+        logger.info(
+            "vllm-kvpress-ext: the KV cache is the plugin's pool: %d pages of %d tokens per (layer, KV head), "
+            "%.1f MiB, %d tokens of one uncompressed request (vLLM's block figures above are bookkeeping only)",
+            pages,
+            page_size,
+            pages * cache.pool.bytes_per_page / 2**20,
+            pages // (len(layers) * num_kv_heads) * page_size,
+        )
+        for index, layer in enumerate(layers):
+            layer.impl.pool = pool
+            layer.impl.layer_index = index
+        for groups in self.attn_groups:
+            for group in groups:
+                for builder in group.metadata_builders:
+                    if isinstance(builder, KVPressAttentionMetadataBuilder):
+                        builder.pool = pool
+                        builder.batch_request_ids = self._batch_request_ids
+        placeholders = {name: torch.empty(0, dtype=dtype, device=self.device) for name in names}
+        bind_kv_cache(placeholders, context, self.kv_caches, kv_cache_groups=kv_cache_config.kv_cache_groups)
+        return placeholders
+
+    def _batch_request_ids(self) -> list[str]:
+        return self.input_batch.req_ids  # read at each build: the runner may replace its input batch
+
+    def _pool_pages(self, page_size: int, head_size: int, dtype: torch.dtype) -> int:
+        additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
+        if "kv_num_pages" in additional:
+            return int(additional["kv_num_pages"])
+        memory = self.cache_config.kv_cache_memory_bytes or DEFAULT_KV_MEMORY
+        return PagePool.pages_for_memory(int(memory), page_size, head_size, dtype)
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        """vLLM zeroes fresh blocks of its own cache; there is none here (pool pages are written before read)."""
