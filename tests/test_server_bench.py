@@ -92,9 +92,11 @@ def test_vllm_serve_bench_runs_stock_vllm_beside_the_plugin_on_the_same_load(
     config = VllmServeBenchConfig(prefix_len=2048, input_len=128, output_len=32, stock_vllm="/opt/stock/bin/vllm")
     stock = server_command("stock", "full", "/m", 8000, config)
     assert stock[:3] == ["/opt/stock/bin/vllm", "serve", "/m"] and "--kv-policy" not in stock
-    for server in ("stock", "vllm", "kvpress"):
+    for server in ("stock", "vllm", "vllm-native", "kvpress"):
         command = server_command(server, "full", "/m", 8000, config)
         assert command[command.index("--max-model-len") + 1] == str(2048 + 128 + 32 + 64)
+    native = server_command("vllm-native", "full", "/m", 8000, config)
+    assert json.loads(native[native.index("--additional-config") + 1])["kv_runner"] == "vllm"
     with pytest.raises(ValueError, match="cannot run policy"):
         server_command("stock", "snapkv", "/m", 8000, config)
     load = bench_command("http://x", "/m", Path("/tmp/r.json"), config)

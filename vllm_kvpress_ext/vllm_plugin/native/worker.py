@@ -68,12 +68,16 @@ class VllmRunnerWorker(Worker):
         # Eager execution, no graphs to capture: there is nothing to warm up.
         return CompilationTimes(language_model=0.0, encoder=0.0)
 
+    # The pool's tensors are created and updated under vLLM's inference mode (the forward pass allocates and
+    # grows them); updating them outside it is an error, so the worker's own pool work runs under it too.
+    @torch.inference_mode()
     def execute_model(self, scheduler_output: Any) -> Any:
         pool = self.model_runner.pool
         if pool is not None:
             pool.begin_step(scheduler_output)
         return self._with_report(super().execute_model(scheduler_output))
 
+    @torch.inference_mode()
     def sample_tokens(self, grammar_output: Any) -> Any:
         return self._with_report(super().sample_tokens(grammar_output))
 
