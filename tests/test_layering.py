@@ -89,8 +89,9 @@ def internal_attribute_reads(source: str, where: str, internals: frozenset[str])
     ]
 
 
-def _package_reads(package: str, internals: frozenset[str]) -> list[str]:
-    paths = sorted((ROOT / "vllm_kvpress_ext" / package).rglob("*.py"))
+def _package_reads(package: str, internals: frozenset[str], skip: str | None = None) -> list[str]:
+    root = ROOT / "vllm_kvpress_ext" / package
+    paths = [p for p in sorted(root.rglob("*.py")) if skip is None or not p.is_relative_to(root / skip)]
     assert paths
     found: list[str] = []
     for path in paths:
@@ -118,4 +119,15 @@ def test_the_vllm_worker_uses_the_runner_not_its_cache() -> None:
     # `runner` is the worker's own; `scheduler` and `pool` name vLLM's scheduler and a metrics method there;
     # `prefix_store` is the runner's index of stored prefixes, which the plugin's scheduler mirrors (it answers
     # vLLM's cached-block queries from it) and the worker pins for the requests it promised them to.
-    assert not _package_reads("vllm_plugin", ENGINE_INTERNALS - {"runner", "scheduler", "pool", "prefix_store"})
+    # native/ hosts the pool itself, as the engine does (vLLM's runner drives it): its own cache is not the engine's.
+    allowed = {"runner", "scheduler", "pool", "prefix_store"}
+    assert not _package_reads("vllm_plugin", ENGINE_INTERNALS - allowed, skip="native")
+
+
+def test_the_pool_under_vllms_runner_shares_the_engines_policy_steps_not_its_runner() -> None:
+    """native/ compresses through `engine/compression.py` (what the engine's runner calls too), and imports
+    neither the engine's runner nor its scheduler."""
+    imports = imported_modules("vllm_plugin/native")
+    engine_modules = {m.removeprefix("vllm_kvpress_ext.") for m in imports if m.split(".")[1] == "engine"}
+    assert "engine.compression" in engine_modules
+    assert not engine_modules & {"engine.model_runner", "engine.engine", "engine.scheduler", "engine.attention_context"}

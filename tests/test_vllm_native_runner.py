@@ -1,8 +1,8 @@
-"""vLLM's own model runner and model zoo under the plugin (`additional_config={"kv_runner": "vllm"}`), first
-step: the full cache, exact. Each architecture is a tiny random checkpoint written here with transformers;
-vLLM's implementation of it, run by vLLM's `CPUModelRunner` with the plugin's attention backend, must
-produce HF transformers' greedy tokens, for a batch of two prompts of different lengths (prefill and
-decode batched together; Gemma 3's sliding window shorter than the prompts)."""
+"""vLLM's own model runner and model zoo under the plugin (`additional_config={"kv_runner": "vllm"}`) over the
+plugin's page pool, with the full cache: exact. Each architecture is a tiny random checkpoint written here
+with transformers; vLLM's implementation of it, run by vLLM's `CPUModelRunner` with the plugin's attention
+backend, must produce HF transformers' greedy tokens for a batch of prompts of different lengths (prefill
+and decode batched together; Gemma 3's sliding window shorter than the prompts)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import torch
 import transformers
 from vllm import LLM
 from vllm import SamplingParams as VllmSamplingParams
-from vllm.exceptions import VLLMValidationError
 
 pytestmark = pytest.mark.slow
 
@@ -113,20 +112,6 @@ def test_chunked_prefill_reads_earlier_chunks_from_the_pool(name: str, tmp_path:
         params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-    finally:
-        del llm
-        gc.collect()
-
-
-def test_compression_is_refused_on_this_path_until_it_runs_there(tmp_path: Path) -> None:
-    path, _ = write_checkpoint(tmp_path, "llama")
-    with pytest.raises(ValueError, match="full cache only"):  # vLLM wraps the plugin's error in its own
-        native_llm(path, kv_policy="snapkv")
-    llm = native_llm(path, kv_policy="full")
-    try:
-        refused = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": "snapkv"})
-        with pytest.raises(VLLMValidationError, match="full cache only"):
-            llm.generate([{"prompt_token_ids": PROMPTS[0]}], refused, use_tqdm=False)
     finally:
         del llm
         gc.collect()

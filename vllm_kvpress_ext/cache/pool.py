@@ -19,6 +19,7 @@ import torch
 from vllm_kvpress_ext.utils.huge_pages import huge_page_tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEFAULT_KV_MEMORY = 1 << 30  # a pool's size where its owner is given none: 1 GiB
 
 
 class PoolExhaustedError(RuntimeError):

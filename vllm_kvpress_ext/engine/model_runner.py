@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from vllm_kvpress_ext.cache import PagedKVCache, PagePool, RequestCapacityError
-from vllm_kvpress_ext.cache.pool import PoolExhaustedError
+from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PoolExhaustedError
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
+from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_decode, layer_prefill
 from vllm_kvpress_ext.engine.host_allocator import tune_host_allocator
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
@@ -44,14 +45,12 @@ from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.loader import resolve_dtype
 from vllm_kvpress_ext.models.write_gate import GateStore
 from vllm_kvpress_ext.policies import KVPolicy
-from vllm_kvpress_ext.policies.base import Admission, DecodeLayer, DecodeStep, LayerPrefill, RequestPrefill
+from vllm_kvpress_ext.policies.base import Admission, LayerPrefill
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 from vllm_kvpress_ext.utils.env import cpu_paths_summary
 from vllm_kvpress_ext.utils.huge_pages import move_to_huge_pages
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_KV_MEMORY = 1 << 30
 
 
 @dataclass
@@ -620,23 +619,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ policy hooks
 
     def layer_prefill(self, request: Request, layer: int, gated: bool = False) -> LayerPrefill:
-        """What a policy sees of one layer after prefill: the entries it holds and what the pass captured.
-
-        `gated` (WG-KV admission) passes every head's own positions: heads hold different entries.
-        """
-        keys, values, positions, _ = self.cache.gather_layer(request.request_id, layer)
-        capture = request.capture
-        return LayerPrefill(
-            layer=layer,
-            num_layers=self.config.num_hidden_layers,
-            keys=keys,
-            values=values,
-            positions=positions[0],
-            capture=capture.layers[layer] if capture is not None else None,
-            model=self.model,
-            scale=self.scale,
-            head_positions=positions if gated else None,
-        )
+        """What a policy sees of one layer after prefill (`engine/compression.py`)."""
+        return layer_prefill(self.cache, request.request_id, layer, request.capture, self.model, self.scale, gated)
 
     def complete_prefill(self, request: Request, layerwise: LayerwiseCompression | None = None) -> None:
         """Prefill reached `prefill_target`: the policy scores every layer, plans, and the cache compacts.
@@ -658,23 +642,21 @@ class ModelRunner:
             score_by_reconstruction(self, request)
             state: dict[str, Any] = {}
             request.policy_state = state
-            num_layers = self.config.num_hidden_layers
             gated = request.admission is not None
             if gated:
                 self._start_ring(request)
-            results = []
-            for layer in range(num_layers):
-                results.append(policy.on_layer_prefilled(self.layer_prefill(request, layer, gated), state))
-            summary = RequestPrefill(
-                request_id=request.request_id,
-                num_layers=num_layers,
-                num_kv_heads=self.config.num_key_value_heads,
+            compress_prefill(
+                self.cache,
+                request.request_id,
+                policy,
+                request.capture,
                 num_q_heads=self.config.num_attention_heads,
                 length=request.num_processed,
+                model=self.model,
+                scale=self.scale,
+                state=state,
+                gated=gated,
             )
-            plan = policy.plan(summary, results, state)
-            if plan is not None:
-                self.cache.apply_keep_plan(request.request_id, plan)
             request.capture = None
             request.kv.compression_seconds += self.clock() - start
         self.update_kv_stats(request)
@@ -722,19 +704,14 @@ class ModelRunner:
         """Let the request's policy evict after a decode step (e.g. H2O, bounded StreamingLLM)."""
         assert request.policy is not None and request.row is not None
         start = self.clock()
-        positions, lengths = self.cache.entry_positions(request.request_id)
-        layers = []
-        for layer in range(self.config.num_hidden_layers):
-            attention = None
-            if context.probs is not None:
-                n = positions.shape[-1]
-                attention = context.host_probs(layer)[batch_index, :, :, :n]
-            layers.append(DecodeLayer(positions=positions[layer], lengths=lengths[layer], attention=attention))
-        step = DecodeStep(request.request_id, request.num_processed - 1, layers)
-        eviction = request.policy.on_decode_step(step, request.policy_state)
-        if eviction is not None and eviction.entries.numel():
-            rows = torch.full_like(eviction.entries, request.row)
-            self.cache.evict(rows, eviction.layers, eviction.heads, eviction.entries)
+
+        def attention(layer: int, entries: int) -> torch.Tensor | None:
+            if context.probs is None:
+                return None
+            return context.host_probs(layer)[batch_index, :, :, :entries]
+
+        position = request.num_processed - 1
+        evict_after_decode(self.cache, request.request_id, request.policy, request.policy_state, position, attention)
         request.kv.compression_seconds += self.clock() - start
 
     def record_kept(self, request: Request) -> None:

@@ -109,7 +109,9 @@ class LayerPrefill:
     values: torch.Tensor  # [Hkv, n, d]
     positions: torch.Tensor  # [n] token positions of the entries (0..n-1 before any compression)
     capture: LayerCapture | None
-    model: LlamaFamilyForCausalLM
+    # The project's model (policies that run its weights, e.g. GVote's synthetic queries); None where another
+    # model implementation runs the forward pass (vLLM's runner), which such policies refuse up front.
+    model: LlamaFamilyForCausalLM | None
     scale: float
     # [Hkv, N] entry positions per head (-1 = padding) when heads already differ (after admission);
     # None while every head holds the same prompt entries (`positions`).
@@ -122,6 +124,12 @@ class LayerPrefill:
     @property
     def length(self) -> int:
         return self.keys.shape[1]
+
+    def project_model(self, policy: str) -> LlamaFamilyForCausalLM:
+        """The project's model, for a policy that runs its weights; a clear error where there is none."""
+        if self.model is None:
+            raise RuntimeError(f"{policy} runs the project's model code, which this runner does not have")
+        return self.model
 
 
 @dataclass

@@ -155,13 +155,14 @@ class PrefillCapture:
         self,
         layer: int,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | None,
         q: torch.Tensor,
-        k: torch.Tensor,
-        k_pre_rope: torch.Tensor,
+        k: torch.Tensor | None,
+        k_pre_rope: torch.Tensor | None,
         lse: torch.Tensor | None = None,
     ) -> None:
-        """One chunk of one layer; `lse` `[n, Hq]` when the chunk's attention yielded it."""
+        """One chunk of one layer; `lse` `[n, Hq]` when the chunk's attention yielded it. `hidden`, `k` and
+        `k_pre_rope` may be None where the spec does not ask for them (a runner that does not have them)."""
         rec = self.layers[layer]
         spec = self.spec
         if spec.window:
@@ -175,12 +176,16 @@ class PrefillCapture:
                     lses = lse.detach() if rec.query_lse is None else torch.cat([rec.query_lse, lse.detach()])
                     rec.query_lse = lses[-spec.window :].float().clone()
         if spec.hidden_stats:
+            if hidden is None:
+                raise ValueError("this capture needs the hidden states")
             h = hidden.detach().double()
             s, sq = h.sum(0), (h * h).sum(0)
             rec.hidden_sum = s if rec.hidden_sum is None else rec.hidden_sum + s
             rec.hidden_sq_sum = sq if rec.hidden_sq_sum is None else rec.hidden_sq_sum + sq
             rec.hidden_count += h.shape[0]
         if spec.keys_pre_rope:
+            if k is None or k_pre_rope is None:
+                raise ValueError("this capture needs the keys before and after RoPE")
             rec.keys_pre_rope.append(k_pre_rope.detach().clone())
             rec.keys_post_rope.append(k.detach().clone())
         if spec.query_moments or spec.leading_queries:

@@ -117,7 +117,8 @@ class ExpectedAttentionPolicy(KVPolicy):
         sinks = self.sink_tokens
         mean, cov = capture.query_mean_cov(skip=sinks)
         last = int(layer.positions.max())
-        cos, sin = layer.model.rotary.cos_sin(torch.arange(last + 1, last + 1 + self.future_positions, device=device))
+        rotary = layer.project_model(self.name).rotary
+        cos, sin = rotary.cos_sin(torch.arange(last + 1, last + 1 + self.future_positions, device=device))
         rotation = mean_rotation(cos.double(), sin.double())
         mean = (mean.to(device) @ rotation.T).float()
         future_cov = (rotation @ cov.to(device) @ rotation.T).float() if self.use_covariance else None

@@ -324,8 +324,8 @@ class GVotePolicy(KVPolicy):
         noise = sample_noise(self.seed, layer.layer, self.num_samples, mean.shape[0])
         hidden = mean.cpu().double() + std.cpu().double() * noise  # [S, D]
         last = int(capture.query_positions[-1])
-        cos, sin = future_rotation(layer.model, last + 1, self.future_positions, layer.keys.device)
-        queries = synthetic_queries(layer.model, layer.layer, hidden, cos, sin)
+        cos, sin = future_rotation(layer.project_model(self.name), last + 1, self.future_positions, layer.keys.device)
+        queries = synthetic_queries(layer.project_model(self.name), layer.layer, hidden, cos, sin)
         keep = vote(queries, layer.keys, budgets, self.kernel_size)
         if self.observation_window:
             keep |= self.observed_votes(layer)

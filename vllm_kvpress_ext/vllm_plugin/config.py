@@ -23,7 +23,7 @@ logger = logging.getLogger("vllm.kvpress")
 WORKER_CLS = "vllm_kvpress_ext.vllm_plugin.worker.KVPressWorker"
 SCHEDULER_CLS = "vllm_kvpress_ext.vllm_plugin.scheduler.KVPressScheduler"
 # `additional_config["kv_runner"]`: who runs the model. "project" (the default) is the plugin's own
-# runner and pool; "vllm" is vLLM's model runner and model zoo (native/), without compression yet.
+# runner and pool; "vllm" is vLLM's model runner and model zoo over the plugin's pool (native/).
 RUNNER_KEY = "kv_runner"
 RUNNERS = ("project", "vllm")
 NATIVE_WORKER_CLS = "vllm_kvpress_ext.vllm_plugin.native.worker.VllmRunnerWorker"
@@ -104,7 +104,7 @@ def chosen_runner(additional: dict[str, Any]) -> str:
 
 def apply_native_config(vllm_config: Any) -> None:
     """vLLM's runner with the plugin's worker, pool, attention backend and scheduler: eager, synchronous,
-    every custom op on its torch path; the full cache only (no policy compresses on this path yet)."""
+    every custom op on its torch path; a default policy this runner cannot serve yet is refused at start."""
     from vllm.config import CompilationMode, CUDAGraphMode
 
     refuse_unsupported(vllm_config)
@@ -118,14 +118,13 @@ def apply_native_config(vllm_config: Any) -> None:
         )
     additional = vllm_config.additional_config or {}
     if "kv_policy" in additional:
+        from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal
         from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
         check_policy_spec(additional["kv_policy"])
-        if default_policy(additional) is not None:  # one that compresses
-            raise UnsupportedConfigError(
-                f"additional_config {RUNNER_KEY}='vllm' serves the full cache only for now; "
-                f"kv_policy {additional['kv_policy']!r} needs the plugin's own runner (kv_runner 'project')"
-            )
+        refusal = native_refusal(default_policy(additional))
+        if refusal is not None:
+            raise UnsupportedConfigError(refusal)
     vllm_config.parallel_config.worker_cls = NATIVE_WORKER_CLS
     # vLLM's scheduler, starting and preempting by the pool's reports (as on the plugin's own runner), which
     # must be the last step's: scheduling is synchronous.

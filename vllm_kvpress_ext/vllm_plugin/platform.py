@@ -45,7 +45,8 @@ _neutralise_accelerator_cache_calls()
 
 def validate_kvpress_request(params: Any, runner: str = "project") -> None:
     """Refuse, as HTTP 400, a bad per-request policy or a sampling feature the worker lacks. On vLLM's own
-    runner (`runner="vllm"`) vLLM's sampler serves every sampling feature, and no policy but `full` runs yet."""
+    runner (`runner="vllm"`) vLLM's sampler serves every sampling feature, and a policy that needs what that
+    runner does not capture yet is refused by name (`native/support.py`)."""
     from vllm.sampling_params import SamplingParams
 
     if not isinstance(params, SamplingParams):
@@ -58,11 +59,12 @@ def validate_kvpress_request(params: Any, runner: str = "project") -> None:
         policy = request_policy(params.extra_args, None)
     except RequestPolicyError as exc:
         raise VLLMValidationError(str(exc), parameter=exc.param or "kv_policy") from None
-    if runner == "vllm" and policy is not None:  # a policy that compresses
-        raise VLLMValidationError(
-            f"kv_policy {policy.name!r}: this server runs vLLM's own runner, which serves the full cache only for now",
-            parameter="kv_policy",
-        )
+    if runner == "vllm":
+        from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal
+
+        refusal = native_refusal(policy)
+        if refusal is not None:
+            raise VLLMValidationError(refusal, parameter="kv_policy")
 
 
 class KVPressCpuPlatform(Platform):

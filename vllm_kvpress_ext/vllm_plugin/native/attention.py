@@ -39,8 +39,14 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from vllm_kvpress_ext.attention import causal_attention, gather_paged, paged_decode_attention, paged_prefill_attention
-from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool, StepPlan
+from vllm_kvpress_ext.attention import (
+    causal_attention,
+    causal_attention_with_lse,
+    gather_paged,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool, PrefillSpan, StepPlan
 
 
 @dataclass
@@ -168,12 +174,21 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
                 cache.device_seq_lens[layer_index],
                 plan.decode_rows,
                 self.scale,
+                probs_out=plan.decode_probs,
             ).to(out.dtype)
         for span in plan.prefills:
             chunk = slice(span.begin, span.end)
-            if span.first_position == 0:
+            want_lse = span.capture is not None and span.capture.spec.query_lse
+            lse: torch.Tensor | None = None
+            if span.first_position == 0 and want_lse:
+                attended, lse = causal_attention_with_lse(
+                    queries[chunk][None], key[chunk][None], value[chunk][None], self.scale
+                )
+                attended, lse = attended[0], None if lse is None else lse[0]
+            elif span.first_position == 0:
                 attended = causal_attention(queries[chunk][None], key[chunk][None], value[chunk][None], self.scale)[0]
             else:
+                lse_out: list[torch.Tensor] | None = [] if want_lse else None
                 attended = paged_prefill_attention(
                     queries[chunk],
                     plan.query_positions[chunk].to(query.device),
@@ -182,17 +197,28 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
                     cache.device_block_tables[layer_index, span.row],
                     cache.device_seq_lens[layer_index, span.row],
                     self.scale,
+                    lse_out=lse_out,
                 )
+                lse = lse_out[0] if lse_out else None
             out[chunk] = attended.to(out.dtype)
+            self._record(span, plan, queries[chunk], lse)
         return output
+
+    def _record(self, span: PrefillSpan, plan: StepPlan, queries: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """What the request's policy captures of this chunk in this layer (the window's queries, after RoPE)."""
+        if span.capture is not None:
+            positions = plan.query_positions[span.begin : span.end].to(queries.device)
+            span.capture.record(self.layer_index, positions, None, queries, None, None, lse)
 
     def _masked(self, plan: StepPlan, queries: torch.Tensor, out: torch.Tensor) -> None:
         """Each request's queries over its row's entries, masked by position (window, soft cap: torch)."""
         assert self.pool is not None
         cache, layer_index = self.pool.cache, self.layer_index
-        spans = [(span.begin, span.end, span.row) for span in plan.prefills]
-        spans += [(t, t + 1, r) for t, r in zip(plan.decode_tokens.tolist(), plan.decode_rows.tolist(), strict=True)]
-        for begin, end, row in spans:
+        spans: list[tuple[int, int, int, PrefillSpan | None]] = [(p.begin, p.end, p.row, p) for p in plan.prefills]
+        decodes = zip(plan.decode_tokens.tolist(), plan.decode_rows.tolist(), strict=True)
+        spans += [(token, token + 1, row, None) for token, row in decodes]
+        decode_probs: list[torch.Tensor] = []
+        for begin, end, row, prefill in spans:
             keys, values, positions, valid = gather_paged(
                 cache.pool.kv,
                 cache.pool.positions,
@@ -204,24 +230,46 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             mask = valid.unsqueeze(1) & (key_positions <= query_positions)  # [Hkv, n, N]
             if self.sliding_window is not None:
                 mask = mask & (query_positions - key_positions < self.sliding_window)
-            out[begin:end] = self._attend(queries[begin:end].transpose(0, 1), keys, values, mask).transpose(0, 1)
+            want_probs = prefill is None and plan.decode_probs is not None
+            attended, probs = self._attend(queries[begin:end].transpose(0, 1), keys, values, mask, want_probs)
+            out[begin:end] = attended.transpose(0, 1)
+            if probs is not None:
+                decode_probs.append(probs)
+            if prefill is not None:
+                self._record(prefill, plan, queries[begin:end], None)
+        if plan.decode_probs is not None:
+            plan.decode_probs.append(_padded_batch(decode_probs, self.num_kv_heads))
 
     def _attend(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """`queries [Hq, n, d]` over `keys`/`values [Hkv, N, d]` under `mask [Hkv, n, N]` -> `[Hq, n, d]`."""
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, want_probs: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`queries [Hq, n, d]` over `keys`/`values [Hkv, N, d]` under `mask [Hkv, n, N]` -> `[Hq, n, d]`, and
+        with `want_probs` (one query) the attention `[Hkv, G, N]` each entry receives, for decode-time policies."""
         group = self.num_heads // self.num_kv_heads
         keys, values = keys.to(queries.dtype), values.to(queries.dtype)
         mask = mask.repeat_interleave(group, 0)
-        if self.logits_soft_cap is None:
-            return F.scaled_dot_product_attention(
+        if self.logits_soft_cap is None and not want_probs:
+            attended = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=group > 1
             )
+            return attended, None
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * self.scale
-        scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+        if self.logits_soft_cap is not None:
+            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
         weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        return torch.matmul(weights.to(values.dtype), values)
+        attended = torch.matmul(weights.to(values.dtype), values)
+        probs = weights[:, 0].view(self.num_kv_heads, group, -1) if want_probs else None
+        return attended, probs
+
+
+def _padded_batch(probs: list[torch.Tensor], num_kv_heads: int) -> torch.Tensor:
+    """Per-request `[Hkv, G, N_b]` attention as one `[B, Hkv, G, max N]` batch, zeros past each request's entries
+    (`paged_decode_attention`'s `probs_out` layout)."""
+    if not probs:
+        return torch.zeros(0, num_kv_heads, 1, 0)
+    longest = max(p.shape[-1] for p in probs)
+    return torch.stack([F.pad(p, (0, longest - p.shape[-1])) for p in probs])
 
 
 class KVPressAttentionBackend(AttentionBackend):

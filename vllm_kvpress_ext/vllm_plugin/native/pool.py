@@ -24,16 +24,24 @@ vLLM's scheduler starts and preempts requests by this pool rather than by its ow
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from vllm_kvpress_ext.api.policy_spec import policy_label
 from vllm_kvpress_ext.api.usage import kv_figures
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
+from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_decode
+from vllm_kvpress_ext.engine.kept import KeptEntries, kept_entries
 from vllm_kvpress_ext.engine.request import KVStats
+from vllm_kvpress_ext.policies import KVPolicy
+from vllm_kvpress_ext.policies.capture import PrefillCapture
+from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
+from vllm_kvpress_ext.vllm_plugin.request_policy import request_policy
 
 
 @dataclass
@@ -44,6 +52,7 @@ class PrefillSpan:
     end: int
     row: int
     first_position: int
+    capture: PrefillCapture | None = None  # what the request's policy records of its prompt
 
 
 @dataclass
@@ -63,25 +72,47 @@ class StepPlan:
     decode_rows: torch.Tensor  # [Bd] their cache rows
     prefills: list[PrefillSpan] = field(default_factory=list)
     failed_tokens: list[tuple[int, int]] = field(default_factory=list)  # [begin, end) spans output as zeros
+    # Per layer, the decodes' attention `[Bd, Hkv, G, N]` over each row's entries in storage order, when a
+    # decoding request's policy reads it (H2O); filled by the backend as the layers run.
+    decode_probs: list[torch.Tensor] | None = None
 
 
 @dataclass
 class _Seat:
     row: int
     prompt_len: int
+    policy: KVPolicy | None = None
+    capture: PrefillCapture | None = None
+    state: dict[str, Any] = field(default_factory=dict)  # the policy's, from compression on
     written: int = 0  # tokens whose K/V are in the pool (the next token goes to this position)
+    compressed: bool = False
+    compression_seconds: float = 0.0
 
 
 class NativePool:
     """The pool, its rows for vLLM's requests, and the current step's plan."""
 
-    def __init__(self, cache: PagedKVCache, layer_names: list[str]) -> None:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        layer_names: list[str],
+        num_q_heads: int,
+        scale: float,
+        default_policy: KVPolicy | None = None,
+    ) -> None:
         self.cache = cache
         self.layer_index = {name: index for index, name in enumerate(layer_names)}
+        self.num_q_heads = num_q_heads
+        self.scale = scale
+        self.default_policy = default_policy
         self.seats: dict[str, _Seat] = {}
+        # Each live request's prompt length and sampling parameters (vLLM sends them once, when it starts).
+        self.prompts: dict[str, tuple[int, Any]] = {}
         self.failed: dict[str, str] = {}
+        # Set to a dict to keep, per request, what it held right after its policy compressed (tests, analysis).
+        self.kept_at_compression: dict[str, KeptEntries] | None = None
         self._plan: StepPlan | None = None
-        self._empty_slots = torch.zeros(cache.num_layers, 0, cache.num_kv_heads, dtype=torch.int64, device=cache.device)
+        self.decode_request_ids: list[str] = []  # the step's decodes, in the order of `StepPlan.decode_rows`
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -91,21 +122,31 @@ class NativePool:
         self.failed = {}
         for request_id in scheduler_output.finished_req_ids:
             self.release(request_id)
+            self.prompts.pop(request_id, None)
         for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.release(request_id)
         for new in scheduler_output.scheduled_new_reqs:
             self.release(new.req_id)  # an aborted request resubmitted under the same id starts over
             prompt = new.prompt_token_ids
-            self._seat(new.req_id, len(prompt) if prompt is not None else 0, new.num_computed_tokens)
+            self.prompts[new.req_id] = (len(prompt) if prompt is not None else 0, new.sampling_params)
+            self._seat(new.req_id, new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
             if request_id in cached.resumed_req_ids:
-                seat = self.seats.get(request_id)
-                prompt_len = seat.prompt_len if seat is not None else 0
                 self.release(request_id)
-                self._seat(request_id, prompt_len, cached.num_computed_tokens[index])
+                self._seat(request_id, cached.num_computed_tokens[index])
 
-    def _seat(self, request_id: str, prompt_len: int, computed: int) -> None:
+    def _seat(self, request_id: str, computed: int) -> None:
+        prompt_len, params = self.prompts.get(request_id, (0, None))
+        try:
+            policy = request_policy(getattr(params, "extra_args", None), self.default_policy)
+        except ValueError as exc:  # the API process validated it; a request from elsewhere may not be
+            self.failed[request_id] = str(exc)
+            return
+        refusal = native_refusal(policy)
+        if refusal is not None:
+            self.failed[request_id] = refusal
+            return
         if computed:
             # Only vLLM's prefix cache or a KV connector could say tokens are computed before any were
             # written here; both are off on this path.
@@ -116,7 +157,10 @@ class NativePool:
         except RuntimeError as exc:  # every row taken: more requests than max_num_seqs
             self.failed[request_id] = str(exc)
             return
-        self.seats[request_id] = _Seat(row=row, prompt_len=prompt_len)
+        capture = None
+        if policy is not None and not policy.capture_spec().empty:
+            capture = PrefillCapture(policy.capture_spec(), self.cache.num_layers)
+        self.seats[request_id] = _Seat(row=row, prompt_len=prompt_len, policy=policy, capture=capture)
 
     def release(self, request_id: str) -> None:
         if self.seats.pop(request_id, None) is not None:
@@ -173,8 +217,12 @@ class NativePool:
                 continue
             token_slots[:, begin:end] = slots[:, 0].transpose(1, 2)
             seat.written = seq_lens[index]
-            prefills.append(PrefillSpan(begin, end, seat.row, first))
+            capture = seat.capture if not seat.compressed else None
+            prefills.append(PrefillSpan(begin, end, seat.row, first, capture))
         decode_tokens, decode_rows = self._plan_decodes(decodes, token_slots, written, failed_tokens)
+        self.decode_request_ids = [request_id for request_id, _, _ in sorted(decodes, key=lambda d: d[1])]
+        self.decode_request_ids = [request_id for request_id in self.decode_request_ids if request_id in self.seats]
+        wants_probs = any(self._wants_attention(request_id) for request_id in self.decode_request_ids)
         self._plan = StepPlan(
             num_tokens=num_tokens,
             token_slots=token_slots,
@@ -184,8 +232,13 @@ class NativePool:
             decode_rows=decode_rows,
             prefills=prefills,
             failed_tokens=failed_tokens,
+            decode_probs=[] if wants_probs else None,
         )
         return self._plan
+
+    def _wants_attention(self, request_id: str) -> bool:
+        policy = self.seats[request_id].policy
+        return policy is not None and policy.wants_decode_steps and policy.wants_decode_attention
 
     def _plan_decodes(
         self,
@@ -226,6 +279,65 @@ class NativePool:
             torch.tensor([row for _, row in kept], dtype=torch.int64),
         )
 
+    # ------------------------------------------------------------------ the policies, after the forward pass
+
+    def apply_policies(self) -> None:
+        """Compress each request whose prompt this step completed; let decode-time policies evict after the
+        step's token. A policy that raises fails its request alone."""
+        plan = self._plan
+        if plan is None:
+            return
+        for request_id in [r for r, seat in self.seats.items() if self._completes_prefill(seat)]:
+            self._run_policy(request_id, self._compress)
+        decode_batch = {request_id: index for index, request_id in enumerate(self.decode_request_ids)}
+        for request_id, index in decode_batch.items():
+            seat = self.seats.get(request_id)
+            if seat is not None and seat.compressed and seat.policy is not None and seat.policy.wants_decode_steps:
+                self._run_policy(request_id, lambda rid, i=index: self._evict(rid, i, plan))
+
+    @staticmethod
+    def _completes_prefill(seat: _Seat) -> bool:
+        return seat.policy is not None and not seat.compressed and 0 < seat.prompt_len <= seat.written
+
+    def _run_policy(self, request_id: str, step: Any) -> None:
+        seat = self.seats[request_id]
+        start = time.perf_counter()
+        try:
+            step(request_id)
+        except Exception as exc:  # a policy's failure is its request's, never the batch's
+            self._fail(request_id, f"{policy_label(seat.policy)} failed: {exc}")
+            return
+        seat.compression_seconds += time.perf_counter() - start
+
+    def _compress(self, request_id: str) -> None:
+        seat = self.seats[request_id]
+        assert seat.policy is not None
+        seat.state = {}
+        compress_prefill(
+            self.cache,
+            request_id,
+            seat.policy,
+            seat.capture,
+            num_q_heads=self.num_q_heads,
+            length=seat.written,
+            model=None,
+            scale=self.scale,
+            state=seat.state,
+        )
+        seat.compressed, seat.capture = True, None
+        if self.kept_at_compression is not None:
+            self.kept_at_compression[request_id] = kept_entries(self.cache, request_id)
+
+    def _evict(self, request_id: str, batch_index: int, plan: StepPlan) -> None:
+        seat = self.seats[request_id]
+        assert seat.policy is not None
+        probs = plan.decode_probs
+
+        def attention(layer: int, entries: int) -> torch.Tensor | None:
+            return None if probs is None else probs[layer][batch_index, :, :, :entries].cpu()
+
+        evict_after_decode(self.cache, request_id, seat.policy, seat.state, seat.written - 1, attention)
+
     # ------------------------------------------------------------------ what the scheduler learns
 
     def report(self) -> PoolReport:
@@ -239,6 +351,7 @@ class NativePool:
             failed=dict(self.failed),
             num_layers=cache.num_layers,
             num_kv_heads=cache.num_kv_heads,
+            compresses_layerwise=False,
         )
         decoding = [(request_id, seat) for request_id, seat in self.seats.items() if seat.written >= seat.prompt_len]
         if decoding:
@@ -261,6 +374,7 @@ class NativePool:
                 kv_bytes=usage.bytes,
                 # The row's high-water mark (exact: counted at every allocation since the row was seated).
                 kv_bytes_peak=cache.peak_pages(request_id) * cache.pool.bytes_per_page,
+                compression_seconds=seat.compression_seconds,
             )
-            report.kv[request_id] = kv_figures("full", kv)
+            report.kv[request_id] = kv_figures(policy_label(seat.policy), kv)
         return report

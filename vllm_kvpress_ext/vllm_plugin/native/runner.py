@@ -25,10 +25,10 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
 from vllm_kvpress_ext.cache import PagedKVCache
-from vllm_kvpress_ext.cache.pool import PagePool
-from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY
+from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PagePool
 from vllm_kvpress_ext.vllm_plugin.native.attention import KVPressAttentionImpl, KVPressAttentionMetadataBuilder
 from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool
+from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
 logger = logging.getLogger("vllm.kvpress.runner")
 
@@ -70,7 +70,9 @@ class KVPressModelRunner(CPUModelRunner):
             dtype=dtype,
             device=self.device,
         )
-        pool = NativePool(cache, names)
+        impl = layers[0].impl
+        additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
+        pool = NativePool(cache, names, impl.num_heads, impl.scale, default_policy(additional))
         self.pool = pool
         pages = cache.pool.num_pages
         logger.info(
@@ -98,7 +100,7 @@ class KVPressModelRunner(CPUModelRunner):
         return self.input_batch.req_ids  # read at each build: the runner may replace its input batch
 
     def _pool_pages(self, page_size: int, head_size: int, dtype: torch.dtype) -> int:
-        additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
+        additional = cast(dict[str, Any], self.vllm_config.additional_config or {})
         if "kv_num_pages" in additional:
             return int(additional["kv_num_pages"])
         memory = self.cache_config.kv_cache_memory_bytes or DEFAULT_KV_MEMORY

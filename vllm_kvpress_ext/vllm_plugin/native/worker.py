@@ -75,7 +75,10 @@ class VllmRunnerWorker(Worker):
         pool = self.model_runner.pool
         if pool is not None:
             pool.begin_step(scheduler_output)
-        return self._with_report(super().execute_model(scheduler_output))
+        output = super().execute_model(scheduler_output)
+        if pool is not None:  # the pass is done (its logits are kept for sampling): the policies run now
+            pool.apply_policies()
+        return self._with_report(output)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: Any) -> Any:

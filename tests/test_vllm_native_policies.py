@@ -1,0 +1,141 @@
+"""Policies on vLLM's own model runner (`kv_runner: vllm`): what each keeps equals what the embedded engine keeps.
+
+The same checkpoint (a random-weight GQA Llama, fp32) runs on the embedded engine and on vLLM's runner over
+the plugin's pool, with the same prompts, page size and chunking (each prompt one chunk). For every policy
+that runner serves, the entries each (layer, KV head) holds right after compression are the embedded
+engine's, the greedy tokens are the same, the figures in the finished request's `kv_transfer_params` are
+the embedded request's, and the pages the policy dropped are back in the pool. The policies it does not
+serve yet are refused by name, at start and per request.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from model_utils import write_suite_model
+from vllm import LLM as VllmLLM
+from vllm import SamplingParams as VllmSamplingParams
+from vllm.exceptions import VLLMValidationError
+
+from vllm_kvpress_ext.engine import LLM, KeptEntries, SamplingParams
+from vllm_kvpress_ext.policies.registry import create_policy, policy_names
+from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
+from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal
+
+pytestmark = pytest.mark.slow
+
+PAGE_SIZE = 16
+NEW_TOKENS = 6
+SERVED = [
+    name for name in policy_names() if create_policy(name).compresses and native_refusal(create_policy(name)) is None
+]
+REFUSED = [name for name in policy_names() if native_refusal(create_policy(name)) is not None]
+# Budgets that keep a part of a 96-token prompt (the registry's defaults, where they would keep it all).
+SPECS: dict[str, Any] = {
+    "snapkv": {"name": "snapkv", "ratio": 0.25},
+    "adakv": {"name": "adakv", "ratio": 0.25},
+    "streaming_llm": {"name": "streaming_llm", "ratio": 0.3},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def in_process_engine() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_suite_model(tmp_path_factory.mktemp("native-policies"), hidden=64, std=0.3)
+
+
+@pytest.fixture(scope="module")
+def embedded(model: Path) -> LLM:
+    return LLM(model, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE)
+
+
+@pytest.fixture(scope="module")
+def native(model: Path) -> Iterator[VllmLLM]:
+    llm = VllmLLM(
+        str(model),
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        block_size=PAGE_SIZE,
+        skip_tokenizer_init=True,
+        additional_config={"kv_runner": "vllm", "kv_num_pages": 2048},
+    )
+    yield llm
+    del llm
+    gc.collect()
+
+
+def prompts() -> list[list[int]]:
+    return [[random.Random(seed).randrange(10, len(VOCABULARY)) for _ in range(96)] for seed in (0, 1)]
+
+
+def held_sets(kept: KeptEntries) -> list[list[set[int]]]:
+    layers, heads = kept.lengths.shape
+    return [[set(kept.head(layer, head)) for head in range(heads)] for layer in range(layers)]
+
+
+def native_pool(llm: VllmLLM) -> Any:
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.pool
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_each_policy_keeps_on_vllms_runner_what_it_keeps_on_the_embedded_engine(
+    name: str, embedded: LLM, native: VllmLLM
+) -> None:
+    spec = SPECS.get(name, name)
+    ours = embedded.generate(
+        prompts(),
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_kept=True),
+        policy=spec,
+    )
+    pool = native_pool(native)
+    pool.kept_at_compression = {}
+    params = VllmSamplingParams(
+        max_tokens=NEW_TOKENS,
+        temperature=0.0,
+        ignore_eos=True,
+        extra_args={"kv_policy": json.dumps(spec) if isinstance(spec, dict) else spec},
+    )
+    theirs = native.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    kept = list(pool.kept_at_compression.values())  # in the order the requests compressed: the prompts' order
+    assert len(kept) == len(ours)
+    for mine, vllm_output, vllm_kept in zip(ours, theirs, kept, strict=True):
+        assert mine.kv.kept_at_compression is not None
+        assert held_sets(vllm_kept) == held_sets(mine.kv.kept_at_compression)
+        assert list(vllm_output.outputs[0].token_ids) == mine.output_token_ids
+        figures = vllm_output.kv_transfer_params["kvpress"]
+        assert figures["policy"] == name
+        assert figures["kv_tokens_kept"] == mine.kv.tokens_kept and figures["kv_tokens_full"] == mine.kv.tokens_full
+        assert figures["kv_bytes"] == mine.kv.kv_bytes < figures["kv_bytes_peak"]
+    held = sum(pool.cache.usage(request_id).pages for request_id in pool.seats)
+    assert pool.cache.pool.num_free + held == pool.cache.pool.num_pages
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_policy_vllms_runner_cannot_serve_yet_is_refused_by_name(name: str, native: VllmLLM, model: Path) -> None:
+    params = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": name})
+    with pytest.raises(VLLMValidationError, match=rf"kv_policy '{name}' needs .* \(kv_runner 'project'\)"):
+        native.generate([{"prompt_token_ids": prompts()[0]}], params, use_tqdm=False)
+
+
+def test_a_default_policy_vllms_runner_cannot_serve_is_refused_at_start(model: Path) -> None:
+    with pytest.raises(ValueError, match="kv_policy 'kvzip' needs a reconstruction pass"):
+        VllmLLM(
+            str(model),
+            dtype="float32",
+            skip_tokenizer_init=True,
+            additional_config={"kv_runner": "vllm", "kv_policy": "kvzip"},
+        )

@@ -1,0 +1,102 @@
+"""The two moments a policy changes a request's cache, shared by every runner that hosts policies.
+
+- `compress_prefill`: the request's prompt is in the cache (every layer, every KV head): the policy sees
+  each layer (`on_layer_prefilled`), plans (`plan`), and the cache compacts to the plan.
+- `evict_after_decode`: a decode token was written and attended: a decode-time policy (H2O, bounded
+  StreamingLLM) may drop entries.
+
+The embedded engine's model runner and the plugin's pool on vLLM's runner (`vllm_plugin/native/`) both
+call these, so a policy sees the same inputs, and plans the same kept sets, on either path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vllm_kvpress_ext.cache import PagedKVCache
+from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
+from vllm_kvpress_ext.policies import KVPolicy
+from vllm_kvpress_ext.policies.base import DecodeLayer, DecodeStep, LayerPrefill, RequestPrefill
+from vllm_kvpress_ext.policies.capture import PrefillCapture
+
+
+def layer_prefill(
+    cache: PagedKVCache,
+    request_id: str,
+    layer: int,
+    capture: PrefillCapture | None,
+    model: LlamaFamilyForCausalLM | None,
+    scale: float,
+    gated: bool = False,
+) -> LayerPrefill:
+    """What a policy sees of one layer after prefill: the entries it holds and what the pass captured.
+
+    `gated` (WG-KV admission) passes every head's own positions: heads hold different entries.
+    """
+    keys, values, positions, _ = cache.gather_layer(request_id, layer)
+    return LayerPrefill(
+        layer=layer,
+        num_layers=cache.num_layers,
+        keys=keys,
+        values=values,
+        positions=positions[0],
+        capture=capture.layers[layer] if capture is not None else None,
+        model=model,
+        scale=scale,
+        head_positions=positions if gated else None,
+    )
+
+
+def compress_prefill(
+    cache: PagedKVCache,
+    request_id: str,
+    policy: KVPolicy,
+    capture: PrefillCapture | None,
+    *,
+    num_q_heads: int,
+    length: int,
+    model: LlamaFamilyForCausalLM | None,
+    scale: float,
+    state: dict[str, Any],
+    gated: bool = False,
+) -> None:
+    """Score every layer, plan, compact the request's cache to the plan (`state` is the policy's, kept
+    for its decode steps)."""
+    results = [
+        policy.on_layer_prefilled(layer_prefill(cache, request_id, layer, capture, model, scale, gated), state)
+        for layer in range(cache.num_layers)
+    ]
+    summary = RequestPrefill(
+        request_id=request_id,
+        num_layers=cache.num_layers,
+        num_kv_heads=cache.num_kv_heads,
+        num_q_heads=num_q_heads,
+        length=length,
+    )
+    plan = policy.plan(summary, results, state)
+    if plan is not None:
+        cache.apply_keep_plan(request_id, plan)
+
+
+def evict_after_decode(
+    cache: PagedKVCache,
+    request_id: str,
+    policy: KVPolicy,
+    state: dict[str, Any],
+    position: int,
+    attention: Callable[[int, int], torch.Tensor | None],
+) -> None:
+    """The decode-time policy's eviction after the token at `position`; `attention(layer, n)` is the step's
+    attention over the layer's first `n` entries `[Hkv, G, n]` (None when the policy does not ask for it)."""
+    positions, lengths = cache.entry_positions(request_id)
+    layers = [
+        DecodeLayer(positions=positions[layer], lengths=lengths[layer], attention=attention(layer, positions.shape[-1]))
+        for layer in range(cache.num_layers)
+    ]
+    eviction = policy.on_decode_step(DecodeStep(request_id, position, layers), state)
+    if eviction is not None and eviction.entries.numel():
+        rows = torch.full_like(eviction.entries, cache.row_of(request_id))
+        cache.evict(rows, eviction.layers, eviction.heads, eviction.entries)
