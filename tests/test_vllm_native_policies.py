@@ -62,17 +62,22 @@ def embedded(model: Path) -> LLM:
     return LLM(model, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE)
 
 
-@pytest.fixture(scope="module")
-def native(model: Path) -> Iterator[VllmLLM]:
-    llm = VllmLLM(
+def native_llm(model: Path, max_num_batched_tokens: int | None = None) -> VllmLLM:
+    return VllmLLM(
         str(model),
         dtype="float32",
         max_model_len=256,
         max_num_seqs=4,
+        max_num_batched_tokens=max_num_batched_tokens,
         block_size=PAGE_SIZE,
         skip_tokenizer_init=True,
         additional_config={"kv_runner": "vllm", "kv_num_pages": 2048},
     )
+
+
+@pytest.fixture(scope="module")
+def native(model: Path) -> Iterator[VllmLLM]:
+    llm = native_llm(model)
     yield llm
     del llm
     gc.collect()
@@ -91,15 +96,11 @@ def native_pool(llm: VllmLLM) -> Any:
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.pool
 
 
-@pytest.mark.parametrize("name", SERVED)
-def test_each_policy_keeps_on_vllms_runner_what_it_keeps_on_the_embedded_engine(
-    name: str, embedded: LLM, native: VllmLLM
-) -> None:
+def assert_same_kept(embedded: LLM, native: VllmLLM, name: str, batch: list[list[int]]) -> None:
+    """`batch` on both engines under `name`'s policy: the same kept entries, tokens and figures, no page leaked."""
     spec = SPECS.get(name, name)
     ours = embedded.generate(
-        prompts(),
-        SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_kept=True),
-        policy=spec,
+        batch, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_kept=True), policy=spec
     )
     pool = native_pool(native)
     pool.kept_at_compression = {}
@@ -109,7 +110,7 @@ def test_each_policy_keeps_on_vllms_runner_what_it_keeps_on_the_embedded_engine(
         ignore_eos=True,
         extra_args={"kv_policy": json.dumps(spec) if isinstance(spec, dict) else spec},
     )
-    theirs = native.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    theirs = native.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     kept = list(pool.kept_at_compression.values())  # in the order the requests compressed: the prompts' order
     assert len(kept) == len(ours)
     for mine, vllm_output, vllm_kept in zip(ours, theirs, kept, strict=True):
@@ -122,6 +123,27 @@ def test_each_policy_keeps_on_vllms_runner_what_it_keeps_on_the_embedded_engine(
         assert figures["kv_bytes"] == mine.kv.kv_bytes < figures["kv_bytes_peak"]
     held = sum(pool.cache.usage(request_id).pages for request_id in pool.seats)
     assert pool.cache.pool.num_free + held == pool.cache.pool.num_pages
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_each_policy_keeps_on_vllms_runner_what_it_keeps_on_the_embedded_engine(
+    name: str, embedded: LLM, native: VllmLLM
+) -> None:
+    assert_same_kept(embedded, native, name, prompts())
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o"])
+def test_a_prompt_in_chunks_keeps_the_same_entries(name: str, model: Path) -> None:
+    """Steps of 32 tokens: the 96-token prompt prefills in three chunks on both engines, the capture (the
+    window's queries; H2O's every query with its log-sum-exp) gathered across them."""
+    embedded = LLM(model, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE, max_num_batched_tokens=32)
+    native = native_llm(model, max_num_batched_tokens=32)
+    try:
+        for prompt in prompts():  # one at a time: each engine chunks it 32 + 32 + 32
+            assert_same_kept(embedded, native, name, [prompt])
+    finally:
+        del native
+        gc.collect()
 
 
 @pytest.mark.parametrize("name", REFUSED)

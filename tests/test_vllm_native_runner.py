@@ -7,6 +7,7 @@ and decode batched together; Gemma 3's sliding window shorter than the prompts).
 from __future__ import annotations
 
 import gc
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,34 @@ def test_chunked_prefill_reads_earlier_chunks_from_the_pool(name: str, tmp_path:
         params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    finally:
+        del llm
+        gc.collect()
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_every_architecture_compresses_and_frees_what_it_drops(name: str, tmp_path: Path) -> None:
+    """SnapKV and AdaKV at 25 % (and H2O, whose decode steps read the attention) on vLLM's implementation of
+    each architecture: every request keeps about a quarter of its prompt per (layer, KV head), says so in its
+    figures, and the pool gets the pages back."""
+    path, _ = write_checkpoint(tmp_path, name)
+    llm = native_llm(path)
+    try:
+        pool = _worker(llm).model_runner.pool
+        for policy in ({"name": "snapkv", "ratio": 0.25}, {"name": "adakv", "ratio": 0.25}, "h2o"):
+            spec = json.dumps(policy) if isinstance(policy, dict) else policy
+            params = VllmSamplingParams(
+                max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, extra_args={"kv_policy": spec}
+            )
+            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            for prompt, output in zip(PROMPTS, outputs, strict=True):
+                assert len(output.outputs[0].token_ids) == NEW_TOKENS
+                figures = output.kv_transfer_params["kvpress"]
+                assert figures["kv_tokens_full"] == 2 * 2 * (len(prompt) + NEW_TOKENS - 1)
+                if len(prompt) >= 40:  # long enough that a quarter is less than the window SnapKV always keeps
+                    assert figures["kv_tokens_kept"] < figures["kv_tokens_full"] / 2
+                    assert figures["kv_bytes"] < figures["kv_bytes_peak"]
+            assert_no_page_leaked(pool)
     finally:
         del llm
         gc.collect()

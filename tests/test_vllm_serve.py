@@ -28,8 +28,9 @@ pytestmark = pytest.mark.slow
 MODEL = "bundled"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@pytest.fixture(scope="module", params=["project", "vllm"], ids=["own-runner", "vllm-runner"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The plugin on its own runner, and on vLLM's model runner (`kv_runner: vllm`): the same client tests."""
     log_path = tmp_path_factory.mktemp("vllm") / "serve.log"
     args = [
         str(MODEL_DIR),
@@ -44,7 +45,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "--max-num-seqs",
         "8",
         "--additional-config",
-        json.dumps({"kv_num_pages": 2000}),
+        json.dumps({"kv_num_pages": 2000, "kv_runner": request.param}),
     ]
     metrics = {"KVPRESS_METRICS_FILE": str(log_path.with_name("kvpress-metrics.json"))}
     with vllm_server(args, log_path, metrics) as url:
