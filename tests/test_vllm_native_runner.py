@@ -146,6 +146,30 @@ def test_every_architecture_compresses_and_frees_what_it_drops(name: str, tmp_pa
         gc.collect()
 
 
+def test_vllms_sampling_features_work_under_compression(tmp_path: Path) -> None:
+    """What the plugin's own runner refuses, vLLM's sampler serves here, with SnapKV compressing: a token
+    allow-list, a logit bias, and several samples of one prompt."""
+    path, _ = write_checkpoint(tmp_path, "llama")
+    llm = native_llm(path, kv_policy={"name": "snapkv", "ratio": 0.25})
+    try:
+        prompt = [{"prompt_token_ids": PROMPTS[1]}]
+        allowed = [7, 11, 13]
+        only = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=0, allowed_token_ids=allowed)
+        (out,) = llm.generate(prompt, only, use_tqdm=False)
+        assert set(out.outputs[0].token_ids) <= set(allowed) and len(out.outputs[0].token_ids) == NEW_TOKENS
+        biased = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logit_bias={42: 100.0})
+        (out,) = llm.generate(prompt, biased, use_tqdm=False)
+        assert list(out.outputs[0].token_ids) == [42] * NEW_TOKENS
+        samples = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=1, n=3, ignore_eos=True)
+        (out,) = llm.generate(prompt, samples, use_tqdm=False)
+        assert len(out.outputs) == 3 and all(len(o.token_ids) == NEW_TOKENS for o in out.outputs)
+        assert out.kv_transfer_params["kvpress"]["policy"] == "snapkv"
+        assert_no_page_leaked(_worker(llm).model_runner.pool)
+    finally:
+        del llm
+        gc.collect()
+
+
 def test_a_bad_runner_name_is_refused(tmp_path: Path) -> None:
     path, _ = write_checkpoint(tmp_path, "llama")
     with pytest.raises(ValueError, match="kv_runner must be one of"):
