@@ -95,13 +95,11 @@ class NativePool:
     def __init__(
         self,
         cache: PagedKVCache,
-        layer_names: list[str],
         num_q_heads: int,
         scale: float,
         default_policy: KVPolicy | None = None,
     ) -> None:
         self.cache = cache
-        self.layer_index = {name: index for index, name in enumerate(layer_names)}
         self.num_q_heads = num_q_heads
         self.scale = scale
         self.default_policy = default_policy
@@ -219,9 +217,11 @@ class NativePool:
             seat.written = seq_lens[index]
             capture = seat.capture if not seat.compressed else None
             prefills.append(PrefillSpan(begin, end, seat.row, first, capture))
-        decode_tokens, decode_rows = self._plan_decodes(decodes, token_slots, written, failed_tokens)
-        self.decode_request_ids = [request_id for request_id, _, _ in sorted(decodes, key=lambda d: d[1])]
-        self.decode_request_ids = [request_id for request_id in self.decode_request_ids if request_id in self.seats]
+        self._plan_decodes(decodes, token_slots, written, failed_tokens)
+        # The decodes that got their slots, in batch order (`plan` walks the batch in order).
+        self.decode_request_ids = [request_id for request_id, _, _ in decodes if request_id in self.seats]
+        decode_tokens = torch.tensor([token for r, token, _ in decodes if r in self.seats], dtype=torch.int64)
+        decode_rows = torch.tensor([self.seats[r].row for r in self.decode_request_ids], dtype=torch.int64)
         wants_probs = any(self._wants_attention(request_id) for request_id in self.decode_request_ids)
         self._plan = StepPlan(
             num_tokens=num_tokens,
@@ -246,9 +246,9 @@ class NativePool:
         token_slots: torch.Tensor,
         written: torch.Tensor,
         failed_tokens: list[tuple[int, int]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One allocation for the batch's decodes; if it does not fit, one per request, so only those that
-        do not fit fail."""
+    ) -> None:
+        """One allocation for the batch's decodes; if it does not fit, halves of it in turn, so only the
+        requests that do not fit fail."""
         cache = self.cache
         groups = [decodes]
         while groups:
@@ -272,12 +272,6 @@ class NativePool:
             token_slots[:, tokens.to(cache.device)] = slots[..., 0]
             for request_id, _, position in group:
                 self.seats[request_id].written = position + 1
-        seated = [(request_id, token) for request_id, token, _ in decodes if request_id in self.seats]
-        kept = sorted((token, self.seats[request_id].row) for request_id, token in seated)
-        return (
-            torch.tensor([token for token, _ in kept], dtype=torch.int64),
-            torch.tensor([row for _, row in kept], dtype=torch.int64),
-        )
 
     # ------------------------------------------------------------------ the policies, after the forward pass
 

@@ -72,7 +72,7 @@ class KVPressModelRunner(CPUModelRunner):
         )
         impl = layers[0].impl
         additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
-        pool = NativePool(cache, names, impl.num_heads, impl.scale, default_policy(additional))
+        pool = NativePool(cache, impl.num_heads, impl.scale, default_policy(additional))
         self.pool = pool
         pages = cache.pool.num_pages
         logger.info(
