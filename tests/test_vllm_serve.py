@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -19,6 +20,7 @@ import torch
 from tolerances import logprob_atol
 from vllm_utils import MODEL_DIR, retrieval_prompts, retrieval_samples, vllm_server
 
+from vllm_kvpress_ext.bench.harness import scrape_metric
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.tasks.synthetic import score
 from vllm_kvpress_ext.tasks.synthetic.prompt import chat_messages
@@ -26,6 +28,7 @@ from vllm_kvpress_ext.tasks.synthetic.prompt import chat_messages
 pytestmark = pytest.mark.slow
 
 MODEL = "bundled"
+FINISHED_SNAPKV = 'kvpress_requests_finished_total{policy="snapkv"}'
 
 
 @pytest.fixture(scope="module", params=["project", "vllm"], ids=["own-runner", "vllm-runner"])
@@ -132,6 +135,36 @@ def test_metrics_carry_kvpress_series_beside_vllms(server: str, client: openai.O
         'kvpress_requests_finished_total{policy="snapkv"}',
     ):
         assert series in text, series
+
+
+def test_a_request_ending_on_a_stop_string_reports_its_figures(server: str, client: openai.OpenAI) -> None:
+    """A stop string ends the request in vLLM's API process, after the engine's output: that output carries
+    the figures already, streamed or not, and `/metrics` counts the request."""
+    prompt = retrieval_prompts(1, seed=7300)[0].token_ids
+    common: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0.0}
+    free = client.completions.create(**common, extra_body={"ignore_eos": True})
+    words = free.choices[0].text.split()
+    assert len(words) >= 3, free.choices[0].text
+    stop = words[2]  # ends the answer after the first two words, well before its 12 tokens
+    finished_before = scrape_metric(httpx.get(f"{server}/metrics", timeout=10).text, FINISHED_SNAPKV) or 0.0
+    out = client.completions.create(**common, stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].model_extra["stop_reason"] == stop
+    assert out.usage is not None and out.usage.model_extra["kv_policy"] == "snapkv"
+    assert out.usage.model_extra["kv_bytes"] > 0 and 0 < out.usage.model_extra["kv_retention"] < 1
+    chunks = list(
+        client.completions.create(
+            **common, stop=[stop], stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage is not None and usage.model_extra["kv_bytes"] == out.usage.model_extra["kv_bytes"]
+    deadline = time.monotonic() + 10  # the abort reaches the engine after the answer
+    while time.monotonic() < deadline:
+        finished = scrape_metric(httpx.get(f"{server}/metrics", timeout=10).text, FINISHED_SNAPKV) or 0.0
+        if finished >= finished_before + 2:
+            break
+        time.sleep(0.2)
+    assert finished == finished_before + 2
 
 
 def test_a_deeply_nested_body_is_a_400_and_the_server_keeps_serving(server: str, client: openai.OpenAI) -> None:

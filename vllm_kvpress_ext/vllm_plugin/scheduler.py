@@ -17,7 +17,8 @@ changed. `kv_cache_manager.allocate_slots` is gated by a page budget taken from 
 A refusal makes vLLM hold the request back or preempt, and each preemption credits the victim's
 pages. Pages freed by compression therefore become more concurrent requests under vLLM's own
 scheduling. The per-request KV figures the worker reports go back to the client on finished outputs
-(`kv_transfer_params["kvpress"]`), and pool gauges and counters go to `metrics`.
+(`kv_transfer_params["kvpress"]`), and on every output of a request with stop strings, which the API
+process may end after any of them; pool gauges and counters go to `metrics`.
 
 With prefix caching on (`--enable-prefix-caching` given explicitly, docs/vllm.md), the worker keeps
 the cache of every finished request in its compressed prefix store and reports what it stored and
@@ -93,6 +94,8 @@ class KVPressScheduler(Scheduler):
         # and the attachments promised to vLLM in the current schedule(): request id -> (entry key, tokens).
         self.prefix_mirror: PrefixIndex | None = None
         self.attach_plans: dict[str, tuple[str, int]] = {}
+        # Requests that may end on a stop string: the figures their last output carried.
+        self.last_figures: dict[str, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ budget
 
@@ -229,10 +232,17 @@ class KVPressScheduler(Scheduler):
             self.freed_since_report += self.report.pages_held.pop(request_id, 0)
         self.prefill_peaks.pop(request_id, None)
 
+    def _may_stop_on_text(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        return bool(request is not None and request.sampling_params is not None and request.sampling_params.stop)
+
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
         finished = super().finish_requests(request_ids, finished_status)
         for request in finished or ():
             self._credit_finished(request.request_id)
+            figures = self.last_figures.pop(request.request_id, None)
+            if figures is not None:  # ended by the API process (a stop string): counted with its last figures
+                self.metrics.request_finished(figures)
         # An abort (a stop string seen by the API process, a client gone) may be the engine's last event
         # before it idles: no step follows to update the gauges.
         self.metrics.requests(running=len(self.running), waiting=len(self.waiting))
@@ -266,10 +276,17 @@ class KVPressScheduler(Scheduler):
         kv = report.kv if report is not None else {}
         for engine_outputs in outputs.values():
             for output in engine_outputs.outputs:
+                figures = kv.get(output.request_id)
                 if output.finish_reason is None:
+                    # A stop string ends a request in the API process, after this output: it must carry the
+                    # figures already (the client's last output is this one), and the metrics count them when
+                    # the API process aborts the request here.
+                    if figures is not None and self._may_stop_on_text(output.request_id):
+                        output.kv_transfer_params = {**(output.kv_transfer_params or {}), "kvpress": figures}
+                        self.last_figures[output.request_id] = figures
                     continue
                 self._credit_finished(output.request_id)
-                figures = kv.get(output.request_id)
+                self.last_figures.pop(output.request_id, None)
                 if figures is not None:
                     output.kv_transfer_params = {**(output.kv_transfer_params or {}), "kvpress": figures}
                     self.metrics.request_finished(figures)

@@ -1,6 +1,7 @@
 """KV figures for every answer vLLM's server gives through the plugin: streams, batched prompts, n samples.
 
-The worker reports each engine request's figures once, when it finishes, on
+The worker reports each engine request's figures when it finishes (and, for a request with stop strings,
+which the API process may end after any step, at every step) on
 `EngineCoreOutput.kv_transfer_params["kvpress"]`. vLLM's OpenAI layer passes that dict on only in a
 non-streaming response, and only the first prompt's (`request_output_to_completion_response` takes
 `final_res_batch[0]`) or, for `n > 1`, the last sample's. Three hooks in the API process close the gaps:
@@ -59,14 +60,16 @@ def _install_parent_collection() -> None:
         bound = inspect.signature(original).bind(self, *args, **kwargs)
         params = bound.arguments.get("kv_transfer_params")
         if isinstance(params, dict) and isinstance(params.get(KEY), dict):
-            collected: list[dict[str, Any]] = parent.__dict__.setdefault("_kvpress_figures", [])
-            collected.append(params[KEY])
+            # Each child's latest figures (a child that may stop on text reports them at every step).
+            collected: dict[str, dict[str, Any]] = parent.__dict__.setdefault("_kvpress_figures", {})
+            collected[self.request_id] = params[KEY]
             bound.arguments["kv_transfer_params"] = _with_figures(params, None)
         output: Any = original(*bound.args, **bound.kwargs)
         if output is not None and getattr(output, "finished", False):
-            collected = parent.__dict__.get("_kvpress_figures") or []
+            collected = parent.__dict__.get("_kvpress_figures") or {}
             if collected:
-                output.kv_transfer_params = _with_figures(output.kv_transfer_params, combine_figures(collected))
+                combined = combine_figures(list(collected.values()))
+                output.kv_transfer_params = _with_figures(output.kv_transfer_params, combined)
         return output
 
     RequestState.make_request_output = make_request_output  # type: ignore[method-assign]
@@ -117,7 +120,7 @@ def _wrap_stream_generator(original: Callable[..., AsyncIterator[str]]) -> Calla
 
     def generator(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[str]:
         bound = signature.bind(self, *args, **kwargs)
-        figures: list[dict[str, Any]] = []
+        figures: dict[Any, dict[str, Any]] = {}  # each request's latest (one that may stop on text: every step)
         results = bound.arguments["result_generator"]
 
         async def watched() -> AsyncIterator[Any]:
@@ -125,14 +128,15 @@ def _wrap_stream_generator(original: Callable[..., AsyncIterator[str]]) -> Calla
                 output = item[1] if isinstance(item, tuple) else item  # completions yield (prompt index, output)
                 found = _figures_of(output)
                 if found is not None:
-                    figures.append(found)
+                    figures[getattr(output, "request_id", None) or len(figures)] = found
                 yield item
 
         bound.arguments["result_generator"] = watched()
 
         async def chunks() -> AsyncIterator[str]:
             async for chunk in original(*bound.args, **bound.kwargs):
-                yield add_figures_to_usage_chunk(chunk, figures) if isinstance(chunk, str) else chunk
+                final = list(figures.values())
+                yield add_figures_to_usage_chunk(chunk, final) if isinstance(chunk, str) else chunk
 
         return chunks()
 
