@@ -25,8 +25,12 @@ from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
 
 from vllm_kvpress_ext.engine import LLM, KeptEntries, SamplingParams
+from vllm_kvpress_ext.hub import catalog
+from vllm_kvpress_ext.models import load_model
+from vllm_kvpress_ext.models.writer import save_model
 from vllm_kvpress_ext.policies.registry import create_policy, policy_names
 from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
+from vllm_kvpress_ext.vllm_plugin.gguf_model import prepare_gguf_model
 from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal
 
 pytestmark = pytest.mark.slow
@@ -62,16 +66,16 @@ def embedded(model: Path) -> LLM:
     return LLM(model, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE)
 
 
-def native_llm(model: Path, max_num_batched_tokens: int | None = None) -> VllmLLM:
+def native_llm(model: Path, max_num_batched_tokens: int | None = None, num_pages: int = 2048) -> VllmLLM:
     return VllmLLM(
         str(model),
         dtype="float32",
-        max_model_len=256,
+        max_model_len=512,
         max_num_seqs=4,
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=PAGE_SIZE,
         skip_tokenizer_init=True,
-        additional_config={"kv_runner": "vllm", "kv_num_pages": 2048},
+        additional_config={"kv_runner": "vllm", "kv_num_pages": num_pages},
     )
 
 
@@ -141,6 +145,32 @@ def test_a_prompt_in_chunks_keeps_the_same_entries(name: str, model: Path) -> No
     try:
         for prompt in prompts():  # one at a time: each engine chunks it 32 + 32 + 32
             assert_same_kept(embedded, native, name, [prompt])
+    finally:
+        del native
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M (the catalog's GGUF file, pulled by `make serve` or `kvpress models pull smollm2-135m`) as
+    an fp32 HF directory, which both engines load: vLLM's runner reads no GGUF file."""
+    entry = catalog.lookup("smollm2-135m")
+    gguf = catalog.cached_path(entry) if entry is not None else None
+    if gguf is None or not gguf.is_file():
+        pytest.skip("SmolLM2-135M is not pulled (kvpress models pull smollm2-135m)")
+    directory = prepare_gguf_model(str(gguf))
+    config = json.loads((directory / "config.json").read_text())
+    return save_model(load_model(gguf, dtype=torch.float32), config, tmp_path_factory.mktemp("smollm2-hf"))
+
+
+def test_every_served_policy_keeps_the_embedded_engines_entries_on_smollm2(smollm2: Path) -> None:
+    """A real model: SmolLM2-135M, fp32, two 200-token prompts, each policy at its defaults."""
+    embedded = LLM(smollm2, dtype=torch.float32, num_pages=8192, page_size=PAGE_SIZE)
+    native = native_llm(smollm2, num_pages=8192)
+    batch = [[random.Random(seed).randrange(100, 40000) for _ in range(200)] for seed in (2, 3)]
+    try:
+        for name in SERVED:
+            assert_same_kept(embedded, native, name, batch)
     finally:
         del native
         gc.collect()

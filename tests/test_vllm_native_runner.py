@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
 # The third prompt is longer than a row's first block-table width (8 pages of 16 tokens): the pool grows it.
 PROMPTS = [list(range(5, 17)), list(range(30, 70)), list(range(3, 200))]
 NEW_TOKENS = 8
+Checkpoints = Callable[[str], tuple[Path, list[list[int]]]]  # architecture -> (checkpoint, HF's greedy tokens)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,6 +58,22 @@ def in_process_engine() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         yield
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    """Each architecture's checkpoint and HF tokens, written once per module. Once, because vLLM serves some
+    architectures (OLMo-2) through its Transformers backend, which turns transformers' own model class into
+    one that needs a vLLM config: after vLLM has loaded one, transformers cannot build it in this process."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    written: dict[str, tuple[Path, list[list[int]]]] = {}
+
+    def checkpoint(name: str) -> tuple[Path, list[list[int]]]:
+        if name not in written:
+            written[name] = write_checkpoint(root, name)
+        return written[name]
+
+    return checkpoint
 
 
 def write_checkpoint(root: Path, name: str) -> tuple[Path, list[list[int]]]:
@@ -90,8 +107,8 @@ def native_llm(path: Path, max_num_batched_tokens: int | None = None, **addition
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_vllms_model_code_equals_transformers_token_for_token(name: str, tmp_path: Path) -> None:
-    path, expected = write_checkpoint(tmp_path, name)
+def test_vllms_model_code_equals_transformers_token_for_token(name: str, checkpoints: Checkpoints) -> None:
+    path, expected = checkpoints(name)
     llm = native_llm(path)
     try:
         params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -104,10 +121,10 @@ def test_vllms_model_code_equals_transformers_token_for_token(name: str, tmp_pat
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
-def test_chunked_prefill_reads_earlier_chunks_from_the_pool(name: str, tmp_path: Path) -> None:
+def test_chunked_prefill_reads_earlier_chunks_from_the_pool(name: str, checkpoints: Checkpoints) -> None:
     """Steps of at most 16 tokens: the 40-token prompt runs in three chunks beside the other request's decodes,
     each later chunk attending to the earlier ones through the pool (Gemma 3's window layer by mask)."""
-    path, expected = write_checkpoint(tmp_path, name)
+    path, expected = checkpoints(name)
     llm = native_llm(path, max_num_batched_tokens=16)
     try:
         params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -119,11 +136,11 @@ def test_chunked_prefill_reads_earlier_chunks_from_the_pool(name: str, tmp_path:
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_every_architecture_compresses_and_frees_what_it_drops(name: str, tmp_path: Path) -> None:
+def test_every_architecture_compresses_and_frees_what_it_drops(name: str, checkpoints: Checkpoints) -> None:
     """SnapKV and AdaKV at 25 % (and H2O, whose decode steps read the attention) on vLLM's implementation of
     each architecture: every request keeps about a quarter of its prompt per (layer, KV head), says so in its
     figures, and the pool gets the pages back."""
-    path, _ = write_checkpoint(tmp_path, name)
+    path, _ = checkpoints(name)
     llm = native_llm(path)
     try:
         pool = _worker(llm).model_runner.pool
@@ -146,10 +163,10 @@ def test_every_architecture_compresses_and_frees_what_it_drops(name: str, tmp_pa
         gc.collect()
 
 
-def test_vllms_sampling_features_work_under_compression(tmp_path: Path) -> None:
+def test_vllms_sampling_features_work_under_compression(checkpoints: Checkpoints) -> None:
     """What the plugin's own runner refuses, vLLM's sampler serves here, with SnapKV compressing: a token
     allow-list, a logit bias, and several samples of one prompt."""
-    path, _ = write_checkpoint(tmp_path, "llama")
+    path, _ = checkpoints("llama")
     llm = native_llm(path, kv_policy={"name": "snapkv", "ratio": 0.25})
     try:
         prompt = [{"prompt_token_ids": PROMPTS[1]}]
@@ -170,8 +187,8 @@ def test_vllms_sampling_features_work_under_compression(tmp_path: Path) -> None:
         gc.collect()
 
 
-def test_a_bad_runner_name_is_refused(tmp_path: Path) -> None:
-    path, _ = write_checkpoint(tmp_path, "llama")
+def test_a_bad_runner_name_is_refused(checkpoints: Checkpoints) -> None:
+    path, _ = checkpoints("llama")
     with pytest.raises(ValueError, match="kv_runner must be one of"):
         LLM(str(path), dtype="float32", skip_tokenizer_init=True, additional_config={"kv_runner": "mine"})
 
@@ -197,10 +214,10 @@ def assert_no_page_leaked(pool: Any) -> None:
     assert pool.cache.pool.num_free + held == pool.cache.pool.num_pages
 
 
-def test_the_cache_is_the_projects_pool_and_every_page_comes_back(tmp_path: Path) -> None:
+def test_the_cache_is_the_projects_pool_and_every_page_comes_back(checkpoints: Checkpoints) -> None:
     """vLLM's layers get no cache of vLLM's; the pool holds each request's tokens in every (layer, KV head),
     the finished requests' figures say so, and every page is free again afterwards."""
-    path, expected = write_checkpoint(tmp_path, "llama")
+    path, expected = checkpoints("llama")
     llm = native_llm(path)
     try:
         params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -229,10 +246,10 @@ def test_the_cache_is_the_projects_pool_and_every_page_comes_back(tmp_path: Path
         gc.collect()
 
 
-def test_a_pool_with_room_for_one_request_serves_every_request_exactly(tmp_path: Path) -> None:
+def test_a_pool_with_room_for_one_request_serves_every_request_exactly(checkpoints: Checkpoints) -> None:
     """vLLM's scheduler starts requests by the pool's pages (`KVPressScheduler`): with room for one request at
     a time the batch still runs, one request after the other, token for token."""
-    path, expected = write_checkpoint(tmp_path, "llama")
+    path, expected = checkpoints("llama")
     # 2 layers x 2 KV heads x ceil(47 / 16) pages = 12 for the longer request; not enough for both at once.
     llm = native_llm(path, kv_num_pages=14)
     try:
@@ -246,10 +263,10 @@ def test_a_pool_with_room_for_one_request_serves_every_request_exactly(tmp_path:
 
 
 @pytest.mark.parametrize("long_first", [False, True])
-def test_a_prompt_the_pool_cannot_hold_fails_alone(tmp_path: Path, long_first: bool) -> None:
+def test_a_prompt_the_pool_cannot_hold_fails_alone(checkpoints: Checkpoints, long_first: bool) -> None:
     """Refused by the scheduler once the pool's size is known (`long_first=False`), or, as the very first
     request, failed by the pool when its pages do not fit; the other request runs either way."""
-    path, expected = write_checkpoint(tmp_path, "llama")
+    path, expected = checkpoints("llama")
     llm = native_llm(path, kv_num_pages=8)  # 4 pages per 16 tokens: the 12-token prompt fits, the 40-token one not
     try:
         params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
