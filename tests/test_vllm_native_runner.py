@@ -262,6 +262,24 @@ def test_a_pool_with_room_for_one_request_serves_every_request_exactly(checkpoin
         gc.collect()
 
 
+def test_a_request_preempted_for_pages_resumes_and_ends_exactly(checkpoints: Checkpoints) -> None:
+    """16 pages hold both prompts (4 + 12) but not the shorter one's growth past 16 tokens: vLLM's scheduler
+    preempts the other request for it (by the pool's report), the pool frees that row at once, and the
+    request recomputes from its first token into a fresh row, ending with HF's tokens."""
+    path, expected = checkpoints("llama")
+    llm = native_llm(path, kv_num_pages=16)
+    try:
+        params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected[:2]
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        assert scheduler.metrics.preemptions >= 1
+        assert_no_page_leaked(_worker(llm).model_runner.pool)
+    finally:
+        del llm
+        gc.collect()
+
+
 @pytest.mark.parametrize("long_first", [False, True])
 def test_a_prompt_the_pool_cannot_hold_fails_alone(checkpoints: Checkpoints, long_first: bool) -> None:
     """Refused by the scheduler once the pool's size is known (`long_first=False`), or, as the very first
