@@ -37,10 +37,9 @@ pytestmark = pytest.mark.slow
 
 PAGE_SIZE = 16
 NEW_TOKENS = 6
-SERVED = [
-    name for name in policy_names() if create_policy(name).compresses and native_refusal(create_policy(name)) is None
-]
-REFUSED = [name for name in policy_names() if native_refusal(create_policy(name)) is not None]
+# The checkpoints here are Llama configs the project parses, so it knows their RoPE (`native_rope`).
+SERVED = [n for n in policy_names() if create_policy(n).compresses and native_refusal(create_policy(n), True) is None]
+REFUSED = [n for n in policy_names() if native_refusal(create_policy(n), True) is not None]
 # Budgets that keep a part of a 96-token prompt (the registry's defaults, where they would keep it all).
 SPECS: dict[str, Any] = {
     "snapkv": {"name": "snapkv", "ratio": 0.25},

@@ -17,6 +17,7 @@ import torch
 import transformers
 from vllm import LLM
 from vllm import SamplingParams as VllmSamplingParams
+from vllm.exceptions import VLLMValidationError
 
 pytestmark = pytest.mark.slow
 
@@ -182,6 +183,22 @@ def test_vllms_sampling_features_work_under_compression(checkpoints: Checkpoints
         assert len(out.outputs) == 3 and all(len(o.token_ids) == NEW_TOKENS for o in out.outputs)
         assert out.kv_transfer_params["kvpress"]["policy"] == "snapkv"
         assert_no_page_leaked(_worker(llm).model_runner.pool)
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_a_policy_reading_queries_before_rope_is_refused_where_the_rope_is_unknown(checkpoints: Checkpoints) -> None:
+    """Expected Attention turns the captured queries back to before RoPE with the project's RoPE, which it
+    knows for the Llama family only: on Gemma 3 it is refused by name, at start and per request."""
+    path, _ = checkpoints("gemma3")
+    with pytest.raises(ValueError, match="kv_policy 'expected_attention' needs the queries before RoPE"):
+        native_llm(path, kv_policy="expected_attention")
+    llm = native_llm(path)
+    try:
+        params = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": "expected_attention"})
+        with pytest.raises(VLLMValidationError, match="needs the queries before RoPE"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
     finally:
         del llm
         gc.collect()

@@ -18,6 +18,7 @@ import torch
 
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
+from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.policies.base import DecodeLayer, DecodeStep, LayerPrefill, RequestPrefill
 from vllm_kvpress_ext.policies.capture import PrefillCapture
@@ -31,10 +32,12 @@ def layer_prefill(
     model: LlamaFamilyForCausalLM | None,
     scale: float,
     gated: bool = False,
+    rotary: RotaryEmbedding | None = None,
 ) -> LayerPrefill:
     """What a policy sees of one layer after prefill: the entries it holds and what the pass captured.
 
-    `gated` (WG-KV admission) passes every head's own positions: heads hold different entries.
+    `gated` (WG-KV admission) passes every head's own positions: heads hold different entries. `rotary` is
+    the model's RoPE where `model` is not the project's.
     """
     keys, values, positions, _ = cache.gather_layer(request_id, layer)
     return LayerPrefill(
@@ -47,6 +50,7 @@ def layer_prefill(
         model=model,
         scale=scale,
         head_positions=positions if gated else None,
+        rotary=rotary,
     )
 
 
@@ -62,11 +66,12 @@ def compress_prefill(
     scale: float,
     state: dict[str, Any],
     gated: bool = False,
+    rotary: RotaryEmbedding | None = None,
 ) -> None:
     """Score every layer, plan, compact the request's cache to the plan (`state` is the policy's, kept
     for its decode steps)."""
     results = [
-        policy.on_layer_prefilled(layer_prefill(cache, request_id, layer, capture, model, scale, gated), state)
+        policy.on_layer_prefilled(layer_prefill(cache, request_id, layer, capture, model, scale, gated, rotary), state)
         for layer in range(cache.num_layers)
     ]
     summary = RequestPrefill(

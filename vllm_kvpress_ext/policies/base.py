@@ -58,6 +58,7 @@ from vllm_kvpress_ext.policies.capture import CaptureSpec, LayerCapture
 
 if TYPE_CHECKING:
     from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
+    from vllm_kvpress_ext.models.rope import RotaryEmbedding
     from vllm_kvpress_ext.models.write_gate import GateStore
 
 
@@ -116,6 +117,8 @@ class LayerPrefill:
     # [Hkv, N] entry positions per head (-1 = padding) when heads already differ (after admission);
     # None while every head holds the same prompt entries (`positions`).
     head_positions: torch.Tensor | None = None
+    # The model's RoPE where `model` is not the project's (vLLM's runner), for policies that rotate queries.
+    rotary: RotaryEmbedding | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -124,6 +127,10 @@ class LayerPrefill:
     @property
     def length(self) -> int:
         return self.keys.shape[1]
+
+    def rope(self, policy: str) -> RotaryEmbedding:
+        """The model's RoPE: the project's model's, or the one its runner gave."""
+        return self.rotary if self.rotary is not None else self.project_model(policy).rotary
 
     def project_model(self, policy: str) -> LlamaFamilyForCausalLM:
         """The project's model, for a policy that runs its weights; a clear error where there is none."""

@@ -117,7 +117,7 @@ class ExpectedAttentionPolicy(KVPolicy):
         sinks = self.sink_tokens
         mean, cov = capture.query_mean_cov(skip=sinks)
         last = int(layer.positions.max())
-        rotary = layer.project_model(self.name).rotary
+        rotary = layer.rope(self.name)
         cos, sin = rotary.cos_sin(torch.arange(last + 1, last + 1 + self.future_positions, device=device))
         rotation = mean_rotation(cos.double(), sin.double())
         mean = (mean.to(device) @ rotation.T).float()

@@ -43,7 +43,7 @@ def _neutralise_accelerator_cache_calls() -> None:
 _neutralise_accelerator_cache_calls()
 
 
-def validate_kvpress_request(params: Any, runner: str = "project") -> None:
+def validate_kvpress_request(params: Any, runner: str = "project", rope_known: bool = False) -> None:
     """Refuse, as HTTP 400, a bad per-request policy or a sampling feature the worker lacks. On vLLM's own
     runner (`runner="vllm"`) vLLM's sampler serves every sampling feature, and a policy that needs what that
     runner does not capture yet is refused by name (`native/support.py`)."""
@@ -62,7 +62,7 @@ def validate_kvpress_request(params: Any, runner: str = "project") -> None:
     if runner == "vllm":
         from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal
 
-        refusal = native_refusal(policy)
+        refusal = native_refusal(policy, rope_known)
         if refusal is not None:
             raise VLLMValidationError(refusal, parameter="kv_policy")
 
@@ -108,15 +108,21 @@ class KVPressCpuPlatform(Platform):
     # Which runner this process's engine uses (config.RUNNER_KEY): set when the config is checked, read
     # by `validate_request` in the same (API) process.
     runner: str = "project"
+    # On vLLM's runner: whether the project knows the model's RoPE (policies that read queries before it).
+    rope_known: bool = False
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
         cls.runner = chosen_runner(vllm_config.additional_config or {})
+        if cls.runner == "vllm" and vllm_config.model_config is not None:
+            from vllm_kvpress_ext.vllm_plugin.native.support import native_rope
+
+            cls.rope_known = native_rope(vllm_config.model_config.model) is not None
         apply_kvpress_config(vllm_config)
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
-        validate_kvpress_request(params, cls.runner)
+        validate_kvpress_request(params, cls.runner, cls.rope_known)
 
     @classmethod
     def get_attn_backend_cls(

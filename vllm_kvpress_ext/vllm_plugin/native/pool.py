@@ -37,6 +37,7 @@ from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_decode
 from vllm_kvpress_ext.engine.kept import KeptEntries, kept_entries
 from vllm_kvpress_ext.engine.request import KVStats
+from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal
@@ -98,8 +99,10 @@ class NativePool:
         num_q_heads: int,
         scale: float,
         default_policy: KVPolicy | None = None,
+        rotary: RotaryEmbedding | None = None,
     ) -> None:
         self.cache = cache
+        self.rotary = rotary  # the model's RoPE where the project knows it (`native_rope`)
         self.num_q_heads = num_q_heads
         self.scale = scale
         self.default_policy = default_policy
@@ -141,7 +144,7 @@ class NativePool:
         except ValueError as exc:  # the API process validated it; a request from elsewhere may not be
             self.failed[request_id] = str(exc)
             return
-        refusal = native_refusal(policy)
+        refusal = native_refusal(policy, rope_known=self.rotary is not None)
         if refusal is not None:
             self.failed[request_id] = refusal
             return
@@ -157,7 +160,7 @@ class NativePool:
             return
         capture = None
         if policy is not None and not policy.capture_spec().empty:
-            capture = PrefillCapture(policy.capture_spec(), self.cache.num_layers)
+            capture = PrefillCapture(policy.capture_spec(), self.cache.num_layers, self.rotary)
         self.seats[request_id] = _Seat(row=row, prompt_len=prompt_len, policy=policy, capture=capture)
 
     def release(self, request_id: str) -> None:
@@ -317,6 +320,7 @@ class NativePool:
             model=None,
             scale=self.scale,
             state=seat.state,
+            rotary=self.rotary,
         )
         seat.compressed, seat.capture = True, None
         if self.kept_at_compression is not None:

@@ -28,6 +28,7 @@ from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PagePool
 from vllm_kvpress_ext.vllm_plugin.native.attention import KVPressAttentionImpl, KVPressAttentionMetadataBuilder
 from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool
+from vllm_kvpress_ext.vllm_plugin.native.support import native_rope
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
 logger = logging.getLogger("vllm.kvpress.runner")
@@ -72,7 +73,8 @@ class KVPressModelRunner(CPUModelRunner):
         )
         impl = layers[0].impl
         additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
-        pool = NativePool(cache, impl.num_heads, impl.scale, default_policy(additional))
+        rotary = native_rope(self.model_config.model)
+        pool = NativePool(cache, impl.num_heads, impl.scale, default_policy(additional), rotary)
         self.pool = pool
         pages = cache.pool.num_pages
         logger.info(
