@@ -164,6 +164,31 @@ def test_every_architecture_compresses_and_frees_what_it_drops(name: str, checkp
         gc.collect()
 
 
+def test_sliding_window_layers_hold_only_their_window(checkpoints: Checkpoints) -> None:
+    """Gemma 3's first layer attends to a window of 8: the pool frees what falls out of it (a page at a time),
+    so that layer holds under a window and a page of entries while the full layer holds every token, and the
+    tokens are still HF's."""
+    path, expected = checkpoints("gemma3")
+    llm = native_llm(path)
+    try:
+        params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)
+        assert list(outputs[0].outputs[0].token_ids) == expected[2]
+        pool = _worker(llm).model_runner.pool
+        ((request_id, seat),) = pool.seats.items()  # the finished request, freed at the next step
+        written = len(PROMPTS[2]) + NEW_TOKENS - 1
+        window_layer, full_layer = pool.cache.seq_lens[:, seat.row].tolist()
+        assert all(8 - 1 <= held < 8 + pool.cache.page_size for held in window_layer)
+        assert full_layer == [written] * len(full_layer)
+        positions, lengths = pool.cache.entry_positions(request_id)
+        assert int(positions[0, :, : int(lengths[0].min())].min()) > written - 8 - pool.cache.page_size
+        figures = outputs[0].kv_transfer_params["kvpress"]
+        assert figures["kv_tokens_kept"] == sum(window_layer) + sum(full_layer) < figures["kv_tokens_full"]
+    finally:
+        del llm
+        gc.collect()
+
+
 def test_vllms_sampling_features_work_under_compression(checkpoints: Checkpoints) -> None:
     """What the plugin's own runner refuses, vLLM's sampler serves here, with SnapKV compressing: a token
     allow-list, a logit bias, and several samples of one prompt."""

@@ -33,6 +33,7 @@ import torch
 from vllm_kvpress_ext.api.policy_spec import policy_label
 from vllm_kvpress_ext.api.usage import kv_figures
 from vllm_kvpress_ext.cache import PagedKVCache
+from vllm_kvpress_ext.cache.plan import KeepPlan
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_decode
 from vllm_kvpress_ext.engine.kept import KeptEntries, kept_entries
@@ -88,6 +89,8 @@ class _Seat:
     written: int = 0  # tokens whose K/V are in the pool (the next token goes to this position)
     compressed: bool = False
     compression_seconds: float = 0.0
+    # Per window size: the sliding-window layers of that window hold no entry before this position any more.
+    window_starts: dict[int, int] = field(default_factory=dict)
 
 
 class NativePool:
@@ -100,8 +103,14 @@ class NativePool:
         scale: float,
         default_policy: KVPolicy | None = None,
         rotary: RotaryEmbedding | None = None,
+        windows: list[int | None] | None = None,
     ) -> None:
         self.cache = cache
+        # Sliding-window layers by window: an entry that fell out of a layer's window is never attended again.
+        self.window_layers: dict[int, list[int]] = {}
+        for layer, window in enumerate(windows or []):
+            if window is not None:
+                self.window_layers.setdefault(window, []).append(layer)
         self.rotary = rotary  # the model's RoPE where the project knows it (`native_rope`)
         self.num_q_heads = num_q_heads
         self.scale = scale
@@ -291,6 +300,31 @@ class NativePool:
             seat = self.seats.get(request_id)
             if seat is not None and seat.compressed and seat.policy is not None and seat.policy.wants_decode_steps:
                 self._run_policy(request_id, lambda rid, i=index: self._evict(rid, i, plan))
+        if self.window_layers:
+            for request_id, seat in list(self.seats.items()):
+                self._drop_outside_windows(request_id, seat)
+
+    def _drop_outside_windows(self, request_id: str, seat: _Seat) -> None:
+        """Free what sliding-window layers can no longer attend, a page's worth at a time.
+
+        The next query sits at position `written` and sees keys within `window` positions of it: nothing
+        before `written - window + 1`. A request whose policy has yet to compress keeps its prompt whole for
+        it; one whose policy evicts during decode (it tracks entries by index) is left to its policy.
+        """
+        policy = seat.policy
+        if policy is not None and (not seat.compressed or policy.wants_decode_steps):
+            return
+        cache = self.cache
+        for window, layers in self.window_layers.items():
+            start = seat.written - window + 1
+            if start - seat.window_starts.get(window, 0) < cache.page_size:
+                continue
+            positions, lengths = cache.entry_positions(request_id)
+            held = positions[layers]  # [L', H, N], -1 past each head's entries
+            entries = torch.arange(held.shape[-1])
+            keep = (held >= start) & (entries < lengths[layers].unsqueeze(-1))
+            cache.apply_keep_plan(request_id, KeepPlan.from_mask(keep), layers=layers)
+            seat.window_starts[window] = start
 
     @staticmethod
     def _completes_prefill(seat: _Seat) -> bool:

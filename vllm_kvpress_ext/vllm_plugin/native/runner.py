@@ -74,7 +74,8 @@ class KVPressModelRunner(CPUModelRunner):
         impl = layers[0].impl
         additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
         rotary = native_rope(self.model_config.model)
-        pool = NativePool(cache, impl.num_heads, impl.scale, default_policy(additional), rotary)
+        windows = [layer.impl.sliding_window for layer in layers]
+        pool = NativePool(cache, impl.num_heads, impl.scale, default_policy(additional), rotary, windows)
         self.pool = pool
         pages = cache.pool.num_pages
         logger.info(
