@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from model_utils import write_suite_model
 from vllm import LLM as VllmLLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import StructuredOutputsParams
 
 from vllm_kvpress_ext.engine import LLM, KeptEntries, SamplingParams
 from vllm_kvpress_ext.hub import catalog
@@ -159,7 +161,11 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("SmolLM2-135M is not pulled (kvpress models pull smollm2-135m)")
     directory = prepare_gguf_model(str(gguf))
     config = json.loads((directory / "config.json").read_text())
-    return save_model(load_model(gguf, dtype=torch.float32), config, tmp_path_factory.mktemp("smollm2-hf"))
+    out = save_model(load_model(gguf, dtype=torch.float32), config, tmp_path_factory.mktemp("smollm2-hf"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (directory / name).is_file():
+            shutil.copy(directory / name, out / name)
+    return out
 
 
 def test_every_served_policy_keeps_the_embedded_engines_entries_on_smollm2(smollm2: Path) -> None:
@@ -172,6 +178,37 @@ def test_every_served_policy_keeps_the_embedded_engines_entries_on_smollm2(smoll
             assert_same_kept(embedded, native, name, batch)
     finally:
         del native
+        gc.collect()
+
+
+def test_structured_output_is_valid_json_under_snapkv_on_smollm2(smollm2: Path) -> None:
+    """vLLM's structured output (xgrammar's bitmask on the logits) under SnapKV 0.25 on vLLM's runner."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "year": {"type": "integer"}},
+        "required": ["city", "year"],
+        "additionalProperties": False,
+    }
+    llm = VllmLLM(
+        str(smollm2),
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=2,
+        block_size=PAGE_SIZE,
+        additional_config={"kv_runner": "vllm", "kv_num_pages": 8192, "kv_policy": {"name": "snapkv", "ratio": 0.25}},
+    )
+    try:
+        params = VllmSamplingParams(
+            max_tokens=48, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)
+        )
+        prompt = "Paris is the capital of France. " * 20 + "Give the city and the year it hosted the Olympics, as JSON:"
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        reply = json.loads(out.outputs[0].text)
+        assert set(reply) == {"city", "year"} and isinstance(reply["year"], int)
+        figures = out.kv_transfer_params["kvpress"]
+        assert figures["policy"] == "snapkv" and figures["kv_retention"] < 0.5
+    finally:
+        del llm
         gc.collect()
 
 

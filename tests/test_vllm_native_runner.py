@@ -37,6 +37,18 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"eos_token_id": 1, "pad_token_id": 0}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "attn_logit_softcapping": 2.0,  # small enough that the cap changes the scores: the soft-cap path
+            "final_logit_softcapping": 5.0,
+        },
+    ),
     "gemma3": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",

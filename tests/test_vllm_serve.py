@@ -167,6 +167,22 @@ def test_a_request_ending_on_a_stop_string_reports_its_figures(server: str, clie
     assert finished == finished_before + 2
 
 
+def test_banned_words_on_vllms_runner(request: pytest.FixtureRequest, client: openai.OpenAI) -> None:
+    """On vLLM's runner vLLM's sampler serves what the plugin's own runner refuses, here `bad_words` under
+    SnapKV. (Structured output needs a tokenizer that can spell JSON, which the bundled model's word-level
+    one cannot: `tests/test_vllm_native_policies.py` checks it on SmolLM2.)"""
+    if request.node.callspec.params["server"] != "vllm":
+        pytest.skip("the plugin's own runner refuses bad_words with a 400")
+    prompt = retrieval_prompts(1, seed=7400)[0].token_ids
+    common: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    free = client.completions.create(**common)
+    words = free.choices[0].text.split()
+    assert words
+    banned = client.completions.create(**common, extra_body={"bad_words": [words[0]]})
+    assert words[0] not in banned.choices[0].text.split()
+    assert banned.usage is not None and banned.usage.model_extra["kv_policy"] == "snapkv"
+
+
 def test_a_deeply_nested_body_is_a_400_and_the_server_keeps_serving(server: str, client: openai.OpenAI) -> None:
     nested = b'{"model": "bundled", "prompt": "a", "x": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
     response = httpx.post(
