@@ -23,6 +23,7 @@ else:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -63,7 +64,7 @@ class KVPressAttentionMetadataBuilder(AttentionMetadataBuilder[KVPressAttentionM
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # Set by the runner once its pool exists (`native/runner.py`): the pool, and the runner's batch order.
         self.pool: NativePool | None = None
-        self.batch_request_ids: Any = None
+        self.batch_request_ids: Callable[[], list[str]] | None = None
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
