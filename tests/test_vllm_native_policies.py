@@ -25,6 +25,7 @@ from vllm import LLM as VllmLLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
+from vllm_utils import in_process_engine
 
 from vllm_kvpress_ext.engine import LLM, KeptEntries, SamplingParams
 from vllm_kvpress_ext.hub import catalog
@@ -35,7 +36,8 @@ from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
 from vllm_kvpress_ext.vllm_plugin.gguf_model import prepare_gguf_model
 from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal
 
-pytestmark = pytest.mark.slow
+# vLLM's engine core in this process, so the tests can read its scheduler and worker.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures(in_process_engine.__name__)]
 
 PAGE_SIZE = 16
 NEW_TOKENS = 6
@@ -48,13 +50,6 @@ SPECS: dict[str, Any] = {
     "adakv": {"name": "adakv", "ratio": 0.25},
     "streaming_llm": {"name": "streaming_llm", "ratio": 0.3},
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def in_process_engine() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,10 @@ import transformers
 from vllm import LLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
+from vllm_utils import in_process_engine
 
-pytestmark = pytest.mark.slow
+# vLLM's engine core in this process, so the tests can read its scheduler and worker.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures(in_process_engine.__name__)]
 
 COMMON = {
     "vocab_size": 256,
@@ -64,13 +66,6 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
 PROMPTS = [list(range(5, 17)), list(range(30, 70)), list(range(3, 200))]
 NEW_TOKENS = 8
 Checkpoints = Callable[[str], tuple[Path, list[list[int]]]]  # architecture -> (checkpoint, HF's greedy tokens)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def in_process_engine() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        yield
 
 
 @pytest.fixture(scope="module")

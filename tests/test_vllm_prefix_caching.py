@@ -10,7 +10,6 @@ default (prefix caching on without asking) reuses only uncompressed caches, whic
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 from vllm import LLM
 from vllm import SamplingParams as VllmSamplingParams
-from vllm_utils import MODEL_DIR, PAGE_SIZE, vllm_server
+from vllm_utils import MODEL_DIR, PAGE_SIZE, in_process_engine, vllm_server
 
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.vllm_plugin.config import (
@@ -29,19 +28,13 @@ from vllm_kvpress_ext.vllm_plugin.config import (
 )
 from vllm_kvpress_ext.vllm_plugin.scheduler import KVPressScheduler
 
-pytestmark = pytest.mark.slow
+# vLLM's engine core in this process, so the tests can read its scheduler and worker.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures(in_process_engine.__name__)]
 
 POOL = 2000
 TURNS = 4
 MAX_TOKENS = 5
 POLICIES: list[Any] = ["full", {"name": "snapkv", "ratio": 0.3}, {"name": "h2o", "ratio": 0.3}]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def in_process_engine() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        yield
 
 
 def make_llm(**kwargs: Any) -> LLM:

@@ -68,6 +68,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.fixture(scope="module")
+def in_process_engine() -> Iterator[None]:
+    """`vllm.LLM`'s engine core in the test's process (no engine-core subprocess) for a module's tests."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
+
+
 @contextmanager
 def vllm_server(args: list[str], log_path: Path, env_extra: dict[str, str] | None = None) -> Iterator[str]:
     """`vllm serve ARGS` on a free loopback port until healthy; yields its URL, stops it (SIGINT) after."""
