@@ -32,6 +32,7 @@ from vllm_kvpress_ext.vllm_plugin.gguf_model import (
     gguf_source,
     is_gguf_spec,
     prepare_gguf_model,
+    prepare_gguf_weights,
     refuse_without_plugin,
 )
 
@@ -222,3 +223,33 @@ def test_chat_uses_the_files_template_and_equals_the_embedded_engine(client: ope
     tokens, kv_bytes = _embedded(gguf_file, prompt)
     assert out.choices[0].model_extra["token_ids"] == tokens
     assert out.usage is not None and out.usage.model_extra["kv_bytes"] == kv_bytes
+
+
+@pytest.mark.slow
+def test_vllms_runner_serves_a_gguf_file_from_weights_written_once(
+    tmp_path: Path, gguf_file: Path, model_cache: Path
+) -> None:
+    """vLLM's own runner loads weights with vLLM's loader, which reads no GGUF: the prepared directory gets the
+    file's weights as safetensors (once per dtype), and SnapKV there answers as the embedded engine does."""
+    from vllm import LLM as VllmLLM
+    from vllm import SamplingParams as VllmSamplingParams
+
+    vocab = load_config(gguf_file).vocab_size
+    prompt = torch.randint(3, vocab, (150,), generator=torch.Generator().manual_seed(12)).tolist()
+    additional = {"kv_runner": "vllm", "kv_num_pages": NUM_PAGES, "kv_policy": "snapkv"}
+    llm = VllmLLM(
+        str(gguf_file), dtype="float32", max_model_len=256, block_size=PAGE_SIZE, additional_config=additional
+    )
+    try:
+        params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    finally:
+        del llm
+    tokens, kv_bytes = _embedded(gguf_file, prompt)
+    assert list(out.outputs[0].token_ids) == tokens
+    assert out.kv_transfer_params["kvpress"]["kv_bytes"] == kv_bytes
+    weights = prepare_gguf_model(str(gguf_file)) / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert prepare_gguf_weights(weights.parent, "float32") == weights and weights.stat().st_mtime_ns == stamp
+    prepare_gguf_weights(weights.parent, "bfloat16")  # another dtype: written again
+    assert weights.stat().st_mtime_ns != stamp

@@ -12,6 +12,10 @@ tokens) and the tokenizer files.
 (`vllm/<stem>-<size>-<mtime>`, beside the converted tokenizers), plus a marker naming the GGUF file.
 vLLM is handed that directory as the model; the worker finds the marker (`gguf_source`) and loads the
 file. `--tokenizer` still wins when given; the served model name defaults to what the user typed.
+
+On vLLM's own model runner (`kv_runner: vllm`) vLLM's loader reads the weights, and it reads no GGUF
+file: `prepare_gguf_weights` writes the file's weights, dequantised by this project's loader to the
+served dtype, as `model.safetensors` in the same directory, once per dtype.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "kvpress-gguf.json"
+WEIGHTS_MARKER = "kvpress-weights.json"  # the dtype `model.safetensors` was written in
 
 
 class GGUFServeError(ValueError):
@@ -112,13 +117,49 @@ def _no_tokenizer(path: Path) -> GGUFServeError:
     )
 
 
+def prepare_gguf_weights(directory: Path, dtype: Any = "auto") -> Path:
+    """`model.safetensors` in a prepared directory: its GGUF file's weights, dequantised to `dtype` ("auto":
+    the loader's choice for the file), for vLLM's own loader. Written once per dtype, atomically."""
+    import torch
+
+    from vllm_kvpress_ext.models import load_model
+    from vllm_kvpress_ext.models.writer import save_model
+
+    source = gguf_source(directory)
+    if source is None:
+        raise GGUFServeError(f"{directory} is not a prepared GGUF directory")
+    weights, marker = directory / "model.safetensors", directory / WEIGHTS_MARKER
+    wanted = None if dtype in (None, "auto") else str(dtype).removeprefix("torch.")
+    if weights.is_file() and marker.is_file():
+        written = json.loads(marker.read_text()).get("dtype")
+        if wanted is None or written == wanted:
+            return weights
+    model = load_model(source, dtype=dtype if wanted is not None else "auto")
+    written_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    config = json.loads((directory / "config.json").read_text())
+    staging = directory / f".weights.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        with torch.no_grad():
+            save_model(model, config, staging)
+        os.replace(staging / "model.safetensors", weights)
+        marker.write_text(json.dumps({"dtype": written_dtype}) + "\n")
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(staging)
+    return weights
+
+
 def adapt_engine_args(engine_args: Any) -> None:
-    """Point `engine_args` at the prepared directory of its GGUF model (no-op for any other model)."""
+    """Point `engine_args` at the prepared directory of its GGUF model (no-op for any other model); on vLLM's
+    own runner, with the weights written for vLLM's loader."""
     model = str(engine_args.model)
     if not is_gguf_spec(model):
         return
     tokenizer = engine_args.tokenizer if engine_args.tokenizer not in (None, model) else None
     directory = prepare_gguf_model(model, tokenizer)
+    if (engine_args.additional_config or {}).get("kv_runner") == "vllm":
+        prepare_gguf_weights(directory, engine_args.dtype)
     engine_args.model = str(directory)
     engine_args.tokenizer = tokenizer or str(directory)
     if not engine_args.served_model_name:
