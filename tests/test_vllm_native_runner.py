@@ -323,6 +323,7 @@ def test_a_request_preempted_for_pages_resumes_and_ends_exactly(checkpoints: Che
         assert [list(o.outputs[0].token_ids) for o in outputs] == expected[:2]
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         assert scheduler.metrics.preemptions >= 1
+        assert sum(o.kv_transfer_params["kvpress"]["preemptions"] for o in outputs) == scheduler.metrics.preemptions
         assert_no_page_leaked(_worker(llm).model_runner.pool)
     finally:
         del llm

@@ -118,6 +118,7 @@ class NativePool:
         self.seats: dict[str, _Seat] = {}
         # Each live request's prompt length and sampling parameters (vLLM sends them once, when it starts).
         self.prompts: dict[str, tuple[int, Any]] = {}
+        self.preemptions: dict[str, int] = {}  # times each live request was preempted (its figures say so)
         self.failed: dict[str, str] = {}
         # Set to a dict to keep, per request, what it held right after its policy compressed (tests, analysis).
         self.kept_at_compression: dict[str, KeptEntries] | None = None
@@ -133,8 +134,10 @@ class NativePool:
         for request_id in scheduler_output.finished_req_ids:
             self.release(request_id)
             self.prompts.pop(request_id, None)
+            self.preemptions.pop(request_id, None)
         for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.release(request_id)
+            self.preemptions[request_id] = self.preemptions.get(request_id, 0) + 1
         for new in scheduler_output.scheduled_new_reqs:
             self.release(new.req_id)  # an aborted request resubmitted under the same id starts over
             prompt = new.prompt_token_ids
@@ -408,5 +411,5 @@ class NativePool:
                 kv_bytes_peak=cache.peak_pages(request_id) * cache.pool.bytes_per_page,
                 compression_seconds=seat.compression_seconds,
             )
-            report.kv[request_id] = kv_figures(policy_label(seat.policy), kv)
+            report.kv[request_id] = kv_figures(policy_label(seat.policy), kv, self.preemptions.get(request_id, 0))
         return report
