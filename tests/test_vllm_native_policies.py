@@ -42,8 +42,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures(in_process_engine.__name
 PAGE_SIZE = 16
 NEW_TOKENS = 6
 # The checkpoints here are Llama configs the project parses, so it knows their RoPE (`native_rope`).
-SERVED = [n for n in policy_names() if create_policy(n).compresses and native_refusal(create_policy(n), True) is None]
-REFUSED = [n for n in policy_names() if native_refusal(create_policy(n), True) is not None]
+SERVED = [
+    n for n in policy_names() if create_policy(n).compresses and native_refusal(create_policy(n), True, True) is None
+]
+REFUSED = [n for n in policy_names() if native_refusal(create_policy(n), True, True) is not None]
 # Budgets that keep a part of a 96-token prompt (the registry's defaults, where they would keep it all).
 SPECS: dict[str, Any] = {
     "snapkv": {"name": "snapkv", "ratio": 0.25},
@@ -132,10 +134,11 @@ def test_each_policy_keeps_on_vllms_runner_what_it_keeps_on_the_embedded_engine(
     assert_same_kept(embedded, native, name, prompts())
 
 
-@pytest.mark.parametrize("name", ["snapkv", "h2o"])
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "gvote"])
 def test_a_prompt_in_chunks_keeps_the_same_entries(name: str, model: Path) -> None:
     """Steps of 32 tokens: the 96-token prompt prefills in three chunks on both engines, the capture (the
-    window's queries; H2O's every query with its log-sum-exp) gathered across them."""
+    window's queries; H2O's every query with its log-sum-exp; GVote's hidden-state statistics, from the QKV
+    projection's input) gathered across them."""
     embedded = LLM(model, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE, max_num_batched_tokens=32)
     native = native_llm(model, max_num_batched_tokens=32)
     try:

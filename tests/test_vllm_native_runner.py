@@ -220,16 +220,22 @@ def test_vllms_sampling_features_work_under_compression(checkpoints: Checkpoints
         gc.collect()
 
 
-def test_a_policy_reading_queries_before_rope_is_refused_where_the_rope_is_unknown(checkpoints: Checkpoints) -> None:
-    """Expected Attention turns the captured queries back to before RoPE with the project's RoPE, which it
-    knows for the Llama family only: on Gemma 3 it is refused by name, at start and per request."""
+@pytest.mark.parametrize(
+    ("policy", "missing"),
+    [("expected_attention", "the queries before RoPE"), ("gvote", "the hidden states' statistics")],
+)
+def test_a_policy_needing_the_llama_familys_rope_is_refused_elsewhere(
+    checkpoints: Checkpoints, policy: str, missing: str
+) -> None:
+    """Expected Attention and GVote use the project's RoPE (and GVote the query rows of vLLM's QKV projection),
+    known for the Llama family only: on Gemma 3 they are refused by name, at start and per request."""
     path, _ = checkpoints("gemma3")
-    with pytest.raises(ValueError, match="kv_policy 'expected_attention' needs the queries before RoPE"):
-        native_llm(path, kv_policy="expected_attention")
+    with pytest.raises(ValueError, match=f"kv_policy '{policy}' needs {missing}"):
+        native_llm(path, kv_policy=policy)
     llm = native_llm(path)
     try:
-        params = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": "expected_attention"})
-        with pytest.raises(VLLMValidationError, match="needs the queries before RoPE"):
+        params = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": policy})
+        with pytest.raises(VLLMValidationError, match=f"needs {missing}"):
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
     finally:
         del llm

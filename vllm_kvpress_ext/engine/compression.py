@@ -33,11 +33,12 @@ def layer_prefill(
     scale: float,
     gated: bool = False,
     rotary: RotaryEmbedding | None = None,
+    queries_from_hidden: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> LayerPrefill:
     """What a policy sees of one layer after prefill: the entries it holds and what the pass captured.
 
-    `gated` (WG-KV admission) passes every head's own positions: heads hold different entries. `rotary` is
-    the model's RoPE where `model` is not the project's.
+    `gated` (WG-KV admission) passes every head's own positions: heads hold different entries. Where `model`
+    is not the project's, `rotary` is the model's RoPE and `queries_from_hidden` the layer's query projection.
     """
     keys, values, positions, _ = cache.gather_layer(request_id, layer)
     return LayerPrefill(
@@ -51,6 +52,7 @@ def layer_prefill(
         scale=scale,
         head_positions=positions if gated else None,
         rotary=rotary,
+        queries_from_hidden=queries_from_hidden,
     )
 
 
@@ -67,13 +69,16 @@ def compress_prefill(
     state: dict[str, Any],
     gated: bool = False,
     rotary: RotaryEmbedding | None = None,
+    query_projections: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> None:
     """Score every layer, plan, compact the request's cache to the plan (`state` is the policy's, kept
-    for its decode steps)."""
-    results = [
-        policy.on_layer_prefilled(layer_prefill(cache, request_id, layer, capture, model, scale, gated, rotary), state)
-        for layer in range(cache.num_layers)
-    ]
+    for its decode steps). `rotary` and `query_projections` (per layer) stand in for `model`'s where the
+    model is not the project's."""
+    results = []
+    for layer in range(cache.num_layers):
+        project = query_projections[layer] if query_projections is not None else None
+        seen = layer_prefill(cache, request_id, layer, capture, model, scale, gated, rotary, project)
+        results.append(policy.on_layer_prefilled(seen, state))
     summary = RequestPrefill(
         request_id=request_id,
         num_layers=cache.num_layers,

@@ -117,8 +117,10 @@ class LayerPrefill:
     # [Hkv, N] entry positions per head (-1 = padding) when heads already differ (after admission);
     # None while every head holds the same prompt entries (`positions`).
     head_positions: torch.Tensor | None = None
-    # The model's RoPE where `model` is not the project's (vLLM's runner), for policies that rotate queries.
+    # Where `model` is not the project's (vLLM's runner): the model's RoPE, for policies that rotate queries,
+    # and the layer's query projection (normed hidden states [S, D] -> queries before RoPE [S, Hq, d]).
     rotary: RotaryEmbedding | None = None
+    queries_from_hidden: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -131,6 +133,20 @@ class LayerPrefill:
     def rope(self, policy: str) -> RotaryEmbedding:
         """The model's RoPE: the project's model's, or the one its runner gave."""
         return self.rotary if self.rotary is not None else self.project_model(policy).rotary
+
+    def query_projection(self, policy: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """This layer's queries before RoPE `[S, Hq, d]` of normed hidden states `[S, D]`, in the weights' dtype."""
+        if self.queries_from_hidden is not None:
+            return self.queries_from_hidden
+        attention = self.project_model(policy).layers[self.layer].self_attn
+        weight = attention.q_proj.weight
+
+        def project(hidden: torch.Tensor) -> torch.Tensor:
+            h = hidden.to(device=weight.device, dtype=weight.dtype)
+            # At position 0 cos = 1 and sin = 0: project_queries returns the query before RoPE exactly.
+            return attention.project_queries(h, torch.zeros(h.shape[0], dtype=torch.long, device=h.device))
+
+        return project
 
     def project_model(self, policy: str) -> LlamaFamilyForCausalLM:
         """The project's model, for a policy that runs its weights; a clear error where there is none."""

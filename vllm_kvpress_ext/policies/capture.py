@@ -162,7 +162,8 @@ class PrefillCapture:
         lse: torch.Tensor | None = None,
     ) -> None:
         """One chunk of one layer; `lse` `[n, Hq]` when the chunk's attention yielded it. `hidden`, `k` and
-        `k_pre_rope` may be None where the spec does not ask for them (a runner that does not have them)."""
+        `k_pre_rope` may be None where the spec does not ask for them; a runner whose attention does not see
+        the hidden states passes None and records them with `record_hidden`."""
         rec = self.layers[layer]
         spec = self.spec
         if spec.window:
@@ -175,14 +176,8 @@ class PrefillCapture:
                 else:
                     lses = lse.detach() if rec.query_lse is None else torch.cat([rec.query_lse, lse.detach()])
                     rec.query_lse = lses[-spec.window :].float().clone()
-        if spec.hidden_stats:
-            if hidden is None:
-                raise ValueError("this capture needs the hidden states")
-            h = hidden.detach().double()
-            s, sq = h.sum(0), (h * h).sum(0)
-            rec.hidden_sum = s if rec.hidden_sum is None else rec.hidden_sum + s
-            rec.hidden_sq_sum = sq if rec.hidden_sq_sum is None else rec.hidden_sq_sum + sq
-            rec.hidden_count += h.shape[0]
+        if spec.hidden_stats and hidden is not None:  # a runner without them here records them apart
+            self.record_hidden(layer, hidden)
         if spec.keys_pre_rope:
             if k is None or k_pre_rope is None:
                 raise ValueError("this capture needs the keys before and after RoPE")
@@ -190,6 +185,15 @@ class PrefillCapture:
             rec.keys_post_rope.append(k.detach().clone())
         if spec.query_moments or spec.leading_queries:
             self._record_queries(rec, positions, q)
+
+    def record_hidden(self, layer: int, hidden: torch.Tensor) -> None:
+        """One chunk's attention-input hidden states `[n, D]` of one layer, into its running statistics."""
+        rec = self.layers[layer]
+        h = hidden.detach().double()
+        total, squares = h.sum(0), (h * h).sum(0)
+        rec.hidden_sum = total if rec.hidden_sum is None else rec.hidden_sum + total
+        rec.hidden_sq_sum = squares if rec.hidden_sq_sum is None else rec.hidden_sq_sum + squares
+        rec.hidden_count += h.shape[0]
 
     def _record_queries(self, rec: LayerCapture, positions: torch.Tensor, q: torch.Tensor) -> None:
         assert self.rotary is not None

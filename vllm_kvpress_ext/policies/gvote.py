@@ -90,6 +90,7 @@ Divergences:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -97,7 +98,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_kvpress_ext.cache import KeepPlan
-from vllm_kvpress_ext.models.rope import apply_rope
+from vllm_kvpress_ext.models.rope import RotaryEmbedding, apply_rope
 from vllm_kvpress_ext.policies.adakv import AdaKVPolicy, adaptive_head_keep
 from vllm_kvpress_ext.policies.base import (
     KVPolicy,
@@ -111,7 +112,7 @@ from vllm_kvpress_ext.policies.base import (
 from vllm_kvpress_ext.policies.capture import CaptureSpec
 
 if TYPE_CHECKING:
-    from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
+    pass
 
 SEED_STRIDE = 65537  # layer l of seed s draws from manual_seed(s * SEED_STRIDE + l)
 # Who decides where the votes' memory goes: the votes themselves (Algorithm 1), or AdaKV's selection
@@ -132,22 +133,19 @@ def sample_noise(seed: int, layer: int, num_samples: int, dim: int) -> torch.Ten
 
 
 def future_rotation(
-    model: LlamaFamilyForCausalLM, first: int, count: int, device: torch.device
+    rotary: RotaryEmbedding, first: int, count: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin `[d]` (fp32), each averaged over positions first .. first + count - 1."""
-    cos, sin = model.rotary.cos_sin(torch.arange(first, first + count, device=device))
+    cos, sin = rotary.cos_sin(torch.arange(first, first + count, device=device))
     return cos.mean(dim=0), sin.mean(dim=0)
 
 
 def synthetic_queries(
-    model: LlamaFamilyForCausalLM, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
-    """Queries `[S, Hq, d]` (fp32) of hidden states `[S, D]`, rotated by the (averaged) `cos`, `sin` `[d]`."""
-    attention = model.layers[layer].self_attn
-    weight = attention.q_proj.weight
-    h = hidden.to(device=weight.device, dtype=weight.dtype)
-    # At position 0 cos = 1 and sin = 0: project_queries returns the pre-RoPE query exactly.
-    unrotated = attention.project_queries(h, torch.zeros(h.shape[0], dtype=torch.long, device=h.device))
+    """Queries `[S, Hq, d]` (fp32) of hidden states `[S, D]` (`project`: the layer's query projection, before
+    RoPE), rotated by the (averaged) `cos`, `sin` `[d]`."""
+    unrotated = project(hidden)
     rows = unrotated.shape[0]
     return apply_rope(unrotated.float(), cos.float().expand(rows, -1), sin.float().expand(rows, -1))
 
@@ -324,8 +322,8 @@ class GVotePolicy(KVPolicy):
         noise = sample_noise(self.seed, layer.layer, self.num_samples, mean.shape[0])
         hidden = mean.cpu().double() + std.cpu().double() * noise  # [S, D]
         last = int(capture.query_positions[-1])
-        cos, sin = future_rotation(layer.project_model(self.name), last + 1, self.future_positions, layer.keys.device)
-        queries = synthetic_queries(layer.project_model(self.name), layer.layer, hidden, cos, sin)
+        cos, sin = future_rotation(layer.rope(self.name), last + 1, self.future_positions, layer.keys.device)
+        queries = synthetic_queries(layer.query_projection(self.name), hidden, cos, sin)
         keep = vote(queries, layer.keys, budgets, self.kernel_size)
         if self.observation_window:
             keep |= self.observed_votes(layer)

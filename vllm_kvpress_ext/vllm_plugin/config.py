@@ -123,7 +123,7 @@ def apply_native_config(vllm_config: Any) -> None:
 
         check_policy_spec(additional["kv_policy"])
         rope_known = model is not None and native_rope(model.model) is not None
-        refusal = native_refusal(default_policy(additional), rope_known)
+        refusal = native_refusal(default_policy(additional), rope_known, hidden_known=rope_known)
         if refusal is not None:
             raise UnsupportedConfigError(refusal)
     vllm_config.parallel_config.worker_cls = NATIVE_WORKER_CLS

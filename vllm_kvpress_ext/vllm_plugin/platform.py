@@ -63,7 +63,8 @@ def validate_kvpress_request(params: Any, runner: str = "project", rope_known: b
     if runner == "vllm":
         from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal
 
-        refusal = native_refusal(policy, rope_known)
+        # The Llama family, whose RoPE the project knows, is laid out so that the runner finds its projections.
+        refusal = native_refusal(policy, rope_known, hidden_known=rope_known)
         if refusal is not None:
             raise VLLMValidationError(refusal, parameter="kv_policy")
 

@@ -41,7 +41,7 @@ from vllm_kvpress_ext.engine.request import KVStats
 from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.policies.capture import PrefillCapture
-from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal
+from vllm_kvpress_ext.vllm_plugin.native.support import QueryProjection, native_refusal
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 from vllm_kvpress_ext.vllm_plugin.request_policy import request_policy
 
@@ -112,6 +112,8 @@ class NativePool:
             if window is not None:
                 self.window_layers.setdefault(window, []).append(layer)
         self.rotary = rotary  # the model's RoPE where the project knows it (`native_rope`)
+        # Per layer, the query projection (`support.query_projections`), where the runner found and hooked them.
+        self.query_projections: list[QueryProjection] | None = None
         self.num_q_heads = num_q_heads
         self.scale = scale
         self.default_policy = default_policy
@@ -156,7 +158,9 @@ class NativePool:
         except ValueError as exc:  # the API process validated it; a request from elsewhere may not be
             self.failed[request_id] = str(exc)
             return
-        refusal = native_refusal(policy, rope_known=self.rotary is not None)
+        refusal = native_refusal(
+            policy, rope_known=self.rotary is not None, hidden_known=self.query_projections is not None
+        )
         if refusal is not None:
             self.failed[request_id] = refusal
             return
@@ -250,6 +254,15 @@ class NativePool:
             decode_probs=[] if wants_probs else None,
         )
         return self._plan
+
+    def record_hidden(self, layer: int, hidden: torch.Tensor) -> None:
+        """A layer's attention input this step (`[T, D]`, batch order): into the captures that keep its statistics."""
+        plan = self._plan
+        if plan is None:
+            return
+        for span in plan.prefills:
+            if span.capture is not None and span.capture.spec.hidden_stats:
+                span.capture.record_hidden(layer, hidden[span.begin : span.end])
 
     def _wants_attention(self, request_id: str) -> bool:
         policy = self.seats[request_id].policy
@@ -358,6 +371,7 @@ class NativePool:
             scale=self.scale,
             state=seat.state,
             rotary=self.rotary,
+            query_projections=self.query_projections,
         )
         seat.compressed, seat.capture = True, None
         if self.kept_at_compression is not None:

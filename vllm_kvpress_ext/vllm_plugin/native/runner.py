@@ -28,7 +28,7 @@ from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PagePool
 from vllm_kvpress_ext.vllm_plugin.native.attention import KVPressAttentionImpl, KVPressAttentionMetadataBuilder
 from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool
-from vllm_kvpress_ext.vllm_plugin.native.support import native_rope
+from vllm_kvpress_ext.vllm_plugin.native.support import native_rope, query_projections
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
 logger = logging.getLogger("vllm.kvpress.runner")
@@ -77,6 +77,7 @@ class KVPressModelRunner(CPUModelRunner):
         windows = [layer.impl.sliding_window for layer in layers]
         pool = NativePool(cache, impl.num_heads, impl.scale, default_policy(additional), rotary, windows)
         self.pool = pool
+        self._hook_query_projections(pool, len(layers))
         pages = cache.pool.num_pages
         logger.info(
             "vllm-kvpress-ext: the KV cache is the plugin's pool: %d pages of %d tokens per (layer, KV head), "
@@ -98,6 +99,17 @@ class KVPressModelRunner(CPUModelRunner):
         placeholders = {name: torch.empty(0, dtype=dtype, device=self.device) for name in names}
         bind_kv_cache(placeholders, context, self.kv_caches, kv_cache_groups=kv_cache_config.kv_cache_groups)
         return placeholders
+
+    def _hook_query_projections(self, pool: NativePool, num_layers: int) -> None:
+        """Where the model is laid out as vLLM's Llama family and the project knows its RoPE: each layer's QKV
+        projection reports its input (the normed hidden states) to the pool, and its query rows serve policies
+        that project synthetic hidden states (GVote)."""
+        projections = query_projections(self.model, num_layers) if pool.rotary is not None else None
+        if projections is None:
+            return
+        for layer, (module, _) in enumerate(projections):
+            module.register_forward_pre_hook(lambda _module, args, layer=layer: pool.record_hidden(layer, args[0]))
+        pool.query_projections = [project for _, project in projections]
 
     def _batch_request_ids(self) -> list[str]:
         return self.input_batch.req_ids  # read at each build: the runner may replace its input batch

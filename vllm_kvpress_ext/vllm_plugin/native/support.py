@@ -6,18 +6,59 @@ that: the observation window's queries and their log-sum-exps (SnapKV, PyramidKV
 K-VEC, H2O, StreamingLLM), and for decode-time policies each step's attention (H2O). Where the project
 knows the model's RoPE (a Llama-family config it parses itself: `native_rope`), the queries are turned
 back to before RoPE, which is what Expected Attention reads. The others need what only the project's own
-model code gives today, and are refused by name until the backend captures it: the hidden states'
-statistics and the model's projections (GVote), a second pass over the prompt (KVzip), the keys before
-RoPE and admission during prefill for learned write gates (WG-KV), and Expected Attention on a model
-whose RoPE the project does not know.
+model code gives today, and are refused by name until the backend captures it: a second pass over the
+prompt (KVzip), the keys before RoPE and admission during prefill for learned write gates (WG-KV), and,
+on a model outside the Llama family, the queries before RoPE (Expected Attention) and the attention
+inputs with the query projection (GVote). For the Llama family the runner hooks each layer's QKV
+projection (`query_projections`): its input is the normed hidden states GVote keeps statistics of, and
+its weights' query rows give GVote's synthetic queries.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.policies import KVPolicy
+
+QueryProjection = Callable[[torch.Tensor], torch.Tensor]
+
+
+def query_projections(model: torch.nn.Module, num_layers: int) -> list[tuple[torch.nn.Module, QueryProjection]] | None:
+    """Per layer, vLLM's fused QKV projection module and the query projection it holds (normed hidden states
+    `[S, D]` -> queries before RoPE `[S, Hq, d]`, with the layer's query norm where it has one, as Qwen3);
+    None where the model is not laid out as vLLM's Llama-family implementations are."""
+    found: dict[int, Any] = {}
+    for name, module in model.named_modules():
+        match = re.search(r"layers\.(\d+)\.self_attn$", name)
+        if match is not None and hasattr(module, "qkv_proj"):
+            found[int(match.group(1))] = module
+    if sorted(found) != list(range(num_layers)):
+        return None
+    return [(found[layer].qkv_proj, _query_projection(found[layer])) for layer in range(num_layers)]
+
+
+def _query_projection(attention: Any) -> QueryProjection:
+    qkv = attention.qkv_proj
+    heads, head_dim = int(attention.num_heads), int(attention.head_dim)
+    rows = heads * head_dim
+    weight = qkv.weight[:rows]
+    bias = qkv.bias[:rows] if getattr(qkv, "bias", None) is not None else None
+    norm = getattr(attention, "q_norm", None)
+
+    def project(hidden: torch.Tensor) -> torch.Tensor:
+        h = hidden.to(device=weight.device, dtype=weight.dtype)
+        queries = torch.nn.functional.linear(h, weight, bias).view(-1, heads, head_dim)
+        if norm is not None:
+            queries = norm.forward_native(queries.reshape(-1, head_dim)).view(-1, heads, head_dim)
+        return queries
+
+    return project
 
 
 def native_rope(model_dir: str | Path) -> RotaryEmbedding | None:
@@ -32,16 +73,18 @@ def native_rope(model_dir: str | Path) -> RotaryEmbedding | None:
     return RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
-def native_refusal(policy: KVPolicy | None, rope_known: bool = False) -> str | None:
+def native_refusal(policy: KVPolicy | None, rope_known: bool = False, hidden_known: bool = False) -> str | None:
     """Why `policy` cannot run on vLLM's runner yet (None: it runs). `rope_known`: the project knows the
-    model's RoPE (`native_rope`), so queries captured after it can be turned back to before it."""
+    model's RoPE (`native_rope`), so queries captured after it can be turned back to before it.
+    `hidden_known`: the runner records each layer's attention input and knows its query projection
+    (`query_projections`)."""
     if policy is None:
         return None
     spec = policy.capture_spec()
     missing = [
         what
         for what, needed in (
-            ("the hidden states' statistics", spec.hidden_stats),
+            ("the hidden states' statistics", spec.hidden_stats and not (hidden_known and rope_known)),
             ("the keys before RoPE", spec.keys_pre_rope),
             ("the queries before RoPE", (spec.query_moments or spec.leading_queries > 0) and not rope_known),
             ("a reconstruction pass over the prompt", spec.reconstruction is not None),
