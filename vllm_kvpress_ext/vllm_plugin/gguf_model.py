@@ -158,8 +158,8 @@ def adapt_engine_args(engine_args: Any) -> None:
         return
     tokenizer = engine_args.tokenizer if engine_args.tokenizer not in (None, model) else None
     directory = prepare_gguf_model(model, tokenizer)
-    if (engine_args.additional_config or {}).get("kv_runner") == "vllm":
-        prepare_gguf_weights(directory, engine_args.dtype)
+    if (getattr(engine_args, "additional_config", None) or {}).get("kv_runner") == "vllm":
+        prepare_gguf_weights(directory, getattr(engine_args, "dtype", "auto"))
     engine_args.model = str(directory)
     engine_args.tokenizer = tokenizer or str(directory)
     if not engine_args.served_model_name:
