@@ -227,13 +227,15 @@ def test_chat_uses_the_files_template_and_equals_the_embedded_engine(client: ope
 
 @pytest.mark.slow
 def test_vllms_runner_serves_a_gguf_file_from_weights_written_once(
-    tmp_path: Path, gguf_file: Path, model_cache: Path
+    gguf_file: Path, model_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """vLLM's own runner loads weights with vLLM's loader, which reads no GGUF: the prepared directory gets the
     file's weights as safetensors (once per dtype), and SnapKV there answers as the embedded engine does."""
     from vllm import LLM as VllmLLM
     from vllm import SamplingParams as VllmSamplingParams
 
+    # The engine core in this process: forking it from a test process that already ran threads can hang.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     vocab = load_config(gguf_file).vocab_size
     prompt = torch.randint(3, vocab, (150,), generator=torch.Generator().manual_seed(12)).tolist()
     additional = {"kv_runner": "vllm", "kv_num_pages": NUM_PAGES, "kv_policy": "snapkv"}
