@@ -118,12 +118,12 @@ def apply_native_config(vllm_config: Any) -> None:
         )
     additional = vllm_config.additional_config or {}
     if "kv_policy" in additional:
-        from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal, native_rope
+        from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal, rope_known
         from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
         check_policy_spec(additional["kv_policy"])
-        rope_known = model is not None and native_rope(model.model) is not None
-        refusal = native_refusal(default_policy(additional), rope_known, hidden_known=rope_known)
+        known = model is not None and rope_known(str(model.model))
+        refusal = native_refusal(default_policy(additional), known, hidden_known=known)
         if refusal is not None:
             raise UnsupportedConfigError(refusal)
     vllm_config.parallel_config.worker_cls = NATIVE_WORKER_CLS

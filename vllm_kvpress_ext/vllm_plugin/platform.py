@@ -117,9 +117,9 @@ class KVPressCpuPlatform(Platform):
     def check_and_update_config(cls, vllm_config: Any) -> None:
         cls.runner = chosen_runner(vllm_config.additional_config or {})
         if cls.runner == "vllm" and vllm_config.model_config is not None:
-            from vllm_kvpress_ext.vllm_plugin.native.support import native_rope
+            from vllm_kvpress_ext.vllm_plugin.native.support import rope_known
 
-            cls.rope_known = native_rope(vllm_config.model_config.model) is not None
+            cls.rope_known = rope_known(str(vllm_config.model_config.model))
         apply_kvpress_config(vllm_config)
 
     @classmethod

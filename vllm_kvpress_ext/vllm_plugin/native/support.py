@@ -16,6 +16,7 @@ its weights' query rows give GVote's synthetic queries.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +60,13 @@ def _query_projection(attention: Any) -> QueryProjection:
         return queries
 
     return project
+
+
+@functools.cache
+def rope_known(model_dir: str) -> bool:
+    """Whether the project knows the model's RoPE (`native_rope`), asked once per model and process: the
+    platform's config check and the refusals of the API process both need it."""
+    return native_rope(model_dir) is not None
 
 
 def native_rope(model_dir: str | Path) -> RotaryEmbedding | None:
