@@ -180,6 +180,41 @@ def write_gguf(
     return path
 
 
+def write_gemma3_gguf(path: Path, model: PreTrainedModel) -> Path:
+    """Write a Gemma 3 text model as llama.cpp's converter does: gguf-py's tensor names, every RMSNorm weight
+    stored plus one (GGUF's Gemma norms multiply by the weight itself), all F32, and no tokenizer."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(float(config.rope_parameters["full_attention"]["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers)
+    for name, value in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied to the embedding
+        array = value.detach().float().numpy().copy()
+        if name.endswith("norm.weight"):
+            array = array + 1
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, array.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def _add(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: Q) -> None:
     if qtype == Q.F32:
         writer.add_tensor(name, array.astype(np.float32))

@@ -19,7 +19,7 @@ import pytest
 import torch
 from gguf_utils import tiny_model, write_gguf
 from transformers import AutoConfig, AutoTokenizer
-from vllm_utils import vllm_server
+from vllm_utils import in_process_worker, vllm_server
 
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.models import load_config
@@ -106,9 +106,9 @@ def test_missing_file_is_a_clear_error(tmp_path: Path, model_cache: Path) -> Non
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path: Path, model_cache: Path) -> None:
     path = write_gguf(
-        tmp_path / "other.gguf", tiny_model("llama"), "llama", metadata_overrides={"general.architecture": "falcon"}
+        tmp_path / "other.gguf", tiny_model("llama"), "llama", metadata_overrides={"general.architecture": "rwkv9"}
     )
-    with pytest.raises(GGUFServeError, match="architecture 'falcon' is not supported"):
+    with pytest.raises(GGUFServeError, match="neither this project nor transformers reads GGUF 'rwkv9' files"):
         prepare_gguf_model(str(path))
     assert not (model_cache / "vllm").exists() or not any((model_cache / "vllm").iterdir())
 
@@ -255,3 +255,66 @@ def test_vllms_runner_serves_a_gguf_file_from_weights_written_once(
     assert prepare_gguf_weights(weights.parent, "float32") == weights and weights.stat().st_mtime_ns == stamp
     prepare_gguf_weights(weights.parent, "bfloat16")  # another dtype: written again
     assert weights.stat().st_mtime_ns != stamp
+
+
+@pytest.mark.slow
+def test_a_gemma3_file_is_read_by_transformers_and_served_on_vllms_runner(
+    tmp_path: Path, model_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An architecture this project's loader does not read (Gemma 3, as llama.cpp writes it): transformers reads
+    the config and the weights, vLLM's runner is chosen without being asked, and the greedy tokens are those
+    of the model the file was written from, with the sliding-window layer holding its window only."""
+    import transformers
+    from gguf_utils import write_gemma3_gguf
+    from vllm import LLM as VllmLLM
+    from vllm import SamplingParams as VllmSamplingParams
+
+    from vllm_kvpress_ext.assets import default_model_dir
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,  # the default pattern: five sliding-window layers, then a global one
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        max_position_embeddings=512,
+    )
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(0, 0.5)  # not the initial zeros, which a skipped norm would also pass
+    path = write_gemma3_gguf(tmp_path / "tiny-gemma3.gguf", model)
+    prompt = list(range(3, 60))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    expected = out[0, len(prompt) :].tolist()
+
+    llm = VllmLLM(
+        str(path),
+        tokenizer=str(default_model_dir()),  # the file carries none
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        block_size=PAGE_SIZE,
+        additional_config={"kv_num_pages": NUM_PAGES, "kv_policy": "full"},
+    )
+    try:
+        params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        (result,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        pool = in_process_worker(llm).model_runner.pool
+        held = pool.cache.seq_lens[:, next(iter(pool.seats.values())).row].tolist()
+    finally:
+        del llm
+    assert list(result.outputs[0].token_ids) == expected
+    assert pool.window_layers == {8: [0, 1, 2, 3, 4]}
+    assert all(max(layer) < 8 + PAGE_SIZE for layer in held[:5])
+    assert held[5] == [len(prompt) + NEW_TOKENS - 1] * 2
+    directory = prepare_gguf_model(str(path), tokenizer=str(default_model_dir()))
+    written = json.loads((directory / "config.json").read_text())
+    assert written["architectures"] == ["Gemma3ForCausalLM"] and "quantization_config" not in written

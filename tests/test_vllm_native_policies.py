@@ -25,7 +25,7 @@ from vllm import LLM as VllmLLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
-from vllm_utils import in_process_engine
+from vllm_utils import in_process_engine, in_process_worker
 
 from vllm_kvpress_ext.engine import LLM, KeptEntries, SamplingParams
 from vllm_kvpress_ext.hub import catalog
@@ -95,7 +95,7 @@ def held_sets(kept: KeptEntries) -> list[list[set[int]]]:
 
 
 def native_pool(llm: VllmLLM) -> Any:
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.pool
+    return in_process_worker(llm).model_runner.pool
 
 
 def assert_same_kept(embedded: LLM, native: VllmLLM, name: str, batch: list[list[int]]) -> None:

@@ -18,7 +18,7 @@ import transformers
 from vllm import LLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
-from vllm_utils import in_process_engine
+from vllm_utils import assert_no_page_leaked, in_process_engine, in_process_worker
 
 # vLLM's engine core in this process, so the tests can read its scheduler and worker.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures(in_process_engine.__name__)]
@@ -151,7 +151,7 @@ def test_every_architecture_compresses_and_frees_what_it_drops(name: str, checkp
     path, _ = checkpoints(name)
     llm = native_llm(path)
     try:
-        pool = _worker(llm).model_runner.pool
+        pool = in_process_worker(llm).model_runner.pool
         for policy in ({"name": "snapkv", "ratio": 0.25}, {"name": "adakv", "ratio": 0.25}, "h2o"):
             spec = json.dumps(policy) if isinstance(policy, dict) else policy
             params = VllmSamplingParams(
@@ -181,7 +181,7 @@ def test_sliding_window_layers_hold_only_their_window(checkpoints: Checkpoints) 
         params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)
         assert list(outputs[0].outputs[0].token_ids) == expected[2]
-        pool = _worker(llm).model_runner.pool
+        pool = in_process_worker(llm).model_runner.pool
         ((request_id, seat),) = pool.seats.items()  # the finished request, freed at the next step
         written = len(PROMPTS[2]) + NEW_TOKENS - 1
         window_layer, full_layer = pool.cache.seq_lens[:, seat.row].tolist()
@@ -214,7 +214,7 @@ def test_vllms_sampling_features_work_under_compression(checkpoints: Checkpoints
         (out,) = llm.generate(prompt, samples, use_tqdm=False)
         assert len(out.outputs) == 3 and all(len(o.token_ids) == NEW_TOKENS for o in out.outputs)
         assert out.kv_transfer_params["kvpress"]["policy"] == "snapkv"
-        assert_no_page_leaked(_worker(llm).model_runner.pool)
+        assert_no_page_leaked(in_process_worker(llm).model_runner.pool)
     finally:
         del llm
         gc.collect()
@@ -259,16 +259,6 @@ def test_a_mixture_of_experts_model_is_refused_at_start(tmp_path: Path) -> None:
         native_llm(tmp_path / "moe")
 
 
-def _worker(llm: LLM) -> Any:
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
-
-
-def assert_no_page_leaked(pool: Any) -> None:
-    """Every page is free or held by a seated request."""
-    held = sum(pool.cache.usage(request_id).pages for request_id in pool.seats)
-    assert pool.cache.pool.num_free + held == pool.cache.pool.num_pages
-
-
 def test_the_cache_is_the_projects_pool_and_every_page_comes_back(checkpoints: Checkpoints) -> None:
     """vLLM's layers get no cache of vLLM's; the pool holds each request's tokens in every (layer, KV head),
     the finished requests' figures say so, and every page is free again afterwards."""
@@ -278,7 +268,7 @@ def test_the_cache_is_the_projects_pool_and_every_page_comes_back(checkpoints: C
         params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-        worker = _worker(llm)
+        worker = in_process_worker(llm)
         pool = worker.model_runner.pool
         cache = pool.cache
         assert (cache.num_layers, cache.num_kv_heads, cache.head_dim) == (2, 2, 16)
@@ -311,7 +301,7 @@ def test_a_pool_with_room_for_one_request_serves_every_request_exactly(checkpoin
         params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outputs] == expected[:2]
-        assert_no_page_leaked(_worker(llm).model_runner.pool)
+        assert_no_page_leaked(in_process_worker(llm).model_runner.pool)
     finally:
         del llm
         gc.collect()
@@ -330,7 +320,7 @@ def test_a_request_preempted_for_pages_resumes_and_ends_exactly(checkpoints: Che
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         assert scheduler.metrics.preemptions >= 1
         assert sum(o.kv_transfer_params["kvpress"]["preemptions"] for o in outputs) == scheduler.metrics.preemptions
-        assert_no_page_leaked(_worker(llm).model_runner.pool)
+        assert_no_page_leaked(in_process_worker(llm).model_runner.pool)
     finally:
         del llm
         gc.collect()
@@ -349,7 +339,7 @@ def test_a_prompt_the_pool_cannot_hold_fails_alone(checkpoints: Checkpoints, lon
         short, long = outputs[::-1] if long_first else outputs
         assert list(short.outputs[0].token_ids) == expected[0]
         assert long.outputs[0].finish_reason == "error" and not long.outputs[0].token_ids
-        assert_no_page_leaked(_worker(llm).model_runner.pool)
+        assert_no_page_leaked(in_process_worker(llm).model_runner.pool)
     finally:
         del llm
         gc.collect()

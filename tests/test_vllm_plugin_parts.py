@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from vllm_kvpress_ext.api.policy_spec import parse_operator_policy
 from vllm_kvpress_ext.policies import PolicyConfigError
 from vllm_kvpress_ext.vllm_plugin import activation
 from vllm_kvpress_ext.vllm_plugin.cli_args import fold_into_additional_config, install_kv_policy_flag
+from vllm_kvpress_ext.vllm_plugin.config import UnsupportedConfigError, chosen_runner, settle_runner
 from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics, SnapshotCollector
 from vllm_kvpress_ext.vllm_plugin.middleware import KVPressMiddleware, rewrite_request, rewrite_response
 from vllm_kvpress_ext.vllm_plugin.platform import validate_kvpress_request
@@ -452,3 +454,16 @@ def test_a_context_field_the_plugin_does_not_serve_is_a_400_not_ignored(field: s
         rewrite_request({"prompt": "a", field: value, "kv_policy": "snapkv"})
     assert refused.value.status == 400 and refused.value.param == field
     assert "not yet by the vLLM plugin" in str(refused.value)
+
+
+def test_the_runner_is_vllms_for_an_architecture_the_plugins_own_runner_does_not_run() -> None:
+    assert chosen_runner({}, ["LlamaForCausalLM"]) == "project"
+    assert chosen_runner({}, ["Gemma3ForCausalLM"]) == "vllm"
+    assert chosen_runner({}, None) == "project"  # not known yet: as before
+    assert chosen_runner({"kv_runner": "vllm"}, ["LlamaForCausalLM"]) == "vllm"
+    assert chosen_runner({"kv_runner": "project"}, ["Gemma3ForCausalLM"]) == "project"  # asked for: it says why not
+    with pytest.raises(UnsupportedConfigError, match="kv_runner must be one of"):
+        chosen_runner({"kv_runner": "mine"}, ["LlamaForCausalLM"])
+    # Settled once and written down, so that every process built from the config agrees.
+    config = SimpleNamespace(model_config=SimpleNamespace(architectures=["Gemma3ForCausalLM"]), additional_config=None)
+    assert settle_runner(config) == "vllm" and config.additional_config == {"kv_runner": "vllm"}

@@ -59,6 +59,17 @@ def embedded_greedy(
     return [done[i] for i in ids]
 
 
+def in_process_worker(llm: Any) -> Any:
+    """The worker of a `vllm.LLM` whose engine core runs in this process (`in_process_engine`)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+
+
+def assert_no_page_leaked(pool: Any) -> None:
+    """Every page of a native pool is free or held by a seated request."""
+    held = sum(pool.cache.usage(request_id).pages for request_id in pool.seats)
+    assert pool.cache.pool.num_free + held == pool.cache.pool.num_pages
+
+
 STARTUP_TIMEOUT_S = 420
 
 

@@ -22,7 +22,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 
 # `general.file_type` (llama.cpp's LLAMA_FTYPE) of files whose weights are all floats of one width;
 # "auto" loads those in that dtype. Quantised files dequantise to float32.
-_FLOAT_FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+FLOAT_FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
 
 def gguf_architecture(metadata: Mapping[str, Any], source: str) -> tuple[str, str]:
@@ -89,7 +89,7 @@ def hf_config_from_gguf(metadata: Mapping[str, Any], tensor_names: set[str], sou
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": _stop_tokens(metadata),
         "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
-        "torch_dtype": _FLOAT_FILE_TYPES.get(int(metadata.get("general.file_type", -1)), "float32"),
+        "torch_dtype": FLOAT_FILE_TYPES.get(int(metadata.get("general.file_type", -1)), "float32"),
     }
     return config
 

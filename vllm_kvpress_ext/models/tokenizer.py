@@ -45,9 +45,15 @@ def _gguf_tokenizer(path: Path) -> Any:
     cached = gguf_tokenizer_cache(path)
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
-    if "tokenizer.ggml.tokens" not in open_gguf(path).metadata:
+    metadata = open_gguf(path).metadata
+    if "tokenizer.ggml.tokens" not in metadata:
         return None
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # transformers' conversion drops the file's own word on the special tokens around a prompt: Gemma's files
+    # ask for <bos>, without which the model is far off its training distribution.
+    for flag in ("add_bos_token", "add_eos_token"):
+        if metadata.get(f"tokenizer.ggml.{flag}") is not None:
+            setattr(tokenizer, flag, bool(metadata[f"tokenizer.ggml.{flag}"]))
     with contextlib.suppress(OSError):  # a read-only cache only costs the conversion next time
         tokenizer.save_pretrained(str(cached))
     return tokenizer

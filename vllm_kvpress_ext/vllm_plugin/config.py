@@ -22,8 +22,9 @@ logger = logging.getLogger("vllm.kvpress")
 
 WORKER_CLS = "vllm_kvpress_ext.vllm_plugin.worker.KVPressWorker"
 SCHEDULER_CLS = "vllm_kvpress_ext.vllm_plugin.scheduler.KVPressScheduler"
-# `additional_config["kv_runner"]`: who runs the model. "project" (the default) is the plugin's own
-# runner and pool; "vllm" is vLLM's model runner and model zoo over the plugin's pool (native/).
+# `additional_config["kv_runner"]`: who runs the model. "project" is the plugin's own runner and pool,
+# the default for the architectures it runs; "vllm" is vLLM's model runner and model zoo over the plugin's
+# pool (native/), the default for every other architecture.
 RUNNER_KEY = "kv_runner"
 RUNNERS = ("project", "vllm")
 NATIVE_WORKER_CLS = "vllm_kvpress_ext.vllm_plugin.native.worker.VllmRunnerWorker"
@@ -94,12 +95,35 @@ def record_explicit_prefix_caching(engine_args: Any) -> None:
         engine_args.additional_config = {**dict(engine_args.additional_config or {}), PREFIX_CACHING_KEY: choice}
 
 
-def chosen_runner(additional: dict[str, Any]) -> str:
-    """`additional_config["kv_runner"]`, checked: "project" unless set."""
-    runner = additional.get(RUNNER_KEY, "project")
+def chosen_runner(additional: dict[str, Any], architectures: Any = None) -> str:
+    """`additional_config["kv_runner"]`, checked; unset, "project" for a model of an architecture the plugin's own
+    runner runs (or when the architectures are not known), "vllm" for any other."""
+    from vllm_kvpress_ext.models.config import SUPPORTED_ARCHITECTURES
+
+    runner = additional.get(RUNNER_KEY)
+    if runner is None:
+        return "vllm" if architectures and not set(architectures) & set(SUPPORTED_ARCHITECTURES) else "project"
     if runner not in RUNNERS:
         raise UnsupportedConfigError(f"additional_config {RUNNER_KEY} must be one of {RUNNERS}, got {runner!r}")
     return str(runner)
+
+
+def settle_runner(vllm_config: Any) -> str:
+    """Choose the runner once, in the process that checks the config, and record it in `additional_config`, so
+    that every process built from this config (engine core, workers) and the API server agree."""
+    model = vllm_config.model_config
+    additional = dict(vllm_config.additional_config or {})
+    architectures = getattr(model, "architectures", None) if model is not None else None
+    runner = chosen_runner(additional, architectures)
+    if RUNNER_KEY not in additional and runner == "vllm":
+        logger.info(
+            "vllm-kvpress-ext: %s is not an architecture the plugin's own runner runs; vLLM's model runner runs it "
+            "(kv_runner 'vllm')",
+            ", ".join(architectures or ()),
+        )
+    additional[RUNNER_KEY] = runner
+    vllm_config.additional_config = additional
+    return runner
 
 
 def apply_native_config(vllm_config: Any) -> None:
@@ -146,10 +170,10 @@ def apply_kvpress_config(vllm_config: Any) -> None:
     """Swap worker and scheduler, make scheduling synchronous and eager, force prefix caching off."""
     from vllm.config import CompilationMode, CUDAGraphMode
 
-    additional = vllm_config.additional_config or {}
-    if chosen_runner(additional) == "vllm":
+    if settle_runner(vllm_config) == "vllm":
         apply_native_config(vllm_config)
         return
+    additional = vllm_config.additional_config
     refuse_unsupported(vllm_config)
     if "kv_policy" in additional:
         check_policy_spec(additional["kv_policy"])

@@ -15,7 +15,7 @@ from typing import Any
 from vllm.platforms.cuda import CudaPlatform
 from vllm.platforms.interface import PlatformEnum
 
-from vllm_kvpress_ext.vllm_plugin.config import apply_kvpress_config
+from vllm_kvpress_ext.vllm_plugin.config import UnsupportedConfigError, apply_kvpress_config, settle_runner
 from vllm_kvpress_ext.vllm_plugin.platform import validate_kvpress_request
 
 # vLLM picks NVML- or runtime-based device queries at import; subclass whichever it chose.
@@ -28,6 +28,11 @@ class KVPressCudaPlatform(_CudaBase):
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
         super().check_and_update_config(vllm_config)
+        if settle_runner(vllm_config) == "vllm":
+            raise UnsupportedConfigError(
+                "vllm-kvpress-ext: vLLM's own model runner (kv_runner 'vllm') runs on the CPU platform only so far; "
+                "on a GPU the plugin's own runner serves Llama, Mistral, Qwen2 and Qwen3 models"
+            )
         apply_kvpress_config(vllm_config)
 
     @classmethod

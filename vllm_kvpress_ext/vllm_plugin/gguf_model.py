@@ -14,8 +14,13 @@ vLLM is handed that directory as the model; the worker finds the marker (`gguf_s
 file. `--tokenizer` still wins when given; the served model name defaults to what the user typed.
 
 On vLLM's own model runner (`kv_runner: vllm`) vLLM's loader reads the weights, and it reads no GGUF
-file: `prepare_gguf_weights` writes the file's weights, dequantised by this project's loader to the
-served dtype, as `model.safetensors` in the same directory, once per dtype.
+file: `prepare_gguf_weights` writes the file's weights, dequantised to the served dtype, as
+`model.safetensors` in the same directory, once per dtype.
+
+The architectures this project's loader reads (Llama, Mistral, Qwen2, Qwen3) go through it, config and
+weights alike, as the plugin's own runner loads them. Any other architecture whose GGUF files
+transformers reads (Gemma 2 and 3, Phi-3, ...) is converted by transformers: its config, its weights
+dequantised, and its tokenizer. Such a model runs on vLLM's runner (`config.chosen_runner`).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ def prepare_gguf_model(model: str, tokenizer: str | None = None) -> Path:
     from vllm_kvpress_ext.hub.catalog import cache_dir
     from vllm_kvpress_ext.hub.pull import resolve_model
     from vllm_kvpress_ext.models.errors import ModelLoadError
-    from vllm_kvpress_ext.models.gguf_config import gguf_architecture, hf_config_from_gguf
+    from vllm_kvpress_ext.models.gguf_config import GGUF_ARCHITECTURES, gguf_architecture, hf_config_from_gguf
     from vllm_kvpress_ext.models.gguf_file import open_gguf
 
     path = resolve_model(model).expanduser()
@@ -78,11 +83,13 @@ def prepare_gguf_model(model: str, tokenizer: str | None = None) -> Path:
     try:
         gguf = open_gguf(path)
         metadata = gguf.metadata
-        config = hf_config_from_gguf(metadata, set(gguf.tensor_names()), str(path))
-        arch, _ = gguf_architecture(metadata, str(path))
+        if metadata.get("general.architecture") in GGUF_ARCHITECTURES:
+            config = hf_config_from_gguf(metadata, set(gguf.tensor_names()), str(path))
+            config["model_type"], _ = gguf_architecture(metadata, str(path))  # AutoConfig picks its class by it
+        else:
+            config = _transformers_config(path, metadata)
     except (ModelLoadError, OSError, ValueError) as exc:
         raise GGUFServeError(f"cannot serve {path}: {exc}") from exc
-    config["model_type"] = arch  # AutoConfig picks the config class by it
     if "tokenizer.ggml.tokens" not in metadata and tokenizer is None:
         raise _no_tokenizer(path)
 
@@ -111,6 +118,28 @@ def prepare_gguf_model(model: str, tokenizer: str | None = None) -> Path:
     return directory
 
 
+def _transformers_config(path: Path, metadata: Any) -> dict[str, Any]:
+    """The `config.json` dict transformers derives from a GGUF file of an architecture this project's loader
+    does not read; refused when transformers reads no GGUF file of that architecture either."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from vllm_kvpress_ext.models.gguf_config import FLOAT_FILE_TYPES
+
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_CONFIG_MAPPING:
+        raise GGUFServeError(f"cannot serve {path}: neither this project nor transformers reads GGUF {arch!r} files")
+    config: dict[str, Any] = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    config.pop("quantization_config", None)  # the weights are written dequantised
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"])
+    if causal_lm is None:
+        raise GGUFServeError(f"cannot serve {path}: {config['model_type']!r} is not a causal language model")
+    config["architectures"] = [causal_lm]
+    config["dtype"] = FLOAT_FILE_TYPES.get(int(metadata.get("general.file_type", -1)), "float32")
+    return config
+
+
 def _no_tokenizer(path: Path) -> GGUFServeError:
     return GGUFServeError(
         f"{path} carries no tokenizer (no tokenizer.ggml.* metadata); give vLLM one with --tokenizer DIR"
@@ -120,9 +149,11 @@ def _no_tokenizer(path: Path) -> GGUFServeError:
 def prepare_gguf_weights(directory: Path, dtype: Any = "auto") -> Path:
     """`model.safetensors` in a prepared directory: its GGUF file's weights, dequantised to `dtype` ("auto":
     the loader's choice for the file), for vLLM's own loader. Written once per dtype, atomically."""
+    import safetensors.torch
     import torch
 
     from vllm_kvpress_ext.models import load_model
+    from vllm_kvpress_ext.models.config import SUPPORTED_ARCHITECTURES
     from vllm_kvpress_ext.models.writer import save_model
 
     source = gguf_source(directory)
@@ -134,20 +165,36 @@ def prepare_gguf_weights(directory: Path, dtype: Any = "auto") -> Path:
         written = json.loads(marker.read_text()).get("dtype")
         if wanted is None or written == wanted:
             return weights
-    model = load_model(source, dtype=dtype if wanted is not None else "auto")
-    written_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     config = json.loads((directory / "config.json").read_text())
     staging = directory / f".weights.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        with torch.no_grad():
-            save_model(model, config, staging)
+        if config["architectures"][0] in SUPPORTED_ARCHITECTURES:
+            model = load_model(source, dtype=dtype if wanted is not None else "auto")
+            with torch.no_grad():
+                save_model(model, config, staging)
+        else:
+            model = _transformers_model(source, wanted or config["dtype"])
+            tensors = model.state_dict()
+            if config.get("tie_word_embeddings"):
+                tensors.pop("lm_head.weight", None)  # the embedding, once: vLLM ties it back
+            staging.mkdir()
+            safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, staging / "model.safetensors")
+        written_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         os.replace(staging / "model.safetensors", weights)
         marker.write_text(json.dumps({"dtype": written_dtype}) + "\n")
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(staging)
     return weights
+
+
+def _transformers_model(source: Path, dtype: str) -> Any:
+    """transformers' model of a GGUF file, its weights dequantised to `dtype`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=getattr(torch, dtype))
 
 
 def adapt_engine_args(engine_args: Any) -> None:
@@ -158,7 +205,10 @@ def adapt_engine_args(engine_args: Any) -> None:
         return
     tokenizer = engine_args.tokenizer if engine_args.tokenizer not in (None, model) else None
     directory = prepare_gguf_model(model, tokenizer)
-    if (getattr(engine_args, "additional_config", None) or {}).get("kv_runner") == "vllm":
+    from vllm_kvpress_ext.vllm_plugin.config import chosen_runner
+
+    architectures = json.loads((directory / "config.json").read_text())["architectures"]
+    if chosen_runner(getattr(engine_args, "additional_config", None) or {}, architectures) == "vllm":
         prepare_gguf_weights(directory, getattr(engine_args, "dtype", "auto"))
     engine_args.model = str(directory)
     engine_args.tokenizer = tokenizer or str(directory)

@@ -16,7 +16,7 @@ import torch
 from vllm.exceptions import VLLMValidationError
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from vllm_kvpress_ext.vllm_plugin.config import NATIVE_ATTENTION_BACKEND, apply_kvpress_config, chosen_runner
+from vllm_kvpress_ext.vllm_plugin.config import NATIVE_ATTENTION_BACKEND, apply_kvpress_config, settle_runner
 from vllm_kvpress_ext.vllm_plugin.request_policy import RequestPolicyError, request_policy, unsupported_sampling
 
 
@@ -115,7 +115,7 @@ class KVPressCpuPlatform(Platform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
-        cls.runner = chosen_runner(vllm_config.additional_config or {})
+        cls.runner = settle_runner(vllm_config)
         if cls.runner == "vllm" and vllm_config.model_config is not None:
             from vllm_kvpress_ext.vllm_plugin.native.support import rope_known
 
