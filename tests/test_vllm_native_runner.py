@@ -101,7 +101,9 @@ def write_checkpoint(root: Path, name: str) -> tuple[Path, list[list[int]]]:
     return path, expected
 
 
-def native_llm(path: Path, max_num_batched_tokens: int | None = None, **additional: Any) -> LLM:
+def native_llm(
+    path: Path, max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None, **additional: Any
+) -> LLM:
     return LLM(
         str(path),
         dtype="float32",
@@ -110,6 +112,7 @@ def native_llm(path: Path, max_num_batched_tokens: int | None = None, **addition
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_memory_bytes=32 << 20,
         skip_tokenizer_init=True,
+        enable_prefix_caching=enable_prefix_caching,
         additional_config={"kv_runner": "vllm", **additional},
     )
 
@@ -261,9 +264,11 @@ def test_a_mixture_of_experts_model_is_refused_at_start(tmp_path: Path) -> None:
 
 def test_the_cache_is_the_projects_pool_and_every_page_comes_back(checkpoints: Checkpoints) -> None:
     """vLLM's layers get no cache of vLLM's; the pool holds each request's tokens in every (layer, KV head),
-    the finished requests' figures say so, and every page is free again afterwards."""
+    the finished requests' figures say so, and every page is free again afterwards. (Without vLLM's prefix
+    caching: with it, a request's full blocks are also kept for later requests, and its bytes count half of
+    each such page, as for any page two holders share.)"""
     path, expected = checkpoints("llama")
-    llm = native_llm(path)
+    llm = native_llm(path, enable_prefix_caching=False)
     try:
         params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -340,6 +345,61 @@ def test_a_prompt_the_pool_cannot_hold_fails_alone(checkpoints: Checkpoints, lon
         assert list(short.outputs[0].token_ids) == expected[0]
         assert long.outputs[0].finish_reason == "error" and not long.outputs[0].token_ids
         assert_no_page_leaked(in_process_worker(llm).model_runner.pool)
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_vllms_prefix_caching_reads_kept_blocks_and_answers_as_without_it(checkpoints: Checkpoints) -> None:
+    """vLLM's prefix caching, on by default: a later request without a policy reads the whole blocks of an
+    earlier one's prompt from the pool (vLLM reports them cached) and answers token for token as with
+    caching off. A compressing request reads nothing (its policy needs the whole prefill) and keeps nothing."""
+    path, _ = checkpoints("llama")
+    shared = list(range(5, 85))  # five blocks of 16
+    prompts = [shared + [100 + i] * 7 for i in range(3)]
+    params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def run(llm: LLM, **extra: Any) -> list[tuple[list[int], int]]:
+        sampling = params.clone()
+        sampling.extra_args = extra or None
+        outputs = [llm.generate([{"prompt_token_ids": p}], sampling, use_tqdm=False)[0] for p in prompts]
+        return [(list(o.outputs[0].token_ids), o.num_cached_tokens) for o in outputs]
+
+    uncached = native_llm(path, enable_prefix_caching=False)
+    try:
+        assert in_process_worker(uncached).model_runner.pool.prefix_blocks is None
+        expected = run(uncached)
+        expected_snapkv = run(uncached, kv_policy="snapkv")
+    finally:
+        del uncached
+        gc.collect()
+    llm = native_llm(path)
+    try:
+        pool = in_process_worker(llm).model_runner.pool
+        assert run(llm, kv_policy="snapkv") == expected_snapkv  # nothing read, nothing kept
+        assert pool.prefix_blocks is not None and not pool.prefix_blocks.kept
+        assert run(llm) == [(expected[0][0], 0), (expected[1][0], 80), (expected[2][0], 80)]
+        assert len(pool.prefix_blocks.kept) >= 5
+        assert_no_page_leaked(pool)
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_kept_blocks_give_their_pages_up_before_any_request_fails(checkpoints: Checkpoints) -> None:
+    """A pool with room for about two prompts serves twelve different ones in turn: each finished request's
+    blocks stay cached until the pool needs their pages, and no request fails for lack of them."""
+    path, _ = checkpoints("llama")
+    llm = native_llm(path, kv_num_pages=64)  # 2 layers x 2 KV heads: 16 pages a head, 256 tokens of one request
+    try:
+        pool = in_process_worker(llm).model_runner.pool
+        params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        for seed in range(12):
+            prompt = [10 + (seed * 7 + i) % 200 for i in range(100)]
+            (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            assert len(out.outputs[0].token_ids) == NEW_TOKENS and out.outputs[0].finish_reason == "length"
+            assert_no_page_leaked(pool)
+        assert pool.prefix_blocks is not None and 0 < len(pool.prefix_blocks.kept) * 4 <= pool.cache.pool.num_pages
     finally:
         del llm
         gc.collect()

@@ -65,9 +65,15 @@ def in_process_worker(llm: Any) -> Any:
 
 
 def assert_no_page_leaked(pool: Any) -> None:
-    """Every page of a native pool is free or held by a seated request."""
-    held = sum(pool.cache.usage(request_id).pages for request_id in pool.seats)
-    assert pool.cache.pool.num_free + held == pool.cache.pool.num_pages
+    """Every page of a native pool is free, or has exactly as many holders as seated requests' rows and kept
+    prefix blocks list it."""
+    cache = pool.cache
+    listed = [cache.block_tables[:, seat.row].reshape(-1) for seat in pool.seats.values()]
+    if pool.prefix_blocks is not None:
+        listed += [pages.reshape(-1) for pages in pool.prefix_blocks.kept.values()]
+    pages = torch.cat(listed).to(torch.int64) if listed else torch.empty(0, dtype=torch.int64)
+    counts = torch.bincount(pages[pages >= 0], minlength=cache.pool.num_pages)
+    assert torch.equal(counts.to(torch.int32), cache.pool.refcounts())
 
 
 STARTUP_TIMEOUT_S = 420

@@ -187,6 +187,26 @@ class PagedKVCache:
         self._note_peak(torch.tensor([child]))
         return child
 
+    def add_request_on_pages(self, request_id: Hashable, pages: torch.Tensor) -> int:
+        """A new row for `request_id` whose first `k` pages in every (layer, KV head) are `pages[L, H, k]`, full
+        and shared (copy-on-write), so it holds `k * page_size` entries; return the row."""
+        num_layers, num_heads, count = pages.shape
+        if (num_layers, num_heads) != (self.num_layers, self.num_kv_heads):
+            raise ValueError(
+                f"pages for {num_layers} layers x {num_heads} heads, the cache has {self.num_layers} x "
+                f"{self.num_kv_heads}"
+            )
+        row = self.add_request(request_id)
+        self._ensure_table_width(count)
+        self.pool.share(pages.reshape(-1).to(torch.int64))
+        rows = torch.tensor([row])
+        self.block_tables[:, row, :, :count] = pages.to(torch.int32)
+        if self._mirror:
+            self.device_block_tables[:, row, :, :count] = pages.to(device=self.device, dtype=torch.int32)
+        self._write_lens(rows, torch.full((num_layers, 1, num_heads), count * self.page_size))
+        self._note_peak(rows)
+        return row
+
     def _copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole pages (K, V and positions) `src[i]` -> `dst[i]`."""
         src_d, dst_d = src.to(self.device), dst.to(self.device)

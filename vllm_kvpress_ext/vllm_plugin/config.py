@@ -155,10 +155,13 @@ def apply_native_config(vllm_config: Any) -> None:
     # must be the last step's: scheduling is synchronous.
     vllm_config.scheduler_config.scheduler_cls = SCHEDULER_CLS
     vllm_config.scheduler_config.async_scheduling = False
-    # vLLM's block hashing would promise prompt tokens that the pool never held: no prefix reuse on this path yet.
-    if vllm_config.cache_config.enable_prefix_caching:
-        logger.info("vllm-kvpress-ext: kv_runner 'vllm' does not reuse cached prefixes yet; prefix caching is off")
-    vllm_config.cache_config.enable_prefix_caching = False
+    # vLLM's own prefix caching, on by default as in vLLM: the pool keeps the full blocks of uncompressed rows
+    # under vLLM's block ids, and the scheduler caps vLLM's hits at them (native/prefix_blocks.py).
+    if additional.get(PREFIX_CACHING_KEY):
+        logger.info(
+            "vllm-kvpress-ext: kv_runner 'vllm' reuses cached prefixes exactly (vLLM's prefix caching over the "
+            "pool's uncompressed blocks); it does not reuse compressed caches yet"
+        )
     compilation = vllm_config.compilation_config
     compilation.mode = CompilationMode.NONE
     compilation.cudagraph_mode = CUDAGraphMode.NONE

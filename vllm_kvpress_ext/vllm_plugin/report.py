@@ -46,6 +46,9 @@ class PoolReport:
     prefix_evictable: int = 0
     prefix_sessions: dict[str, tuple[int, int]] = field(default_factory=dict)
     prefix_stats: PrefixStoreStats | None = None  # the store's cumulative hits and what it holds (metrics)
+    # On vLLM's runner with vLLM's prefix caching: the vLLM block ids whose pages the pool keeps, when they
+    # changed since the last report (None: unchanged). The scheduler caps vLLM's prefix hits at them.
+    prefix_blocks: frozenset[int] | None = None
 
     def full_prompt_pages(self, num_tokens: int) -> int:
         """Pages a request needs to prefill `num_tokens` tokens uncompressed."""

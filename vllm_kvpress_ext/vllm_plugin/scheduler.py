@@ -47,6 +47,7 @@ from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, request_
 
 logger = logging.getLogger("vllm.kvpress.scheduler")
 _UNSET = object()  # the server's default policy, parsed on first use
+_LOOKUPS = 4  # vLLM prefix-cache lookups per request, each after dropping the blocks the pool does not keep
 
 
 class _PoolGate:
@@ -60,11 +61,23 @@ class _PoolGate:
         return getattr(self._manager, name)
 
     def get_computed_blocks(self, request: Any) -> Any:
-        """vLLM's own lookup (prefix caching is off in its block manager), or the worker's stored prefix."""
+        """The worker's stored prefix (the plugin's own runner), or vLLM's own lookup (vLLM's runner) cut to the
+        blocks the pool keeps."""
         attached = self._scheduler.plan_attach(request)
-        if attached is None:
-            return self._manager.get_computed_blocks(request)
-        return self._manager.empty_kv_cache_blocks, attached, 0
+        if attached is not None:
+            return self._manager.empty_kv_cache_blocks, attached, 0
+        blocks, tokens, boundary = self._manager.get_computed_blocks(request)
+        for _ in range(_LOOKUPS):
+            kept, stale = self._scheduler.kept_prefix_tokens(request, blocks, tokens)
+            if kept == tokens:
+                return blocks, tokens, boundary
+            if not stale:
+                break
+            # vLLM hashed blocks that the pool does not keep (a compressing request's): out of its table, so
+            # that the same tokens' kept blocks, if any, are found instead.
+            self._manager.block_pool.evict_blocks(stale)
+            blocks, tokens, boundary = self._manager.get_computed_blocks(request)
+        return self._manager.truncate_computed_blocks(blocks, kept), kept, 0
 
     def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
         if not self._scheduler.reserve_pages(request, num_new_tokens):
@@ -96,6 +109,8 @@ class KVPressScheduler(Scheduler):
         self.attach_plans: dict[str, tuple[str, int]] = {}
         # Requests that may end on a stop string: the figures their last output carried.
         self.last_figures: dict[str, dict[str, Any]] = {}
+        # vLLM's runner: the vLLM block ids whose pages the pool keeps (what vLLM's prefix hits may use).
+        self.kept_blocks: frozenset[int] = frozenset()
 
     # ------------------------------------------------------------------ budget
 
@@ -121,6 +136,20 @@ class KVPressScheduler(Scheduler):
         entry, length = found
         self.attach_plans[request.request_id] = (entry.key, length)
         return length
+
+    def kept_prefix_tokens(self, request: Any, blocks: Any, tokens: int) -> tuple[int, set[int]]:
+        """Of the `tokens` leading tokens vLLM's prefix cache found in `blocks`, those the pool keeps (the run of
+        leading blocks it reported), and the found blocks it does not keep. None are read by a request whose
+        policy compresses: its policy reads what the prefill computes, so its prompt runs whole."""
+        if tokens == 0 or self._policy_of(request) is not None:
+            return 0, set()
+        groups = blocks.get_block_ids()
+        if len(groups) != 1:  # the pool keeps one page table for every layer: one KV cache group
+            return 0, set()
+        held = 0
+        while held < len(groups[0]) and groups[0][held] in self.kept_blocks:
+            held += 1
+        return min(tokens, held * self.block_size), set(groups[0]) - self.kept_blocks
 
     def _promised(self, output: Any) -> dict[str, tuple[str, int]]:
         """The attachments of the requests this step starts (new or resumed) with computed tokens."""
@@ -202,6 +231,8 @@ class KVPressScheduler(Scheduler):
             whole = num_new_tokens is not None and num_new_tokens >= request.num_tokens
             # vLLM never schedules more than this many tokens of one request in a step.
             chunk = getattr(self, "max_num_scheduled_tokens", None)
+            # A prompt partly found in vLLM's prefix cache is charged whole too: the kept pages it reads were
+            # counted available (a kept block no request reads is dropped when pages run short).
             need = report.prefill_pages(request.num_tokens, self._policy_of(request), whole, chunk)
             starting = True
         else:
@@ -256,6 +287,8 @@ class KVPressScheduler(Scheduler):
             self.report = report
             self.freed_since_report = 0
             self._mirror_prefixes(report)
+            if report.prefix_blocks is not None:
+                self.kept_blocks = report.prefix_blocks
             for request_id in report.decode_pages:  # prefill complete: its reservation became real pages
                 self.prefill_peaks.pop(request_id, None)
         outputs = super().update_from_output(scheduler_output, model_runner_output)

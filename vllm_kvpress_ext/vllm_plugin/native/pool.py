@@ -41,6 +41,7 @@ from vllm_kvpress_ext.engine.request import KVStats
 from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.policies.capture import PrefillCapture
+from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import PrefixBlocks
 from vllm_kvpress_ext.vllm_plugin.native.support import QueryProjection, native_refusal
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 from vllm_kvpress_ext.vllm_plugin.request_policy import request_policy
@@ -91,6 +92,13 @@ class _Seat:
     compression_seconds: float = 0.0
     # Per window size: the sliding-window layers of that window hold no entry before this position any more.
     window_starts: dict[int, int] = field(default_factory=dict)
+    blocks: list[int] = field(default_factory=list)  # vLLM's block ids for the request, in token order
+    # Whether page b of every (layer, KV head) holds tokens [b * page_size, (b + 1) * page_size) and will until
+    # its full blocks are kept for vLLM's prefix caching: a request without a policy whose sliding windows
+    # (if any) have not dropped an entry yet. A compressing request's pages are not kept: it would copy every
+    # kept page it compacts into.
+    aligned: bool = False
+    blocks_kept: int = 0  # leading full blocks handed to `prefix_blocks`
 
 
 class NativePool:
@@ -104,8 +112,11 @@ class NativePool:
         default_policy: KVPolicy | None = None,
         rotary: RotaryEmbedding | None = None,
         windows: list[int | None] | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         self.cache = cache
+        # vLLM's prefix caching: full uncompressed blocks kept under vLLM's block ids (None: off).
+        self.prefix_blocks = PrefixBlocks(cache) if prefix_caching else None
         # Sliding-window layers by window: an entry that fell out of a layer's window is never attended again.
         self.window_layers: dict[int, list[int]] = {}
         for layer, window in enumerate(windows or []):
@@ -144,14 +155,26 @@ class NativePool:
             self.release(new.req_id)  # an aborted request resubmitted under the same id starts over
             prompt = new.prompt_token_ids
             self.prompts[new.req_id] = (len(prompt) if prompt is not None else 0, new.sampling_params)
-            self._seat(new.req_id, new.num_computed_tokens)
+            self._seat(new.req_id, new.num_computed_tokens, list(new.block_ids[0]) if new.block_ids else [])
         cached = scheduler_output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[index]
+            blocks = list(new_blocks[0]) if new_blocks else []
             if request_id in cached.resumed_req_ids:
                 self.release(request_id)
-                self._seat(request_id, cached.num_computed_tokens[index])
+                self._seat(request_id, cached.num_computed_tokens[index], blocks)
+            elif request_id in self.seats:
+                self._forget_blocks(blocks)
+                self.seats[request_id].blocks.extend(blocks)
 
-    def _seat(self, request_id: str, computed: int) -> None:
+    def _forget_blocks(self, block_ids: list[int]) -> None:
+        """Block ids vLLM gave to new tokens: whatever they held before is no longer in its prefix cache."""
+        if self.prefix_blocks is not None:
+            self.prefix_blocks.forget(block_ids)
+
+    def _seat(self, request_id: str, computed: int, blocks: list[int]) -> None:
+        hits = computed // self.cache.page_size
+        self._forget_blocks(blocks[hits:])
         prompt_len, params = self.prompts.get(request_id, (0, None))
         try:
             policy = request_policy(getattr(params, "extra_args", None), self.default_policy)
@@ -164,20 +187,36 @@ class NativePool:
         if refusal is not None:
             self.failed[request_id] = refusal
             return
-        if computed:
-            # Only vLLM's prefix cache or a KV connector could say tokens are computed before any were
-            # written here; both are off on this path.
-            self.failed[request_id] = f"vLLM reports {computed} tokens computed that the pool never held"
+        kept = self.prefix_blocks
+        if computed and (
+            kept is None or computed % self.cache.page_size or policy is not None or not kept.holds(blocks[:hits])
+        ):
+            # The scheduler caps vLLM's prefix-cache hits at the blocks kept here, for requests without a
+            # policy, so this is a bug, not a miss: the request fails rather than run on what is not there.
+            self.failed[request_id] = f"vLLM reports {computed} tokens computed that the pool does not hold"
             return
         try:
-            row = self.cache.add_request(request_id)
+            if computed:
+                assert kept is not None
+                row = self.cache.add_request_on_pages(request_id, kept.pages_of(blocks[:hits]))
+            else:
+                row = self.cache.add_request(request_id)
         except RuntimeError as exc:  # every row taken: more requests than max_num_seqs
             self.failed[request_id] = str(exc)
             return
         capture = None
         if policy is not None and not policy.capture_spec().empty:
             capture = PrefillCapture(policy.capture_spec(), self.cache.num_layers, self.rotary)
-        self.seats[request_id] = _Seat(row=row, prompt_len=prompt_len, policy=policy, capture=capture)
+        self.seats[request_id] = _Seat(
+            row=row,
+            prompt_len=prompt_len,
+            policy=policy,
+            capture=capture,
+            written=computed,
+            blocks=blocks,
+            aligned=policy is None,
+            blocks_kept=hits,
+        )
 
     def release(self, request_id: str) -> None:
         if self.seats.pop(request_id, None) is not None:
@@ -226,7 +265,7 @@ class NativePool:
                 decodes.append((request_id, begin, first))
                 continue
             try:
-                slots = cache.append_slots([seat.row], query_positions[begin:end].view(1, -1))  # [L, 1, H, n]
+                slots = self._append_slots([seat.row], query_positions[begin:end].view(1, -1))  # [L, 1, H, n]
             except PoolExhaustedError as exc:
                 self._fail(request_id, str(exc))
                 written[begin:end] = False
@@ -254,6 +293,16 @@ class NativePool:
             decode_probs=[] if wants_probs else None,
         )
         return self._plan
+
+    def _append_slots(self, rows: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """`PagedKVCache.append_slots`, dropping kept prefix blocks (least recently used first) when the free
+        pages are too few: cached prefixes go before any request fails for pages."""
+        try:
+            return self.cache.append_slots(rows, positions)
+        except PoolExhaustedError as exc:
+            if self.prefix_blocks is None or not self.prefix_blocks.free_up(exc.requested):
+                raise
+            return self.cache.append_slots(rows, positions)
 
     def record_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """A layer's attention input this step (`[T, D]`, batch order): into the captures that keep its statistics."""
@@ -286,7 +335,7 @@ class NativePool:
             rows = [self.seats[request_id].row for request_id, _, _ in group]
             positions = torch.tensor([[position] for _, _, position in group], dtype=torch.int64)
             try:
-                slots = cache.append_slots(rows, positions)  # [L, B, H, 1]
+                slots = self._append_slots(rows, positions)  # [L, B, H, 1]
             except PoolExhaustedError as exc:
                 if len(group) > 1:
                     groups.extend([group[: len(group) // 2], group[len(group) // 2 :]])
@@ -309,6 +358,9 @@ class NativePool:
         plan = self._plan
         if plan is None:
             return
+        if self.prefix_blocks is not None:  # before any policy or window drops an entry of this step's blocks
+            for aligned in self.seats.values():
+                self._keep_full_blocks(aligned)
         for request_id in [r for r, seat in self.seats.items() if self._completes_prefill(seat)]:
             self._run_policy(request_id, self._compress)
         decode_batch = {request_id: index for index, request_id in enumerate(self.decode_request_ids)}
@@ -318,7 +370,21 @@ class NativePool:
                 self._run_policy(request_id, lambda rid, i=index: self._evict(rid, i, plan))
         if self.window_layers:
             for request_id, seat in list(self.seats.items()):
-                self._drop_outside_windows(request_id, seat)
+                try:
+                    self._drop_outside_windows(request_id, seat)
+                except PoolExhaustedError as exc:
+                    self._fail(request_id, str(exc))
+
+    def _keep_full_blocks(self, seat: _Seat) -> None:
+        """Hand an aligned row's newly full blocks to `prefix_blocks`, under their vLLM block ids."""
+        assert self.prefix_blocks is not None
+        full = min(seat.written // self.cache.page_size, len(seat.blocks))
+        if not seat.aligned or full <= seat.blocks_kept:
+            return
+        tables = self.cache.block_tables[:, seat.row]  # [L, H, pages]
+        for index in range(seat.blocks_kept, full):
+            self.prefix_blocks.keep(seat.blocks[index], tables[:, :, index])
+        seat.blocks_kept = full
 
     def _drop_outside_windows(self, request_id: str, seat: _Seat) -> None:
         """Free what sliding-window layers can no longer attend, a page's worth at a time.
@@ -335,12 +401,17 @@ class NativePool:
             start = seat.written - window + 1
             if start - seat.window_starts.get(window, 0) < cache.page_size:
                 continue
+            if self.prefix_blocks is not None and cache.pool.num_shared:
+                # Dropping entries copies each shared page it writes into: room for that, from cached prefixes.
+                pages = cache.block_tables[:, seat.row]
+                self.prefix_blocks.free_up(int((cache.pool.refcounts(pages[pages >= 0].to(torch.int64)) > 1).sum()))
             positions, lengths = cache.entry_positions(request_id)
             held = positions[layers]  # [L', H, N], -1 past each head's entries
             entries = torch.arange(held.shape[-1])
             keep = (held >= start) & (entries < lengths[layers].unsqueeze(-1))
             cache.apply_keep_plan(request_id, KeepPlan.from_mask(keep), layers=layers)
             seat.window_starts[window] = start
+            seat.aligned = False
 
     @staticmethod
     def _completes_prefill(seat: _Seat) -> bool:
@@ -373,7 +444,7 @@ class NativePool:
             rotary=self.rotary,
             query_projections=self.query_projections,
         )
-        seat.compressed, seat.capture = True, None
+        seat.compressed, seat.capture, seat.aligned = True, None, False
         if self.kept_at_compression is not None:
             self.kept_at_compression[request_id] = kept_entries(self.cache, request_id)
 
@@ -402,12 +473,15 @@ class NativePool:
             num_kv_heads=cache.num_kv_heads,
             compresses_layerwise=False,
         )
+        if self.prefix_blocks is not None:
+            report.prefix_evictable = self.prefix_blocks.evictable_pages()
+            report.prefix_blocks = self.prefix_blocks.changes()
         decoding = [(request_id, seat) for request_id, seat in self.seats.items() if seat.written >= seat.prompt_len]
         if decoding:
             rows = torch.tensor([seat.row for _, seat in decoding], dtype=torch.int64)
             # Per request: pages its next token allocates, a new page in each (layer, head) whose last is full
             # (`PagedKVCache.pages_needed_to_append` for one row, vectorised over the batch: rows on this path
-            # have no local ring and share no pages).
+            # have no local ring, and the pages they share with kept prefix blocks are full ones).
             lens = cache.seq_lens[:, rows].to(torch.int64)  # [L, B, H]
             next_pages = (lens % cache.page_size == 0).sum(dim=(0, 2))
             for (request_id, _), pages in zip(decoding, next_pages.tolist(), strict=True):

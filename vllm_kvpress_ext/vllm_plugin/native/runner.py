@@ -75,7 +75,15 @@ class KVPressModelRunner(CPUModelRunner):
         additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
         rotary = native_rope(self.model_config.model)
         windows = [layer.impl.sliding_window for layer in layers]
-        pool = NativePool(cache, impl.num_heads, impl.scale, default_policy(additional), rotary, windows)
+        pool = NativePool(
+            cache,
+            impl.num_heads,
+            impl.scale,
+            default_policy(additional),
+            rotary,
+            windows,
+            prefix_caching=bool(self.cache_config.enable_prefix_caching),
+        )
         self.pool = pool
         self._hook_query_projections(pool, len(layers))
         pages = cache.pool.num_pages

@@ -1,0 +1,88 @@
+"""`PrefixBlocks`: the pool's side of vLLM's automatic prefix caching on vLLM's runner.
+
+vLLM's scheduler hashes every full block of tokens it schedules and, for a new request, finds the
+longest run of leading blocks already computed (`KVCacheManager.get_computed_blocks`); it then
+schedules only the rest of the prompt. vLLM's block manager is bookkeeping only on this path, so the
+keys and values of those blocks must be here: for each vLLM block id, the one page per (layer, KV
+head) that holds its tokens, `page_size` (= vLLM's block size) of them.
+
+A block is kept when it is full in a row that is still *aligned*, i.e. whose page `b` in every
+(layer, KV head) holds exactly tokens `[b * page_size, (b + 1) * page_size)`: a request without a
+policy, whose sliding windows (if the model has any) have not dropped an entry yet. So every kept
+block is what a run without the cache computes for those tokens, and a request that reads it gets the
+outputs of a run without the cache. Keeping a block shares its pages (a reference each); a row that
+later slides a window copies a shared page before writing into it, so kept pages never change.
+Compressing requests neither keep nor read blocks: their policies read what the prefill computes, and
+compacting into kept pages would copy each of them.
+
+A kept block is dropped when vLLM hands its id to new tokens (its hash is gone from vLLM's table
+then), and, least recently used first, when the pool needs its pages. The scheduler caps vLLM's hits at
+the blocks this reports as kept (`PoolReport.prefix_blocks`), so vLLM never promises a block that is
+not here.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import torch
+
+from vllm_kvpress_ext.cache import PagedKVCache
+
+
+class PrefixBlocks:
+    """vLLM block id -> its pages `[L, H]`, least recently used first."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self.kept: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._changed = True
+
+    def keep(self, block_id: int, pages: torch.Tensor) -> None:
+        """Keep a full block's pages `[L, H]` (one more reference each) under `block_id`."""
+        if block_id in self.kept:
+            self.kept.move_to_end(block_id)
+            return
+        pages = pages.to(torch.int64).clone()
+        self.cache.pool.share(pages.reshape(-1))
+        self.kept[block_id] = pages
+        self._changed = True
+
+    def forget(self, block_ids: Iterable[int]) -> None:
+        """Drop the blocks (those kept) whose ids vLLM has given to other tokens."""
+        for block_id in block_ids:
+            pages = self.kept.pop(block_id, None)
+            if pages is not None:
+                self.cache.pool.free(pages.reshape(-1))
+                self._changed = True
+
+    def holds(self, block_ids: list[int]) -> bool:
+        return all(block_id in self.kept for block_id in block_ids)
+
+    def pages_of(self, block_ids: list[int]) -> torch.Tensor:
+        """The pages `[L, H, k]` of kept blocks, in order; each becomes the most recently used."""
+        for block_id in block_ids:
+            self.kept.move_to_end(block_id)
+        return torch.stack([self.kept[block_id] for block_id in block_ids], dim=-1)
+
+    def free_up(self, pages: int) -> bool:
+        """Drop kept blocks, least recently used first, until `pages` pages are free; whether they are."""
+        pool = self.cache.pool
+        while pool.num_free < pages and self.kept:
+            self.forget([next(iter(self.kept))])
+        return pool.num_free >= pages
+
+    def evictable_pages(self) -> int:
+        """Pages that dropping every kept block would free (those no row reads)."""
+        if not self.kept:
+            return 0
+        pages = torch.cat([pages.reshape(-1) for pages in self.kept.values()])
+        return int((self.cache.pool.refcounts(pages) == 1).sum())
+
+    def changes(self) -> frozenset[int] | None:
+        """The kept block ids, if they changed since the last call (None: unchanged)."""
+        if not self._changed:
+            return None
+        self._changed = False
+        return frozenset(self.kept)
