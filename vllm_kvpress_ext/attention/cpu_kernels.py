@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_kvpress_ext.utils.flags import env_flag
+
 DISABLE_ENV = "KVPRESS_DISABLE_CPU_KERNELS"
 CACHE_ENV = "KVPRESS_KERNEL_CACHE"
 ARCH_ENV = "KVPRESS_CPU_KERNEL_ARCH"
@@ -83,7 +85,7 @@ def compile_flags() -> tuple[str, ...]:
 
 
 def disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    return env_flag(DISABLE_ENV)
 
 
 def cache_dir() -> Path:

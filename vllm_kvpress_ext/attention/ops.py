@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 import warnings
 from types import ModuleType
 
@@ -47,6 +46,7 @@ from vllm_kvpress_ext.attention.reference import (
     gather_paged,
     varlen_causal_attention,
 )
+from vllm_kvpress_ext.utils.flags import env_flag
 
 DISABLE_TRITON_ENV = "KVPRESS_DISABLE_TRITON"
 PREFILL_ORACLE_ENV = "KVPRESS_PREFILL_ATTENTION_ORACLE"
@@ -68,10 +68,6 @@ __all__ = [
     "window_scores",
     "write_kv",
 ]
-
-
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
 
 @functools.cache
@@ -99,7 +95,7 @@ def _on_cuda(tensors: tuple[torch.Tensor | None, ...]) -> bool:
 
 def triton_enabled(*tensors: torch.Tensor | None) -> bool:
     """True when a call on these tensors would run a Triton kernel (see the module docstring)."""
-    return not _flag(DISABLE_TRITON_ENV) and _on_cuda(tensors) and _triton_importable()
+    return not env_flag(DISABLE_TRITON_ENV) and _on_cuda(tensors) and _triton_importable()
 
 
 def _triton(name: str, *tensors: torch.Tensor | None) -> ModuleType | None:
@@ -108,7 +104,7 @@ def _triton(name: str, *tensors: torch.Tensor | None) -> ModuleType | None:
 
 def _cuda_decode(query: torch.Tensor, kv_pool: torch.Tensor, num_kv_heads: int) -> ModuleType | None:
     """The CUDA-extension wrapper when it is requested, present and serves this shape."""
-    if not _flag(BUILD_CUDA_ENV) or not query.is_cuda:
+    if not env_flag(BUILD_CUDA_ENV) or not query.is_cuda:
         return None
     module = _kernel_module("cuda_decode")
     if module is None or not module.supports(query, kv_pool, num_kv_heads):
@@ -173,7 +169,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """A later prefill chunk over its request's cache: fused SDPA (`reference.paged_prefill_attention_sdpa`),
     or the einsum oracle when `KVPRESS_PREFILL_ATTENTION_ORACLE=1` (`kvpress bench prefill` compares them)."""
-    if _flag(PREFILL_ORACLE_ENV):
+    if env_flag(PREFILL_ORACLE_ENV):
         return reference.paged_prefill_attention(
             query, query_positions, kv_pool, position_pool, block_table, seq_len, scale, lse_out
         )
@@ -200,7 +196,7 @@ def vertical_slash_attention(
     if kernel is not None and query.dtype == keys.dtype == values.dtype:
         out: torch.Tensor = kernel.vertical_slash_attention(query, keys, values, admitted, window, scale, query_start)
         return out
-    if _flag(PREFILL_ORACLE_ENV):
+    if env_flag(PREFILL_ORACLE_ENV):
         return reference.vertical_slash_attention(query, keys, values, admitted, window, scale, query_start)
     return vertical_slash_attention_blocks(query, keys, values, admitted, window, scale, query_start)
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
+
+from vllm_kvpress_ext.utils.flags import env_flag
 
 DISABLE_ENV = "KVPRESS_DISABLE_MALLOC_TUNING"
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
@@ -31,7 +32,7 @@ TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the largest it can say, 2 GB
 @functools.cache
 def tune_host_allocator() -> bool:
     """Apply the thresholds above once per process; True if glibc took them."""
-    if os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+    if env_flag(DISABLE_ENV):
         return False
     name = ctypes.util.find_library("c")
     if name is None:

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vllm_kvpress_ext.utils.flags import env_flag
+
 DISABLE_ENV = "KVPRESS_DISABLE_ONEDNN_LINEAR"
 #: The dtypes worth sending to oneDNN as they are (fp16 is widened, below).
 CANDIDATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -44,7 +46,7 @@ WIDEN_MIN_ROWS = 16
 
 
 def _enabled() -> bool:
-    if os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+    if env_flag(DISABLE_ENV):
         return False
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 

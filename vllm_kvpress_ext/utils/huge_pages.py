@@ -30,7 +30,6 @@ import ctypes
 import ctypes.util
 import functools
 import mmap
-import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -39,6 +38,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from vllm_kvpress_ext.utils.flags import env_flag
 
 DISABLE_ENV = "KVPRESS_DISABLE_HUGE_PAGES"
 MADV_HUGEPAGE = 14  # linux/mman.h
@@ -53,7 +54,7 @@ _RELEASE_EVERY_BYTES = 256 * 2**20
 
 
 def disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    return env_flag(DISABLE_ENV)
 
 
 @functools.cache
