@@ -120,8 +120,6 @@ def write_config(workdir: Path, package: str) -> None:
         # still passes: those mutants say nothing about behaviour. The condition that raises is mutated.
         "do_not_mutate_patterns =",
         r"    ^\s*raise \w+\(",
-        # The printing walkthrough of `kvpress demo` (its smoke test lives outside the package's tests).
-        f"do_not_mutate = {PACKAGE}/cache/demo.py",
         # Tests read presets and docs relative to the repository root, which mutmut's copy must hold.
         "also_copy =",
         *(f"    {path}" for path in ("configs", "kernels", "csrc", "docs", "README.md", "Makefile")),

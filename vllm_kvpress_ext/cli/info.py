@@ -46,7 +46,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from vllm_kvpress_ext.cache.demo import run_demo
+    from vllm_kvpress_ext.bench.cache_demo import run_demo
 
     run_demo(num_requests=args.requests, prompt_len=args.prompt_len, keep_ratio=args.keep_ratio)
     return 0
