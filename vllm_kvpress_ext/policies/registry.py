@@ -3,6 +3,10 @@
 `load_policy` is the one entry point the engine, the server and the CLI use, so every caller gets
 the same validation and the same error messages (an unknown name lists the known ones; an unknown
 parameter lists the policy's fields).
+
+A name is the policy at its dataclass defaults, the paper's, the same in a checkout and in an
+installed wheel. The repository's `configs/NAME.yaml` spell those defaults out (a test keeps them
+equal) for operators to copy, edit and pass by path.
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ import yaml
 
 from vllm_kvpress_ext.policies.base import KVPolicy, PolicyConfigError
 from vllm_kvpress_ext.policies.files import PolicyFiles
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 _REGISTRY: dict[str, type[KVPolicy]] = {}
 
@@ -107,15 +109,14 @@ def load_policy(spec: str | Path | dict[str, Any] | KVPolicy | None) -> KVPolicy
             raise PolicyConfigError(f"policy preset {text} does not exist")
         return load_policy(_read_preset(path))
     if text in _REGISTRY:
-        preset = CONFIG_DIR / f"{text}.yaml"
-        return load_policy(_read_preset(preset)) if preset.is_file() else create_policy(text)
+        return create_policy(text)
     raise PolicyConfigError(f"unknown policy {text!r}; known policies: {', '.join(policy_names())}")
 
 
 def load_client_policy(spec: str | dict[str, Any] | None, files: PolicyFiles) -> KVPolicy | None:
     """A policy from a spec a client sent: never a path, and file fields only by allowed name.
 
-    A name loads the policy with its preset (`configs/NAME.yaml`, the operator's file); a dict's file
+    A name loads the policy at its defaults; a dict's file
     fields (`file_fields`) are names the operator allowed in `files`, replaced here by their paths.
     """
     if spec is None:
