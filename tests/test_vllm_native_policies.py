@@ -134,7 +134,7 @@ def test_each_policy_keeps_on_vllms_runner_what_it_keeps_on_the_embedded_engine(
     assert_same_kept(embedded, native, name, prompts())
 
 
-@pytest.mark.parametrize("name", ["snapkv", "h2o", "gvote"])
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "gvote", "kvzip"])
 def test_a_prompt_in_chunks_keeps_the_same_entries(name: str, model: Path) -> None:
     """Steps of 32 tokens: the 96-token prompt prefills in three chunks on both engines, the capture (the
     window's queries; H2O's every query with its log-sum-exp; GVote's hidden-state statistics, from the QKV
@@ -218,10 +218,10 @@ def test_a_policy_vllms_runner_cannot_serve_yet_is_refused_by_name(name: str, na
 
 
 def test_a_default_policy_vllms_runner_cannot_serve_is_refused_at_start(model: Path) -> None:
-    with pytest.raises(ValueError, match="kv_policy 'kvzip' needs a reconstruction pass"):
+    with pytest.raises(ValueError, match="kv_policy 'wgkv' needs write-time admission gates"):
         VllmLLM(
             str(model),
             dtype="float32",
             skip_tokenizer_init=True,
-            additional_config={"kv_runner": "vllm", "kv_policy": "kvzip"},
+            additional_config={"kv_runner": "vllm", "kv_policy": "wgkv"},
         )

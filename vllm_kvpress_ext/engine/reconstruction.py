@@ -4,7 +4,8 @@ A policy asks for it through `CaptureSpec.reconstruction` (`policies/capture.py`
 it when the prefill completes, before the policy's hooks, and leaves each layer's scores in
 `LayerCapture.reconstruction_scores`. Every driver goes through that one place: the embedded engine,
 requests forked from a shared prefix (`engine/prefix.py`: the prefix's capture pass computes the scores
-once and every fork copies them) and the vLLM plugin's worker.
+once and every fork copies them), the vLLM plugin's worker, and the plugin's pool on vLLM's runner,
+whose model runs each chunk through its attention backend (`score_prompt` takes the forward).
 
 The pass, for a prompt of n cached tokens cut into chunks [s, e) of `chunk_size` tokens:
 
@@ -27,6 +28,7 @@ whole prompt, plus the score blocks (one more set of logits over each chunk's ca
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -227,21 +229,44 @@ class ReconstructionContext:
         return out.transpose(0, 1).to(q.dtype)
 
 
+#: Runs one chunk's forward: (its context, which attends and scores, its input ids, their positions).
+ChunkForward = Callable[["ReconstructionContext", list[int], torch.Tensor], None]
+
+
 @torch.no_grad()
-def reconstruction_scores(runner: ModelRunner, request: Request, spec: ReconstructionSpec) -> list[torch.Tensor]:
-    """Per layer `[Hkv, n]` float32 scores of the request's n cached prompt entries; the first S are +inf (kept)."""
-    assert request.row is not None
-    n = request.num_processed
-    config = runner.config
-    prompts = prompts_for_model(str(runner.model_dir))
-    scores = [torch.zeros(config.num_key_value_heads, n, dtype=torch.float32) for _ in range(config.num_hidden_layers)]
-    for start, end, ids in chunk_inputs(request.all_token_ids[:n], spec, prompts):
-        context = ReconstructionContext(runner.cache, request.row, (start, end), spec, runner.scale, scores)
-        positions = torch.arange(n, n + len(ids), device=runner.device)
-        runner.model(torch.tensor(ids, device=runner.device), positions, context)
+def score_prompt(
+    cache: PagedKVCache,
+    row: int,
+    tokens: list[int],
+    spec: ReconstructionSpec,
+    prompts: ReconstructionPrompts,
+    scale: float,
+    forward: ChunkForward,
+) -> list[torch.Tensor]:
+    """Per layer `[Hkv, n]` float32 scores of a row's n cached prompt entries (`tokens`), one chunk's forward at a
+    time through `forward` (the model of whichever runner hosts the row); the first S are +inf (kept)."""
+    n = len(tokens)
+    scores = [torch.zeros(cache.num_kv_heads, n, dtype=torch.float32) for _ in range(cache.num_layers)]
+    for start, end, ids in chunk_inputs(tokens, spec, prompts):
+        forward(
+            ReconstructionContext(cache, row, (start, end), spec, scale, scores), ids, torch.arange(n, n + len(ids))
+        )
     for layer in scores:
         layer[:, : spec.sink_tokens] = float("inf")
     return scores
+
+
+def reconstruction_scores(runner: ModelRunner, request: Request, spec: ReconstructionSpec) -> list[torch.Tensor]:
+    """`score_prompt` of a request of the embedded engine's runner."""
+    assert request.row is not None
+    device = runner.device
+
+    def forward(context: ReconstructionContext, ids: list[int], positions: torch.Tensor) -> None:
+        runner.model(torch.tensor(ids, device=device), positions.to(device), context)
+
+    tokens = request.all_token_ids[: request.num_processed]
+    prompts = prompts_for_model(str(runner.model_dir))
+    return score_prompt(runner.cache, request.row, tokens, spec, prompts, runner.scale, forward)
 
 
 def score_by_reconstruction(runner: ModelRunner, request: Request) -> None:

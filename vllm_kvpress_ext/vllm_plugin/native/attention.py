@@ -47,14 +47,17 @@ from vllm_kvpress_ext.attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
+from vllm_kvpress_ext.engine.reconstruction import ReconstructionContext
 from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool, PrefillSpan, StepPlan
 
 
 @dataclass
 class KVPressAttentionMetadata(AttentionMetadata):
-    """One step's batch, as the backend reads it: the pool's plan of the step."""
+    """One step's batch, as the backend reads it: the pool's plan of the step; or, outside the steps, one chunk
+    of KVzip's reconstruction pass over a request's row, which attends, scores and writes nothing."""
 
     plan: StepPlan
+    reconstruction: ReconstructionContext | None = None
 
 
 class KVPressAttentionMetadataBuilder(AttentionMetadataBuilder[KVPressAttentionMetadata]):
@@ -159,6 +162,9 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
         queries = query.view(query.shape[0], self.num_heads, self.head_size)
         key = key.view(key.shape[0], self.num_kv_heads, self.head_size)
         value = value.view(value.shape[0], self.num_kv_heads, self.head_size)
+        if attn_metadata.reconstruction is not None:
+            out.copy_(attn_metadata.reconstruction.attend(self.layer_index, queries, queries, key, value, key))
+            return output
         for begin, end in plan.failed_tokens:
             out[begin:end] = 0
         if self.sliding_window is not None or self.logits_soft_cap is not None:

@@ -37,6 +37,7 @@ from vllm_kvpress_ext.cache.plan import KeepPlan
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_decode
 from vllm_kvpress_ext.engine.kept import KeptEntries, kept_entries
+from vllm_kvpress_ext.engine.reconstruction import ChunkForward, prompts_for_model, score_prompt
 from vllm_kvpress_ext.engine.request import KVStats
 from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.policies import KVPolicy
@@ -123,14 +124,21 @@ class NativePool:
             if window is not None:
                 self.window_layers.setdefault(window, []).append(layer)
         self.rotary = rotary  # the model's RoPE where the project knows it (`native_rope`)
+        # KVzip's reconstruction pass: one chunk's forward of vLLM's model (set by the runner), the directory of
+        # the tokenizer its prompt is written with, and whether a pass is running (no step is then).
+        self.reconstruction_forward: ChunkForward | None = None
+        self.tokenizer_dir: str | None = None
+        self.reconstructing = False
         # Per layer, the query projection (`support.query_projections`), where the runner found and hooked them.
         self.query_projections: list[QueryProjection] | None = None
         self.num_q_heads = num_q_heads
         self.scale = scale
         self.default_policy = default_policy
         self.seats: dict[str, _Seat] = {}
-        # Each live request's prompt length and sampling parameters (vLLM sends them once, when it starts).
+        # Each live request's prompt length and sampling parameters (vLLM sends them once, when it starts), and its
+        # prompt's token ids where its policy reads them (KVzip's reconstruction pass repeats them).
         self.prompts: dict[str, tuple[int, Any]] = {}
+        self.prompt_tokens: dict[str, list[int]] = {}
         self.preemptions: dict[str, int] = {}  # times each live request was preempted (its figures say so)
         self.failed: dict[str, str] = {}
         # Set to a dict to keep, per request, what it held right after its policy compressed (tests, analysis).
@@ -147,6 +155,7 @@ class NativePool:
         for request_id in scheduler_output.finished_req_ids:
             self.release(request_id)
             self.prompts.pop(request_id, None)
+            self.prompt_tokens.pop(request_id, None)
             self.preemptions.pop(request_id, None)
         for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.release(request_id)
@@ -155,6 +164,8 @@ class NativePool:
             self.release(new.req_id)  # an aborted request resubmitted under the same id starts over
             prompt = new.prompt_token_ids
             self.prompts[new.req_id] = (len(prompt) if prompt is not None else 0, new.sampling_params)
+            if prompt is not None:
+                self.prompt_tokens[new.req_id] = list(prompt)
             self._seat(new.req_id, new.num_computed_tokens, list(new.block_ids[0]) if new.block_ids else [])
         cached = scheduler_output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
@@ -307,7 +318,7 @@ class NativePool:
     def record_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """A layer's attention input this step (`[T, D]`, batch order): into the captures that keep its statistics."""
         plan = self._plan
-        if plan is None:
+        if plan is None or self.reconstructing:
             return
         for span in plan.prefills:
             if span.capture is not None and span.capture.spec.hidden_stats:
@@ -430,6 +441,8 @@ class NativePool:
     def _compress(self, request_id: str) -> None:
         seat = self.seats[request_id]
         assert seat.policy is not None
+        if seat.capture is not None and seat.capture.spec.reconstruction is not None:
+            self._score_by_reconstruction(request_id, seat)
         seat.state = {}
         compress_prefill(
             self.cache,
@@ -447,6 +460,33 @@ class NativePool:
         seat.compressed, seat.capture, seat.aligned = True, None, False
         if self.kept_at_compression is not None:
             self.kept_at_compression[request_id] = kept_entries(self.cache, request_id)
+
+    def _score_by_reconstruction(self, request_id: str, seat: _Seat) -> None:
+        """KVzip's pass over the request's whole prompt (`engine/reconstruction.py`), vLLM's model running each
+        chunk through the backend, which attends over the row and scores it without writing."""
+        capture = seat.capture
+        assert capture is not None and capture.spec.reconstruction is not None
+        if self.reconstruction_forward is None or self.tokenizer_dir is None:
+            raise ValueError("the reconstruction pass needs the model runner, which has not bound this pool")
+        if self.window_layers:
+            raise ValueError("the reconstruction pass does not attend within sliding windows")
+        tokens = self.prompt_tokens[request_id][: seat.written]
+        prompts = prompts_for_model(self.tokenizer_dir)
+        self.reconstructing = True
+        try:
+            scores = score_prompt(
+                self.cache,
+                seat.row,
+                tokens,
+                capture.spec.reconstruction,
+                prompts,
+                self.scale,
+                self.reconstruction_forward,
+            )
+        finally:
+            self.reconstructing = False
+        for layer, layer_scores in zip(capture.layers, scores, strict=True):
+            layer.reconstruction_scores = layer_scores
 
     def _evict(self, request_id: str, batch_index: int, plan: StepPlan) -> None:
         seat = self.seats[request_id]

@@ -20,13 +20,19 @@ from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import torch
+from vllm.forward_context import set_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PagePool
-from vllm_kvpress_ext.vllm_plugin.native.attention import KVPressAttentionImpl, KVPressAttentionMetadataBuilder
+from vllm_kvpress_ext.engine.reconstruction import ReconstructionContext
+from vllm_kvpress_ext.vllm_plugin.native.attention import (
+    KVPressAttentionImpl,
+    KVPressAttentionMetadata,
+    KVPressAttentionMetadataBuilder,
+)
 from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool
 from vllm_kvpress_ext.vllm_plugin.native.support import native_rope, query_projections
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
@@ -86,6 +92,9 @@ class KVPressModelRunner(CPUModelRunner):
         )
         self.pool = pool
         self._hook_query_projections(pool, len(layers))
+        pool.reconstruction_forward = self._reconstruction_forward
+        pool.tokenizer_dir = str(self.model_config.tokenizer or self.model_config.model)
+        self._attention_layer_names = names
         pages = cache.pool.num_pages
         logger.info(
             "vllm-kvpress-ext: the KV cache is the plugin's pool: %d pages of %d tokens per (layer, KV head), "
@@ -118,6 +127,18 @@ class KVPressModelRunner(CPUModelRunner):
         for layer, (module, _) in enumerate(projections):
             module.register_forward_pre_hook(lambda _module, args, layer=layer: pool.record_hidden(layer, args[0]))
         pool.query_projections = [project for _, project in projections]
+
+    def _reconstruction_forward(self, context: ReconstructionContext, ids: list[int], positions: torch.Tensor) -> None:
+        """One chunk of KVzip's reconstruction pass through vLLM's model: every layer's attention is the context's
+        (it reads the request's row, scores it and writes nothing; no slot mapping, so no cache write)."""
+        assert self.pool is not None
+        metadata = KVPressAttentionMetadata(plan=self.pool.current, reconstruction=context)
+        layers = dict.fromkeys(self._attention_layer_names, metadata)
+        with set_forward_context(layers, self.vllm_config, num_tokens=len(ids)):
+            self.model(
+                input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
+                positions=positions.to(self.device),
+            )
 
     def _batch_request_ids(self) -> list[str]:
         return self.input_batch.req_ids  # read at each build: the runner may replace its input batch

@@ -95,7 +95,9 @@ def native_refusal(policy: KVPolicy | None, rope_known: bool = False, hidden_kno
             ("the hidden states' statistics", spec.hidden_stats and not (hidden_known and rope_known)),
             ("the keys before RoPE", spec.keys_pre_rope),
             ("the queries before RoPE", (spec.query_moments or spec.leading_queries > 0) and not rope_known),
-            ("a reconstruction pass over the prompt", spec.reconstruction is not None),
+            # The pass runs vLLM's model over the repeat prompt; its attention over the pool is the project's plain
+            # softmax (no window, no soft cap), which the Llama family uses.
+            ("a reconstruction pass over the prompt", spec.reconstruction is not None and not rope_known),
             ("write-time admission gates", type(policy).admission is not KVPolicy.admission),
         )
         if needed
