@@ -59,6 +59,11 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def algorithm1(**params: Any) -> GVotePolicy:
+    """GVote as the paper's Algorithm 1 (`allocation: votes`): the votes' union is each head's keep set."""
+    return GVotePolicy(allocation="votes", **params)
+
+
 def tiny_model(family: str, seed: int = 0) -> LlamaFamilyForCausalLM:
     """This project's model class with random weights (norms and biases too), 2 layers, 4 q heads, 2 KV heads."""
     config = ModelConfig.from_dict({**TINY, "rope_theta": 10000.0, **FAMILY_CONFIGS[family]})
@@ -182,7 +187,7 @@ def test_gvote_matches_algorithm_1(
     family: str, p_nuc: float, samples: int, future: int, seed: int, window: int, sinks: int
 ) -> None:
     model = tiny_model(family, seed=1)
-    policy = GVotePolicy(
+    policy = algorithm1(
         p_nuc=p_nuc, num_samples=samples, future_positions=future, window=window, sink_tokens=sinks, seed=seed
     )
     policy.validate()
@@ -196,7 +201,7 @@ def test_gvote_matches_algorithm_1(
 
 def test_gvote_peaked_attention_keeps_less_than_diffuse() -> None:
     model = tiny_model("llama3_rope")
-    policy = GVotePolicy()
+    policy = algorithm1()
     diffuse = gvote_layer(model, 0, 64, seed=3, query_scale=0.0)  # uniform attention: B = ceil(0.95 n)
     peaked = gvote_layer(model, 0, 64, seed=3)
     assert peaked.capture is not None and peaked.capture.queries is not None
@@ -215,14 +220,14 @@ def test_gvote_keep_sets_grow_with_samples_and_p_nuc() -> None:
     layer = gvote_layer(model, 1, 80, seed=9, query_scale=3.0)
     previous = None
     for samples in range(1, 9):
-        keep = GVotePolicy(num_samples=samples).on_layer_prefilled(layer, {})
+        keep = algorithm1(num_samples=samples).on_layer_prefilled(layer, {})
         if previous is not None:
             assert not (previous & ~keep).any()
         previous = keep
     sizes = []
     previous = None
     for p_nuc in (0.2, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0):
-        policy = GVotePolicy(p_nuc=p_nuc)
+        policy = algorithm1(p_nuc=p_nuc)
         keep = policy.on_layer_prefilled(layer, {})
         if previous is not None:
             assert not (previous & ~keep).any()
@@ -234,9 +239,9 @@ def test_gvote_keep_sets_grow_with_samples_and_p_nuc() -> None:
 def test_gvote_is_reproducible_and_budget_free() -> None:
     model = tiny_model("qwen2_bias")
     layer = gvote_layer(model, 0, 50, seed=4, query_scale=2.0)
-    a = GVotePolicy().on_layer_prefilled(layer, {})
-    assert torch.equal(a, GVotePolicy().on_layer_prefilled(layer, {}))
-    assert not torch.equal(a, GVotePolicy(seed=1).on_layer_prefilled(layer, {}))
+    a = algorithm1().on_layer_prefilled(layer, {})
+    assert torch.equal(a, algorithm1().on_layer_prefilled(layer, {}))
+    assert not torch.equal(a, algorithm1(seed=1).on_layer_prefilled(layer, {}))
     fields = set(GVotePolicy().params())
     assert not fields & {"ratio", "tokens"}
 
@@ -256,18 +261,16 @@ def test_gvote_observed_votes_are_each_querys_own_nucleus() -> None:
     # The query at position 3 sees p = [.1, .2, .3, .4]: at p_nuc 0.65 its nucleus is {3, 2} (0.4 + 0.3 = 0.7).
     # The query at position 1 sees keys 0 and 1 only: p = [1/3, 2/3], nucleus {1} (0.667 >= 0.65).
     layer = observed_layer([1, 3], [1.0, 1.0])
-    policy = GVotePolicy(p_nuc=0.65, observation_window=2)
+    policy = algorithm1(p_nuc=0.65, observation_window=2)
     assert policy.observed_votes(layer).tolist() == [[False, True, True, True]]
     # A window of 1 takes the last captured query alone; a window longer than the capture takes all of it.
-    assert GVotePolicy(p_nuc=0.65, observation_window=1).observed_votes(layer).tolist() == [[False, False, True, True]]
-    assert torch.equal(
-        GVotePolicy(p_nuc=0.65, observation_window=9).observed_votes(layer), policy.observed_votes(layer)
-    )
+    assert algorithm1(p_nuc=0.65, observation_window=1).observed_votes(layer).tolist() == [[False, False, True, True]]
+    assert torch.equal(algorithm1(p_nuc=0.65, observation_window=9).observed_votes(layer), policy.observed_votes(layer))
     # p_nuc 0.95 needs all four keys at position 3 (0.4 + 0.3 + 0.2 = 0.9 < 0.95), both keys at position 1.
-    assert GVotePolicy(p_nuc=0.95, observation_window=2).observed_votes(layer).tolist() == [[True, True, True, True]]
+    assert algorithm1(p_nuc=0.95, observation_window=2).observed_votes(layer).tolist() == [[True, True, True, True]]
     # Query -1.0 attends the other way round: p = [.48, .24, .16, .12], so at p_nuc 0.45 key 0 alone is its nucleus.
     flipped = observed_layer([3], [-1.0])
-    assert GVotePolicy(p_nuc=0.45, observation_window=1).observed_votes(flipped).tolist() == [
+    assert algorithm1(p_nuc=0.45, observation_window=1).observed_votes(flipped).tolist() == [
         [True, False, False, False]
     ]
 
@@ -282,9 +285,9 @@ def test_gvote_pooled_votes_keep_spans() -> None:
     assert torch.nonzero(vote(query, keys, budget, kernel_size=3)[0]).flatten().tolist() == [1, 2, 3]
     # The observed votes rank on pooled scores too, sized by their own nucleus (2 at p_nuc .65: .4 + .3), and
     # never pick a key their query could not see: position 1 sees keys 0 and 1 only, whatever the pooling.
-    policy = GVotePolicy(p_nuc=0.65, observation_window=2, kernel_size=3)
+    policy = algorithm1(p_nuc=0.65, observation_window=2, kernel_size=3)
     assert policy.observed_votes(observed_layer([3], [1.0])).tolist() == [[False, False, True, True]]
-    early = GVotePolicy(p_nuc=0.99, observation_window=1, kernel_size=3).observed_votes(observed_layer([1], [1.0]))
+    early = algorithm1(p_nuc=0.99, observation_window=1, kernel_size=3).observed_votes(observed_layer([1], [1.0]))
     assert early.tolist() == [[True, True, False, False]]
     for bad in (0, 2, 65):
         with pytest.raises(PolicyConfigError, match="kernel_size"):
@@ -301,16 +304,16 @@ def test_gvote_observation_window_adds_the_real_queries_votes(family: str) -> No
         extra = torch.randn(5, *layer.capture.queries.shape[1:], generator=torch.Generator().manual_seed(index)) * 4.0
         layer.capture.queries = torch.cat([extra, layer.capture.queries])
         layer.capture.query_positions = torch.arange(43, 49) - 1
-        paper = GVotePolicy().on_layer_prefilled(layer, {})
-        assert torch.equal(paper, GVotePolicy(observation_window=0).on_layer_prefilled(layer, {}))
+        paper = algorithm1().on_layer_prefilled(layer, {})
+        assert torch.equal(paper, algorithm1(observation_window=0).on_layer_prefilled(layer, {}))
         for window in (1, 3, 6):
-            policy = GVotePolicy(observation_window=window)
+            policy = algorithm1(observation_window=window)
             assert policy.capture_spec().window == window
             observed = policy.on_layer_prefilled(layer, {})
             assert torch.equal(observed, paper | policy.observed_votes(layer))
             # Every observed query's own nucleus is inside the union, whatever the synthetic votes chose.
             for q in range(6 - window, 6):
-                alone = GVotePolicy(observation_window=1)
+                alone = algorithm1(observation_window=1)
                 one = gvote_layer(model, index, 48, seed=7 + index, query_scale=4.0)
                 assert one.capture is not None
                 one.capture.queries = layer.capture.queries[q : q + 1]
@@ -330,7 +333,7 @@ def test_gvote_allocations_give_adakv_the_votes_budget() -> None:
         layer.capture.queries = torch.cat([extra * 2.0, layer.capture.queries])  # 40 real queries: AdaKV's window
         layer.capture.query_positions = torch.arange(n - 40, n)
         layers.append(layer)
-    votes = [GVotePolicy(p_nuc=0.6).on_layer_prefilled(layer, {}) for layer in layers]
+    votes = [algorithm1(p_nuc=0.6).on_layer_prefilled(layer, {}) for layer in layers]
     counts = torch.stack(votes).sum(dim=-1)  # [L, Hkv]
     assert (counts > 32).all() and (counts < n).all()  # room for AdaKV's window and something to drop
     assert GVotePolicy(allocation="request").capture_spec().window == 32 == AdaKVPolicy().window

@@ -170,7 +170,8 @@ def test_every_served_policy_keeps_the_embedded_engines_entries_on_smollm2(smoll
     """A real model: SmolLM2-135M, fp32, two 200-token prompts, each policy at its defaults."""
     embedded = LLM(smollm2, dtype=torch.float32, num_pages=8192, page_size=PAGE_SIZE)
     native = native_llm(smollm2, num_pages=8192)
-    batch = [[random.Random(seed).randrange(100, 40000) for _ in range(200)] for seed in (2, 3)]
+    rngs = [random.Random(seed) for seed in (2, 3)]
+    batch = [[rng.randrange(100, 40000) for _ in range(200)] for rng in rngs]
     try:
         for name in SERVED:
             assert_same_kept(embedded, native, name, batch)
