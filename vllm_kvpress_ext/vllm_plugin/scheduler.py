@@ -28,6 +28,10 @@ embedded engine's automatic matching, docs/prefix_reuse.md), so that vLLM schedu
 It tells the worker which entry and length it promised (`SchedulerOutput.kvpress_attach`), and the
 pages this step needs (`kvpress_reserved`), which the worker frees by dropping unused entries first;
 unused entries' pages count as available here, so they go before any running request is preempted.
+
+On vLLM's runner (`kv_runner: vllm`) prefix caching is vLLM's own: its lookup runs as always, and each
+hit is cut at the first block the pool does not keep (`kept_prefix_tokens`, from the kept block ids
+the reports carry); a request whose policy compresses gets none (native/prefix_blocks.py).
 """
 
 from __future__ import annotations
@@ -60,13 +64,13 @@ class _PoolGate:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._manager, name)
 
-    def get_computed_blocks(self, request: Any) -> Any:
+    def get_computed_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         """The worker's stored prefix (the plugin's own runner), or vLLM's own lookup (vLLM's runner) cut to the
-        blocks the pool keeps."""
+        blocks the pool keeps. (vLLM 0.33 passes a hit-length bound, which goes to its lookup as given.)"""
         attached = self._scheduler.plan_attach(request)
         if attached is not None:
             return self._manager.empty_kv_cache_blocks, attached, 0
-        blocks, tokens, boundary = self._manager.get_computed_blocks(request)
+        blocks, tokens, boundary = self._manager.get_computed_blocks(request, *args, **kwargs)
         for _ in range(_LOOKUPS):
             kept, stale = self._scheduler.kept_prefix_tokens(request, blocks, tokens)
             if kept == tokens:
@@ -76,7 +80,7 @@ class _PoolGate:
             # vLLM hashed blocks that the pool does not keep (a compressing request's): out of its table, so
             # that the same tokens' kept blocks, if any, are found instead.
             self._manager.block_pool.evict_blocks(stale)
-            blocks, tokens, boundary = self._manager.get_computed_blocks(request)
+            blocks, tokens, boundary = self._manager.get_computed_blocks(request, *args, **kwargs)
         return self._manager.truncate_computed_blocks(blocks, kept), kept, 0
 
     def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
