@@ -140,13 +140,7 @@ def write_gguf(
     """
     types = types or {}
     config = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = _writer_with_shape(path, arch, config)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -184,13 +178,7 @@ def write_gemma3_gguf(path: Path, model: PreTrainedModel) -> Path:
     """Write a Gemma 3 text model as llama.cpp's converter does: gguf-py's tensor names, every RMSNorm weight
     stored plus one (GGUF's Gemma norms multiply by the weight itself), all F32, and no tokenizer."""
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = _writer_with_shape(path, "gemma3", config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(float(config.rope_parameters["full_attention"]["rope_theta"]))
@@ -213,6 +201,18 @@ def write_gemma3_gguf(path: Path, model: PreTrainedModel) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _writer_with_shape(path: Path, arch: str, config: Any) -> gguf.GGUFWriter:
+    """A GGUF writer for `arch` with the sizes every architecture's metadata carries."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    return writer
 
 
 def _add(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: Q) -> None:
