@@ -1,0 +1,44 @@
+"""Suite-wide: the tests write nothing into the user's model cache.
+
+Every test runs with `KVPRESS_MODEL_CACHE` pointing at a scratch directory. What the user's cache
+already holds for the catalog's models (the pulled GGUF files, the tokenizers converted from them, the
+directories prepared for vLLM) appears there through symbolic links, so the tests that use a pulled
+model find it without pulling or converting it again; anything else a test writes (the tokenizers and
+prepared directories of the tiny GGUF files the tests generate) stays in the scratch directory and is
+removed with it. A test that needs a cache of its own still sets the variable itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vllm_kvpress_ext.hub import catalog
+
+
+def _link_entries(real: Path, scratch: Path, prefixes: tuple[str, ...]) -> None:
+    """Link each entry of `real` whose name starts with one of `prefixes` into `scratch`."""
+    if not real.is_dir():
+        return
+    scratch.mkdir(exist_ok=True)
+    for entry in real.iterdir():
+        if entry.name.startswith(prefixes):
+            (scratch / entry.name).symlink_to(entry)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def scratch_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    real = catalog.cache_dir()
+    scratch = tmp_path_factory.mktemp("model-cache")
+    for model in catalog.CATALOG.values():
+        if (real / model.name).is_dir():
+            (scratch / model.name).symlink_to(real / model.name)
+    # Converted tokenizers and prepared vLLM directories are named after the file's stem, size and mtime.
+    stems = tuple(f"{Path(model.file_name).stem}-" for model in catalog.CATALOG.values())
+    _link_entries(real / "tokenizers", scratch / "tokenizers", prefixes=stems)
+    _link_entries(real / "vllm", scratch / "vllm", prefixes=stems)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(catalog.CACHE_ENV, str(scratch))
+        yield scratch
