@@ -98,11 +98,12 @@ class KVPressModelRunner(CPUModelRunner):
         pages = cache.pool.num_pages
         logger.info(
             "vllm-kvpress-ext: the KV cache is the plugin's pool: %d pages of %d tokens per (layer, KV head), "
-            "%.1f MiB, %d tokens of one uncompressed request (vLLM's block figures above are bookkeeping only)",
+            "%.1f MiB, %d tokens of one uncompressed request%s (vLLM's block figures above are bookkeeping only)",
             pages,
             page_size,
             pages * cache.pool.bytes_per_page / 2**20,
             pages // (len(layers) * num_kv_heads) * page_size,
+            " in every layer; sliding-window layers hold only their window" if any(windows) else "",
         )
         for index, layer in enumerate(layers):
             layer.impl.pool = pool
