@@ -102,5 +102,8 @@ def test_vllm_serve_bench_runs_stock_vllm_beside_the_plugin_on_the_same_load(
     load = bench_command("http://x", "/m", Path("/tmp/r.json"), config)
     assert load[load.index("--random-prefix-len") + 1] == "2048"
     assert "--random-prefix-len" not in bench_command("http://x", "/m", Path("/tmp/r.json"), VllmServeBenchConfig())
+    assert load[load.index("--endpoint") + 1] == "/v1/chat/completions"
+    base = bench_command("http://x", "/m", Path("/tmp/r.json"), VllmServeBenchConfig(endpoint="completions"))
+    assert base[base.index("--backend") + 1] == "openai" and base[base.index("--endpoint") + 1] == "/v1/completions"
     assert main(["bench", "vllm-serve", "--servers", "stock"]) == 2
     assert "--stock-vllm" in capsys.readouterr().err

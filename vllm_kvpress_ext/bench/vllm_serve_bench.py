@@ -53,6 +53,7 @@ class VllmServeBenchConfig:
     prefix_len: int = 0  # random tokens every prompt starts with (a shared system prompt)
     stock_vllm: str | None = None  # the `vllm` executable of an environment without this project
     stock_kv_space_gib: int = 4  # the stock server's VLLM_CPU_KVCACHE_SPACE
+    endpoint: str = "chat"  # "chat" (/v1/chat/completions) or "completions" (/v1/completions: base models)
 
     @property
     def max_model_len(self) -> int:
@@ -106,9 +107,9 @@ def bench_command(url: str, model: str, result: Path, config: VllmServeBenchConf
         "bench",
         "serve",
         "--backend",
-        "openai-chat",
+        "openai-chat" if config.endpoint == "chat" else "openai",
         "--endpoint",
-        "/v1/chat/completions",
+        "/v1/chat/completions" if config.endpoint == "chat" else "/v1/completions",
         "--base-url",
         url,
         "--model",

@@ -13,10 +13,10 @@ def register(bench_sub: Subparsers) -> None:
         "vllm-serve",
         help="vLLM's `vllm bench serve` (random dataset) against `vllm serve` with the plugin and `kvpress serve`",
         description="Per server and policy: starts the server on 127.0.0.1 with --num-pages KV pages, runs "
-        "`vllm bench serve --dataset-name random` (chat, --ignore-eos) against it, and prints requests/s, TTFT, "
-        "ITL and the peak number of requests the pool let run at once (kvpress_requests_running_peak). With "
-        "--servers stock, vLLM without this project (from --stock-vllm, its own defaults) runs the full rows on "
-        "the same load. Needs the [vllm] extra.",
+        "`vllm bench serve --dataset-name random` (chat or completions, --ignore-eos) against it, and prints "
+        "requests/s, TTFT, ITL and the peak number of requests the pool let run at once "
+        "(kvpress_requests_running_peak). With --servers stock, vLLM without this project (from --stock-vllm, "
+        "its own defaults) runs the full rows on the same load. Needs the [vllm] extra.",
     )
     bv.add_argument(
         "--servers",
@@ -47,6 +47,13 @@ def register(bench_sub: Subparsers) -> None:
     )
     bv.add_argument(
         "--stock-kv-space-gib", type=int, default=4, help="the stock server's VLLM_CPU_KVCACHE_SPACE (default: 4)"
+    )
+    bv.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="chat",
+        help="what vllm bench serve calls: chat (/v1/chat/completions) or completions (/v1/completions, for base "
+        "models without a chat template); default: chat",
     )
     bv.add_argument("--tokenizer", default=None, help="for vllm bench serve (default: the model directory)")
     bv.add_argument("--seed", type=int, default=0, help="dataset seed (default: 0)")
@@ -81,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             prefix_len=args.prefix_len,
             stock_vllm=args.stock_vllm,
             stock_kv_space_gib=args.stock_kv_space_gib,
+            endpoint=args.endpoint,
         )
     )
     return 0
