@@ -120,7 +120,8 @@ def prepare_gguf_model(model: str, tokenizer: str | None = None) -> Path:
 
 def _transformers_config(path: Path, metadata: Any) -> dict[str, Any]:
     """The `config.json` dict transformers derives from a GGUF file of an architecture this project's loader
-    does not read; refused when transformers reads no GGUF file of that architecture either."""
+    does not read; ValueError when transformers reads no GGUF file of that architecture either (the caller
+    turns it into a `GGUFServeError` naming the file)."""
     from transformers import AutoConfig
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -129,12 +130,12 @@ def _transformers_config(path: Path, metadata: Any) -> dict[str, Any]:
 
     arch = metadata.get("general.architecture")
     if arch not in GGUF_CONFIG_MAPPING:
-        raise GGUFServeError(f"cannot serve {path}: neither this project nor transformers reads GGUF {arch!r} files")
+        raise ValueError(f"neither this project nor transformers reads GGUF {arch!r} files")
     config: dict[str, Any] = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
     config.pop("quantization_config", None)  # the weights are written dequantised
     causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"])
     if causal_lm is None:
-        raise GGUFServeError(f"cannot serve {path}: {config['model_type']!r} is not a causal language model")
+        raise ValueError(f"{config['model_type']!r} is not a causal language model")
     config["architectures"] = [causal_lm]
     config["dtype"] = FLOAT_FILE_TYPES.get(int(metadata.get("general.file_type", -1)), "float32")
     return config
