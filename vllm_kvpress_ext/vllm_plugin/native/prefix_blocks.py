@@ -38,6 +38,9 @@ class PrefixBlocks:
         self.cache = cache
         self.kept: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._changed = True
+        self._all_pages: torch.Tensor | None = (
+            None  # every kept page, flat; rebuilt after a change (each report reads it)
+        )
 
     def keep(self, block_id: int, pages: torch.Tensor) -> None:
         """Keep a full block's pages `[L, H]` (one more reference each) under `block_id`."""
@@ -47,7 +50,7 @@ class PrefixBlocks:
         pages = pages.to(torch.int64).clone()
         self.cache.pool.share(pages.reshape(-1))
         self.kept[block_id] = pages
-        self._changed = True
+        self._changed, self._all_pages = True, None
 
     def forget(self, block_ids: Iterable[int]) -> None:
         """Drop the blocks (those kept) whose ids vLLM has given to other tokens."""
@@ -55,7 +58,7 @@ class PrefixBlocks:
             pages = self.kept.pop(block_id, None)
             if pages is not None:
                 self.cache.pool.free(pages.reshape(-1))
-                self._changed = True
+                self._changed, self._all_pages = True, None
 
     def holds(self, block_ids: list[int]) -> bool:
         return all(block_id in self.kept for block_id in block_ids)
@@ -77,8 +80,9 @@ class PrefixBlocks:
         """Pages that dropping every kept block would free (those no row reads)."""
         if not self.kept:
             return 0
-        pages = torch.cat([pages.reshape(-1) for pages in self.kept.values()])
-        return int((self.cache.pool.refcounts(pages) == 1).sum())
+        if self._all_pages is None:
+            self._all_pages = torch.cat([pages.reshape(-1) for pages in self.kept.values()])
+        return int((self.cache.pool.refcounts(self._all_pages) == 1).sum())
 
     def changes(self) -> frozenset[int] | None:
         """The kept block ids, if they changed since the last call (None: unchanged)."""
