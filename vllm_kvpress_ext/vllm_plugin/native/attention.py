@@ -162,7 +162,7 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
         queries = query.view(query.shape[0], self.num_heads, self.head_size)
         key = key.view(key.shape[0], self.num_kv_heads, self.head_size)
         value = value.view(value.shape[0], self.num_kv_heads, self.head_size)
-        if attn_metadata.reconstruction is not None:
+        if attn_metadata.reconstruction is not None:  # its context reads neither hidden states nor pre-RoPE keys
             out.copy_(attn_metadata.reconstruction.attend(self.layer_index, queries, queries, key, value, key))
             return output
         for begin, end in plan.failed_tokens:

@@ -6,12 +6,13 @@ that: the observation window's queries and their log-sum-exps (SnapKV, PyramidKV
 K-VEC, H2O, StreamingLLM), and for decode-time policies each step's attention (H2O). Where the project
 knows the model's RoPE (a Llama-family config it parses itself: `native_rope`), the queries are turned
 back to before RoPE, which is what Expected Attention reads. The others need what only the project's own
-model code gives today, and are refused by name until the backend captures it: a second pass over the
-prompt (KVzip), the keys before RoPE and admission during prefill for learned write gates (WG-KV), and,
-on a model outside the Llama family, the queries before RoPE (Expected Attention) and the attention
-inputs with the query projection (GVote). For the Llama family the runner hooks each layer's QKV
-projection (`query_projections`): its input is the normed hidden states GVote keeps statistics of, and
-its weights' query rows give GVote's synthetic queries.
+model code gives today, and are refused by name until the backend captures it: the keys before RoPE
+and admission during prefill for learned write gates (WG-KV), and, on a model outside the Llama family,
+the queries before RoPE (Expected Attention), the attention inputs with the query projection (GVote)
+and a reconstruction pass over plain attention (KVzip). For the Llama family the runner hooks each
+layer's QKV projection (`query_projections`): its input is the normed hidden states GVote keeps
+statistics of, and its weights' query rows give GVote's synthetic queries; KVzip's pass runs vLLM's
+model with the embedded engine's reconstruction attention (`NativePool._score_by_reconstruction`).
 """
 
 from __future__ import annotations
