@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -26,6 +28,8 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+from vllm_kvpress_ext.models import ModelConfig
 
 TINY: dict[str, Any] = {
     "vocab_size": 128,
@@ -48,7 +52,9 @@ LLAMA3_ROPE = {
 
 # Each family exercises a different part of the model: llama3 RoPE + GQA + untied head; Llama 2 style
 # linear RoPE + MHA + tied embeddings + attention/MLP biases; Mistral; Qwen2 q/k/v bias + tied;
-# Qwen3 q/k norm with head_dim (24) != hidden / heads (16).
+# Qwen3 q/k norm with head_dim (24) != hidden / heads (16); Gemma 3 with a sliding window (4) shorter than the
+# prompts, its own RoPE base for that layer, linear scaling in the global one, and a softmax scale (1/sqrt(20))
+# that is not 1/sqrt(head_dim).
 FAMILIES: dict[str, tuple[type, type, dict[str, Any]]] = {
     "llama3": (
         LlamaConfig,
@@ -73,6 +79,20 @@ FAMILIES: dict[str, tuple[type, type, dict[str, Any]]] = {
     ),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 24, "tie_word_embeddings": False}),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {
+            "head_dim": 24,
+            "query_pre_attn_scalar": 20,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            },
+        },
+    ),
 }
 
 
@@ -117,11 +137,16 @@ class Captured:
 
 
 class DenseContext:
-    """Cache-less reference attention over a varlen batch split by sequence lengths."""
+    """Cache-less reference attention over a varlen batch split by sequence lengths.
 
-    def __init__(self, seq_lens: list[int]) -> None:
+    With `config`, its softmax scale and its layers' sliding windows (a key is seen while q - k < window).
+    """
+
+    def __init__(self, seq_lens: list[int], config: ModelConfig | None = None) -> None:
         self.cu_seqlens = [0, *itertools.accumulate(seq_lens)]
         self.captured: dict[int, Captured] = {}
+        self.scale = config.attention_scale if config is not None else None
+        self.windows = config.layer_windows if config is not None else None
 
     def attend(self, layer_idx: int, hidden: Tensor, q: Tensor, k: Tensor, v: Tensor, k_pre_rope: Tensor) -> Tensor:
         self.captured[layer_idx] = Captured(hidden, q, k, v, k_pre_rope)
@@ -132,7 +157,12 @@ class DenseContext:
             qs = q[start:end].transpose(0, 1)  # [Hq, L, d]
             ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)  # query head h -> KV head h // group
             vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
-            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
+            n = end - start
+            distance = torch.arange(n).view(-1, 1) - torch.arange(n).view(1, -1)
+            window = self.windows[layer_idx] if self.windows is not None else None
+            mask = (distance >= 0) & (distance < (window or n))
+            attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
+            out[start:end] = attended.transpose(0, 1)
         return out
 
 

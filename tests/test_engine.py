@@ -16,7 +16,7 @@ NEW_TOKENS = 64
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen3"])
+@pytest.fixture(scope="module", params=["llama3", "qwen3", "gemma3"])
 def model_pair(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[PreTrainedModel, Path]:
@@ -67,11 +67,19 @@ def test_staggered_batch_matches_transformers(model_pair: tuple[PreTrainedModel,
     assert engine.cache.pool.num_used == 0
 
 
+def tight_pages(model: PreTrainedModel) -> int:
+    """A pool where 4 of `prompts(4, seed=3, low=20, high=40)` cannot run at once.
+
+    Each request needs 2 layers x 2 heads x ceil(~100 / 4) ~ 100 pages by the end: 4 cannot coexist in 220.
+    Gemma 3's sliding layer holds its window (one page per head): ~52 pages a request, 4 cannot fit in 120.
+    """
+    return 120 if model.config.model_type == "gemma3_text" else 220
+
+
 def test_preemption_by_recompute_keeps_greedy_output(model_pair: tuple[PreTrainedModel, Path]) -> None:
     model, path = model_pair
     batch = prompts(4, seed=3, low=20, high=40)
-    # Each request needs 2 layers x 2 heads x ceil(~100 / 4) ~ 100 pages by the end: 4 cannot coexist in 220.
-    engine = LLMEngine(path, dtype=torch.float32, num_pages=220, page_size=4, max_num_batched_tokens=16)
+    engine = LLMEngine(path, dtype=torch.float32, num_pages=tight_pages(model), page_size=4, max_num_batched_tokens=16)
     for i, prompt in enumerate(batch):
         engine.add_request(prompt, GREEDY, request_id=str(i))
     outputs, preemptions = {}, 0
@@ -162,7 +170,7 @@ def test_sampling_params_validation(kwargs: dict[str, object], message: str) -> 
 def test_a_request_that_outgrows_the_whole_pool_finishes_with_length(
     model_pair: tuple[PreTrainedModel, Path],
 ) -> None:
-    _, path = model_pair
+    model, path = model_pair
     engine = LLMEngine(path, dtype=torch.float32, num_pages=16, page_size=4)
     engine.add_request(list(range(10, 20)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     outputs = []
@@ -171,8 +179,10 @@ def test_a_request_that_outgrows_the_whole_pool_finishes_with_length(
     finished = [o for o in outputs if o.finished]
     assert len(finished) == 1 and finished[0].finish_reason == "length"
     # 16 pages of 4 tokens over 2 layers x 2 heads hold 16 tokens per head: the prompt's 10 and the first
-    # 6 generated; the 7th is sampled from them, and the 8th would need a 17th slot.
-    assert len(finished[0].output_token_ids) == 7
+    # 6 generated; the 7th is sampled from them, and the 8th would need a 17th slot. Gemma 3's sliding layer
+    # holds one page per head (its window of 4): the 14 other pages hold 28 tokens per head, so 19 come out.
+    gemma = model.config.model_type == "gemma3_text"
+    assert len(finished[0].output_token_ids) == (19 if gemma else 7)
     assert engine.cache.pool.num_used == 0
     early = outputs[0].kv
     assert early is not finished[0].kv, "outputs carry snapshots, not the live statistics"
@@ -211,13 +221,12 @@ def test_logprobs_equal_transformers_log_softmax(model_pair: tuple[PreTrainedMod
 
 
 def test_logprobs_survive_preemption_and_are_off_by_default(model_pair: tuple[PreTrainedModel, Path]) -> None:
-    _, path = model_pair
+    model, path = model_pair
     batch = prompts(4, seed=3, low=20, high=40)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     roomy_llm = LLM(path, dtype=torch.float32, num_pages=1024, page_size=4)
     roomy, roomy_config = roomy_llm.generate(batch, params), roomy_llm.engine.config
-    # As in test_preemption_by_recompute_keeps_greedy_output: 4 requests cannot coexist in 220 pages.
-    tight = LLM(path, dtype=torch.float32, num_pages=220, page_size=4, max_num_batched_tokens=16)
+    tight = LLM(path, dtype=torch.float32, num_pages=tight_pages(model), page_size=4, max_num_batched_tokens=16)
     outs = tight.generate(batch, params)
     assert sum(o.num_preemptions for o in outs) > 0
     for want, got in zip(roomy, outs, strict=True):

@@ -59,7 +59,7 @@ def test_logits_match_transformers(saved: dict, family: str) -> None:
     hf, path = saved[family]
     model = load_model(path)
     ids = torch.randint(0, 128, (11,), generator=torch.Generator().manual_seed(1))
-    logits = _run(model, ids, torch.arange(11), DenseContext([11]))
+    logits = _run(model, ids, torch.arange(11), DenseContext([11], model.config))
     assert logits.dtype == torch.float32 and logits.shape == (11, 128)
     torch.testing.assert_close(logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
@@ -71,7 +71,8 @@ def test_varlen_batch_matches_per_sequence_transformers(saved: dict, family: str
     model = load_model(path)
     gen = torch.Generator().manual_seed(2)
     a, b = torch.randint(0, 128, (7,), generator=gen), torch.randint(0, 128, (5,), generator=gen)
-    logits = _run(model, torch.cat([a, b]), torch.cat([torch.arange(7), torch.arange(5)]), DenseContext([7, 5]))
+    positions = torch.cat([torch.arange(7), torch.arange(5)])
+    logits = _run(model, torch.cat([a, b]), positions, DenseContext([7, 5], model.config))
     expected = torch.cat([hf_logits(hf, a), hf_logits(hf, b)])
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
@@ -103,7 +104,7 @@ def test_inverse_frequencies_match_transformers(saved: dict, family: str) -> Non
 def test_project_queries_equals_forward_queries(saved: dict, family: str) -> None:
     _, path = saved[family]
     model = load_model(path)
-    ctx = DenseContext([5, 4])
+    ctx = DenseContext([5, 4], model.config)
     positions = torch.cat([torch.arange(5), torch.arange(4)])
     _run(model, torch.arange(9), positions, ctx)
     for layer_idx, layer in enumerate(model.layers):

@@ -358,6 +358,47 @@ def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return out.transpose(1, 2)
 
 
+def sliding_window_attention(
+    query: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_positions: torch.Tensor,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention within a sliding window: the query at position p reads the keys at p - window < k <= p.
+
+    query `[n, Hq, d]` at ascending `query_positions[n]`; keys/values `[m, Hkv, d]` at distinct
+    `key_positions[m]` in any order (a ring's and a chunk's together). This is HF transformers' window
+    (a key is seen while the distance is below `window`). Queries go in blocks of about a window, each
+    against the keys its block can reach only, so the work is O(n * window), not O(n * m).
+    """
+    n = query.shape[0]
+    out = torch.empty_like(query)
+    block = max(256, window)
+    key_positions = key_positions.to(torch.int64)
+    query_positions = query_positions.to(device=key_positions.device, dtype=torch.int64)
+    for first in range(0, n, block):
+        last = min(n, first + block)
+        q_pos = query_positions[first:last]
+        lowest, highest = int(q_pos[0]) - window, int(q_pos[-1])
+        reach = ((key_positions > lowest) & (key_positions <= highest)).nonzero().reshape(-1)
+        k_pos = key_positions[reach]
+        distance = q_pos.view(-1, 1) - k_pos.view(1, -1)
+        mask = (distance >= 0) & (distance < window)
+        attended = F.scaled_dot_product_attention(
+            query[first:last].transpose(0, 1).unsqueeze(0),
+            keys[reach].transpose(0, 1).unsqueeze(0),
+            values[reach].transpose(0, 1).unsqueeze(0),
+            attn_mask=mask.view(1, 1, *mask.shape),
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[first:last] = attended[0].transpose(0, 1)
+    return out
+
+
 def causal_attention_with_lse(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -20,6 +20,13 @@ and `device_seq_lens` mirror them and receive the same scatter updates (no full 
 Every operation validates and counts the pages it needs *before* changing anything, so a
 `PoolExhaustedError` or `InvalidPlanError` leaves the cache exactly as it was.
 
+Sliding-window layers (`layer_windows`, Gemma 3's local layers) hold a ring of their window W in the
+global region itself: token t of the row lives at entry `t % W`, so `seq_lens` never exceeds W and each
+token overwrites the one its layer can no longer attend to. Every entry such a layer holds is one its
+next query reads, which is why the attention kernels need no window mask for decode. An append longer
+than W writes only its last W tokens (the earlier ones get slot -1, skipped by `write`). No policy
+compacts or evicts these layers; their entries are in ring order, not position order.
+
 Rows may share pages (`fork_request`: the samples of one prompt read its compressed pages). A shared
 page is never written: any write into one (a decode token landing in a shared partial last page, a
 compaction or eviction moving entries into it) first gives the writing row its own copy
@@ -28,7 +35,7 @@ compaction or eviction moving entries into it) first gives the writing row its o
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,9 +97,13 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float16,
         device: str | torch.device = "cpu",
         initial_pages_per_head: int = 8,
+        layer_windows: Sequence[int | None] | None = None,
     ) -> None:
         if num_layers <= 0 or num_kv_heads <= 0:
             raise ValueError("num_layers and num_kv_heads must be positive")
+        windows = list(layer_windows) if layer_windows is not None else [None] * num_layers
+        if len(windows) != num_layers or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"layer_windows must give {num_layers} positive windows or None, got {layer_windows}")
         if max_requests <= 0:
             raise ValueError(f"max_requests must be positive, got {max_requests}")
         self.pool = PagePool(num_pages, page_size, head_dim, dtype, device)
@@ -118,6 +129,14 @@ class PagedKVCache:
         self._peak_pages = torch.zeros(max_requests, dtype=torch.int64)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self._row_of: dict[Hashable, int] = {}
+        # Per layer: its window (0 = a global layer), and the sliding layers' indices.
+        self.layer_windows = torch.tensor([w or 0 for w in windows], dtype=torch.int64)
+        self.sliding_layers = (self.layer_windows > 0).nonzero().reshape(-1)
+        self.global_layers = (self.layer_windows == 0).nonzero().reshape(-1)
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return self.sliding_layers.numel() > 0
 
     # ------------------------------------------------------------------ requests
 
@@ -227,6 +246,12 @@ class PagedKVCache:
         shared = self.pool.refcounts(pages) > 1
         return l_idx[shared], r_idx[shared], h_idx[shared], p_idx[shared]
 
+    def _distinct_cells(self, cells: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        l_idx, r_idx, h_idx, p_idx = cells
+        key = ((l_idx * self.max_requests + r_idx) * self.num_kv_heads + h_idx) * self.block_tables.shape[-1] + p_idx
+        _, first = _first_of_each(key)
+        return l_idx[first], r_idx[first], h_idx[first], p_idx[first]
+
     def _unshare(self, cells: tuple[torch.Tensor, ...]) -> None:
         """Give each cell (from `_shared_cells`) a private copy of its page; the caller checked the free pages."""
         l_idx, r_idx, h_idx, p_idx = cells
@@ -284,6 +309,12 @@ class PagedKVCache:
                 .squeeze(-1)
             )
             counts[:, ring_rows] = (flags & full.view(1, -1, 1)).to(torch.int64)
+        if self.has_sliding_layers:
+            # A sliding layer grows until it holds its window; after that each token replaces one.
+            sliding = self.sliding_layers
+            lens = self.seq_lens[sliding][:, rows].to(torch.int64)
+            room = self.layer_windows[sliding].view(-1, 1, 1) - lens
+            counts[sliding] = room.clamp(min=0, max=num_tokens)
         return counts
 
     def append_slots(self, rows: torch.Tensor | list[int], positions: torch.Tensor) -> torch.Tensor:
@@ -303,9 +334,12 @@ class PagedKVCache:
             raise ValueError("requests with a local ring append one token per step")
         if torch.unique(rows).numel() != rows.numel():
             raise ValueError("a request row appears twice in one append")
+        if self.has_sliding_layers and bool(is_ring.any()):
+            raise ValueError("a local ring and sliding-window layers cannot share a request")
         layers, batch, heads = self.num_layers, rows.numel(), self.num_kv_heads
         counts = self._append_counts(rows, num_tokens)
-        self._unshare_before_growing(rows, counts)
+        overwritten = self._ring_overwrites(rows, positions)
+        self._unshare_before_growing(rows, counts, overwritten)
         starts = self._grow(rows, counts)  # [L, B, H] first new global entry
         ps = self.page_size
 
@@ -314,7 +348,10 @@ class PagedKVCache:
         l_idx = torch.arange(layers).view(-1, 1, 1, 1)
         r_idx = rows.view(1, -1, 1, 1)
         h_idx = torch.arange(heads).view(1, 1, -1, 1)
-        safe_entries = torch.where(counts.unsqueeze(-1) > 0, entries, torch.zeros_like(entries))
+        # Only the first `counts` tokens of a (layer, row, head) grow it (a ring row promotes 0 or 1, a sliding
+        # layer grows until its window is full); the others index entry 0 and get their slots below.
+        grows = torch.arange(num_tokens) < counts.unsqueeze(-1)
+        safe_entries = torch.where(grows, entries, torch.zeros_like(entries))
         pages = self.block_tables[l_idx, r_idx, h_idx, torch.div(safe_entries, ps, rounding_mode="floor")]
         slots = pages.to(torch.int64) * ps + safe_entries % ps
 
@@ -336,12 +373,49 @@ class PagedKVCache:
             self._clear_flags(r, ring_slot)
             self.ring_count[r] += 1
 
+        if self.has_sliding_layers:
+            slots[self.sliding_layers] = self._sliding_slots(rows, positions)
         device_slots = slots.to(self.device)
         token_pos = positions.view(1, batch, 1, num_tokens).expand(layers, batch, heads, num_tokens)
-        self.pool.positions.view(-1)[device_slots.reshape(-1)] = token_pos.reshape(-1).to(
-            device=self.device, dtype=torch.int32
-        )
+        written = device_slots.reshape(-1)
+        token_pos = token_pos.reshape(-1).to(device=self.device, dtype=torch.int32)
+        if self.has_sliding_layers:
+            kept = written >= 0
+            written, token_pos = written[kept], token_pos[kept]
+        self.pool.positions.view(-1)[written] = token_pos
         return device_slots
+
+    def _sliding_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Slots `[Ls, B, H, n]` of an append's tokens in the sliding layers (after `_grow`): token t at entry
+        `t % W`; -1 for a token a later token of the same append replaces (it is never attended from the cache)."""
+        windows = self.layer_windows[self.sliding_layers].view(-1, 1, 1, 1)
+        entries = positions.view(1, rows.numel(), 1, -1) % windows  # [Ls, B, 1, n]
+        superseded = positions.view(1, rows.numel(), 1, -1) <= positions[:, -1:].view(1, -1, 1, 1) - windows
+        entries = entries.expand(-1, -1, self.num_kv_heads, -1)
+        layer_index = self.sliding_layers.view(-1, 1, 1, 1)
+        pages = self.block_tables[
+            layer_index,
+            rows.view(1, -1, 1, 1),
+            torch.arange(self.num_kv_heads).view(1, 1, -1, 1),
+            torch.div(entries, self.page_size, rounding_mode="floor"),
+        ].to(torch.int64)
+        slots = pages * self.page_size + entries % self.page_size
+        return slots.masked_fill(superseded.expand_as(slots), -1)
+
+    def _ring_overwrites(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Shared pages an append overwrites in place in sliding layers (entries below the current length)."""
+        if not self.has_sliding_layers or self.pool.num_shared == 0:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return empty, empty, empty, empty
+        sliding = self.sliding_layers
+        windows = self.layer_windows[sliding].view(-1, 1, 1, 1)
+        lens = self.seq_lens[sliding][:, rows].to(torch.int64).unsqueeze(-1)  # [Ls, B, H, 1]
+        entries = (positions.view(1, rows.numel(), 1, -1) % windows).expand(-1, -1, self.num_kv_heads, -1)
+        live = positions.view(1, rows.numel(), 1, -1) > positions[:, -1:].view(1, -1, 1, 1) - windows
+        into = (entries < lens) & live
+        l_idx, b_idx, h_idx, n_idx = into.nonzero().unbind(-1)
+        p_idx = torch.div(entries[l_idx, b_idx, h_idx, n_idx], self.page_size, rounding_mode="floor")
+        return self._shared_cells(sliding[l_idx], rows[b_idx], h_idx, p_idx)
 
     def append_layer_slots(self, layer: int, row: int, positions: torch.Tensor) -> torch.Tensor:
         """Reserve slots for `n` new tokens in every KV head of one layer of one row; `[H, n]` slots.
@@ -355,6 +429,8 @@ class PagedKVCache:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
         if int(self.ring_window[row]):
             raise ValueError("requests with a local ring cannot append layer by layer")
+        if int(self.layer_windows[layer]):
+            raise ValueError("a sliding-window layer's ring cannot be appended to layer by layer")
         positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
         num_tokens = positions.numel()
         rows = torch.tensor([row], dtype=torch.int64)
@@ -380,10 +456,15 @@ class PagedKVCache:
             ring_slot.view(1, -1, 1),
         ] = False
 
-    def _unshare_before_growing(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
-        """Copy-on-write of the shared partial pages an append writes into; PoolExhaustedError (nothing
-        changed) when those copies and the append's new pages do not fit together."""
+    def _unshare_before_growing(
+        self, rows: torch.Tensor, counts: torch.Tensor, overwritten: tuple[torch.Tensor, ...] | None = None
+    ) -> None:
+        """Copy-on-write of the shared pages an append writes into (partial last pages, and the pages sliding
+        layers overwrite, `overwritten`); PoolExhaustedError (nothing changed) when those copies and the
+        append's new pages do not fit together."""
         cells = self._tail_cells(rows, counts)
+        if overwritten is not None and overwritten[0].numel():
+            cells = self._distinct_cells(tuple(torch.cat([a, b]) for a, b in zip(cells, overwritten, strict=True)))
         if cells[0].numel() == 0:
             return
         lens = self.seq_lens[:, rows].to(torch.int64)
@@ -510,6 +591,8 @@ class PagedKVCache:
         """
         row = self.row_of(request_id)
         layer_ids = self._layer_ids(layers)
+        if bool((self.layer_windows[layer_ids] > 0).any()):
+            raise InvalidPlanError("a keep plan cannot cover a sliding-window layer: its ring keeps its window")
         lens = self.seq_lens[layer_ids, row].to(torch.int64)  # [L', H]
         keep = plan.to_mask(lens)  # validates; raises before any change
         return self._compact(torch.tensor([row]), keep.unsqueeze(1), None if layers is None else layer_ids)
@@ -593,6 +676,12 @@ class PagedKVCache:
         if int((self.ring_tables[:, row] >= 0).sum()):
             raise InvalidPlanError("a row with a local ring cannot be truncated by position")
         positions, lens = self.entry_positions(request_id)
+        if self.has_sliding_layers:
+            wrapped = positions[self.sliding_layers].amax(dim=(1, 2)) >= self.layer_windows[self.sliding_layers]
+            if bool(wrapped.any()):
+                raise InvalidPlanError(
+                    "a sliding-window layer has replaced tokens older than its window: it cannot be cut back"
+                )
         late = positions >= end_position  # padding is -1: never late
         new_lens = lens - late.sum(-1)
         entry = torch.arange(positions.shape[-1])
@@ -630,6 +719,8 @@ class PagedKVCache:
             raise InvalidPlanError("evict names a request row that is not in use")
         if bool(((ls < 0) | (ls >= self.num_layers) | (hs < 0) | (hs >= self.num_kv_heads)).any()):
             raise InvalidPlanError("evict names a layer or head out of range")
+        if bool((self.layer_windows[ls] > 0).any()):
+            raise InvalidPlanError("evict names a sliding-window layer: its ring keeps its window")
         lens = self.seq_lens[ls, r, hs].to(torch.int64)
         if bool(((es < 0) | (es >= lens)).any()):
             bad = int(((es < 0) | (es >= lens)).nonzero()[0])
@@ -696,6 +787,8 @@ class PagedKVCache:
         ps = self.page_size
         if window <= 0 or window % ps:
             raise ValueError(f"ring window must be a positive multiple of page_size {ps}, got {window}")
+        if self.has_sliding_layers:
+            raise ValueError("a local ring and sliding-window layers cannot share a request")
         if int(self.ring_window[row]):
             raise ValueError(f"request {request_id!r} already has a ring")
         positions, lens = self.entry_positions(request_id)  # [L, H, N], [L, H]
@@ -874,5 +967,7 @@ class PagedKVCache:
         )
 
     def pages_for_prompt(self, num_tokens: int) -> int:
-        """Pages a fresh request needs to hold `num_tokens` uncompressed tokens in every layer and head."""
-        return self.num_layers * self.num_kv_heads * -(-num_tokens // self.page_size)
+        """Pages a fresh request needs to hold `num_tokens` uncompressed tokens in every layer and head
+        (a sliding-window layer holds at most its window)."""
+        held = torch.where(self.layer_windows > 0, self.layer_windows.clamp(max=num_tokens), num_tokens)
+        return self.num_kv_heads * int(_ceil_div(held, self.page_size).sum())

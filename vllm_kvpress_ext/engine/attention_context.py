@@ -9,6 +9,11 @@ with `layerwise` set (the last chunk of a request whose policy compresses layer 
 asks for each layer's slots when the forward pass reaches that layer and hands the layer back for
 compression right after its attention, so the next layer allocates from a pool that already got
 the dropped pages back.
+
+A sliding-window layer's cache is a ring of its window (`PagedKVCache`): a chunk's tokens overwrite
+entries its own first queries still read. Its prefill therefore reads the ring before writing, and
+attends over the ring's entries and the chunk's keys together under the window. Its decode needs
+nothing special: the ring holds exactly the keys the new token reads.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from vllm_kvpress_ext.attention import (
     gather_paged,
     paged_decode_attention,
     paged_prefill_attention,
+    sliding_window_attention,
     vertical_slash_attention,
 )
 from vllm_kvpress_ext.cache import PagedKVCache
@@ -69,6 +75,7 @@ class PrefillContext:
         self.segments = segments
         self.positions = positions
         self.scale = scale
+        self.windows = cache.layer_windows.tolist()
 
     def attend(
         self,
@@ -93,6 +100,12 @@ class PrefillContext:
             else:
                 assert seg.slots is not None
                 slots = seg.slots[layer_idx, 0]
+            window = self.windows[layer_idx]
+            if window:
+                out[sl] = self._sliding(seg, layer_idx, slots, q[sl], k[sl], v[sl], window)
+                if seg.capture is not None:
+                    seg.capture.record(layer_idx, self.positions[sl], hidden[sl], q[sl], k[sl], k_pre_rope[sl], None)
+                continue
             cache.write(slots.transpose(0, 1), k[sl], v[sl])
             # Where the capture asks for the queries' log-sum-exps, the attention below yields them (free on a
             # CPU's flash attention and in the chunked path); the gated path leaves them missing.
@@ -124,6 +137,35 @@ class PrefillContext:
             if seg.layerwise is not None:
                 seg.layerwise.compress(layer_idx)
         return out
+
+    def _sliding(
+        self,
+        seg: PrefillSegment,
+        layer_idx: int,
+        slots: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int,
+    ) -> torch.Tensor:
+        """A sliding-window layer's chunk: read the ring, write the chunk into it, attend over both."""
+        cache = self.cache
+        positions = self.positions[seg.offset : seg.offset + seg.length]
+        keys, values, key_positions = k, v, positions
+        if seg.start > 0:
+            # The ring before this chunk: entry e holds the latest position before `start` that is e modulo the
+            # window. Its positions are worked out, not read: the chunk's slots already carry its own.
+            held = min(seg.start, window)
+            table = cache.device_block_tables[layer_idx, seg.row]
+            lens = torch.full(table.shape[:1], held, dtype=torch.int32, device=table.device)
+            ring_keys, ring_values, _, _ = gather_paged(cache.pool.kv, cache.pool.positions, table, lens)
+            entry = torch.arange(held, device=positions.device)
+            ring_positions = seg.start - 1 - (seg.start - 1 - entry) % window
+            keys = torch.cat([ring_keys.transpose(0, 1).to(k.dtype), k])
+            values = torch.cat([ring_values.transpose(0, 1).to(v.dtype), v])
+            key_positions = torch.cat([ring_positions.to(positions.dtype), positions])
+        cache.write(slots.transpose(0, 1), k, v)
+        return sliding_window_attention(q, positions, keys, values, key_positions, window, self.scale)
 
     def _gated(
         self,

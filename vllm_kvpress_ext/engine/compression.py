@@ -2,6 +2,11 @@
 
 - `compress_prefill`: the request's prompt is in the cache (every layer, every KV head): the policy sees
   each layer (`on_layer_prefilled`), plans (`plan`), and the cache compacts to the plan.
+
+A model's sliding-window layers (Gemma 3's local layers) are not the policy's: their ring already holds
+only the window their next query reads. The policy sees the global layers alone, numbered 0.. in order
+(`LayerPrefill.layer`, with `model_layer` the model's index), so a per-layer schedule or a cross-layer
+budget is spread over the layers that grow with the context.
 - `evict_after_decode`: a decode token was written and attended: a decode-time policy (H2O, bounded
   StreamingLLM) may drop entries.
 
@@ -41,13 +46,17 @@ def layer_prefill(
     is not the project's, `rotary` is the model's RoPE and `queries_from_hidden` the layer's query projection.
     """
     keys, values, positions, _ = cache.gather_layer(request_id, layer)
+    compressed = cache.global_layers.tolist()
+    if layer not in compressed:
+        raise ValueError(f"layer {layer} slides over a window: no policy compresses it")
     return LayerPrefill(
-        layer=layer,
-        num_layers=cache.num_layers,
+        layer=compressed.index(layer),
+        num_layers=len(compressed),
+        model_layer=layer,
         keys=keys,
         values=values,
         positions=positions[0],
-        capture=capture.layers[layer] if capture is not None else None,
+        capture=capture.layers[layer] if capture is not None else None,  # the capture is by model layer
         model=model,
         scale=scale,
         head_positions=positions if gated else None,
@@ -75,20 +84,25 @@ def compress_prefill(
     for its decode steps). `rotary` and `query_projections` (per layer) stand in for `model`'s where the
     model is not the project's."""
     results = []
-    for layer in range(cache.num_layers):
+    layers = cache.global_layers.tolist()
+    if not layers:
+        return  # every layer slides (Mistral 7B v0.1): each already holds no more than its window
+    for layer in layers:
         project = query_projections[layer] if query_projections is not None else None
         seen = layer_prefill(cache, request_id, layer, capture, model, scale, gated, rotary, project)
         results.append(policy.on_layer_prefilled(seen, state))
     summary = RequestPrefill(
         request_id=request_id,
-        num_layers=cache.num_layers,
+        num_layers=len(layers),
         num_kv_heads=cache.num_kv_heads,
         num_q_heads=num_q_heads,
         length=length,
     )
     plan = policy.plan(summary, results, state)
-    if plan is not None:
+    if plan is not None and len(layers) == cache.num_layers:
         cache.apply_keep_plan(request_id, plan)
+    elif plan is not None:
+        cache.apply_keep_plan(request_id, plan, layers)
 
 
 def evict_after_decode(
@@ -100,13 +114,18 @@ def evict_after_decode(
     attention: Callable[[int, int], torch.Tensor | None],
 ) -> None:
     """The decode-time policy's eviction after the token at `position`; `attention(layer, n)` is the step's
-    attention over the layer's first `n` entries `[Hkv, G, n]` (None when the policy does not ask for it)."""
+    attention over the layer's first `n` entries `[Hkv, G, n]` (None when the policy does not ask for it).
+    The policy sees the global layers only, numbered as at prefill."""
+    model_layers = cache.global_layers
+    if model_layers.numel() == 0:
+        return
     positions, lengths = cache.entry_positions(request_id)
     layers = [
         DecodeLayer(positions=positions[layer], lengths=lengths[layer], attention=attention(layer, positions.shape[-1]))
-        for layer in range(cache.num_layers)
+        for layer in model_layers.tolist()
     ]
     eviction = policy.on_decode_step(DecodeStep(request_id, position, layers), state)
     if eviction is not None and eviction.entries.numel():
         rows = torch.full_like(eviction.entries, cache.row_of(request_id))
-        cache.evict(rows, eviction.layers, eviction.heads, eviction.entries)
+        evicted_layers = model_layers[torch.as_tensor(eviction.layers, dtype=torch.int64)]
+        cache.evict(rows, evicted_layers, eviction.heads, eviction.entries)

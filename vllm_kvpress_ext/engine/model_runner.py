@@ -136,13 +136,14 @@ class ModelRunner:
             max_requests=max_num_seqs + max_cached_prefixes,
             dtype=cache_dtype,
             device=self.device,
+            layer_windows=self.config.layer_windows,
         )
         self.prefix_store = (
             PrefixStore(self.cache, self.model_dir, max_cached_prefixes, prefix_matching)
             if max_cached_prefixes > 0
             else None
         )
-        self.scale = self.config.head_dim**-0.5
+        self.scale = self.config.attention_scale
         # The write gates this runner's requests use (WG-KV): loaded once per file, never shared with another runner.
         self.gate_store = GateStore()
         self._weights_arena = weights_arena
@@ -224,6 +225,11 @@ class ModelRunner:
         than that, rounded up to whole pages: a longer one would evict nothing more and only cost
         pages, so a request whose ring outlasts it holds what `full` holds.
         """
+        if policy is not None and policy.admits_during_prefill and self.cache.has_sliding_layers:
+            raise RequestRejectedError(
+                f"{policy.name}: a write gate's local ring is not supported on a model with sliding-window layers, "
+                "whose own ring holds their window"
+            )
         admission = policy.admission(self.model_dir, self.device, self.gate_store) if policy is not None else None
         if admission is None:
             return None
@@ -408,8 +414,11 @@ class ModelRunner:
         The full prompt, or the policy's declared peak when the whole prefill is one layer-wise chunk,
         or, for a write-gated request whose chunks are at most `chunk_tokens`, its chunked prefill peak
         (`layerwise.prefill_reservation`); the layer-wise prefill and the chunk-boundary WG-KV admission
-        limit (`_drop_unadmitted`) hold the request to the same figure.
+        limit (`_drop_unadmitted`) hold the request to the same figure. On a model with sliding-window layers
+        (which hold at most their window, and never compress layer by layer) it is the prompt as the cache holds it.
         """
+        if self.cache.has_sliding_layers:
+            return self.cache.pages_for_prompt(request.prefill_target)
         return prefill_reservation(
             request.policy,
             request.prefill_target,
@@ -599,19 +608,20 @@ class ModelRunner:
             request.capture = PrefillCapture(spec, self.config.num_hidden_layers, self.model.rotary)
         return request.capture
 
-    @staticmethod
-    def _compresses_layerwise(request: Request, chunk: ScheduledChunk) -> bool:
+    def _compresses_layerwise(self, request: Request, chunk: ScheduledChunk) -> bool:
         """Layer-wise compression runs on the chunk that completes the prefill, if the policy opts in.
 
         Earlier chunks write every layer as usual (the policy must see the whole prompt of a layer),
         so the prefill peak falls from the whole prompt in every layer to the earlier chunks' prefix
         in every layer plus, for this chunk, one layer whole and the others compressed. Requests with
-        a write gate (WG-KV) keep the end-of-prefill path: their prompt goes through `start_ring`.
+        a write gate (WG-KV) keep the end-of-prefill path: their prompt goes through `start_ring`; so do
+        models with sliding-window layers, whose rings never hold a whole prompt to compress.
         """
         policy = request.policy
         return bool(
             policy is not None
             and policy.compresses_layerwise
+            and not self.cache.has_sliding_layers
             and request.admission is None
             and chunk.end == request.prefill_target
         )

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_kvpress_ext.attention import gather_paged
+from vllm_kvpress_ext.attention import gather_paged, sliding_window_attention
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.models import load_tokenizer
 from vllm_kvpress_ext.policies.capture import ReconstructionSpec
@@ -184,8 +184,10 @@ class ReconstructionContext:
         spec: ReconstructionSpec,
         scale: float,
         scores: list[torch.Tensor],
+        prompt_length: int,
     ) -> None:
         self.cache = cache
+        self.prompt_length = prompt_length  # the chunk's queries sit right after the prompt
         self.row = row
         self.span = span
         self.spec = spec
@@ -208,6 +210,20 @@ class ReconstructionContext:
             cache.device_block_tables[layer_idx, self.row],
             cache.device_seq_lens[layer_idx, self.row],
         )  # [Hkv, n, d]: the uncompressed prompt, in position order
+        window = int(cache.layer_windows[layer_idx])
+        if window:
+            # A sliding layer's ring holds the prompt's last tokens; no policy scores it, it only has to attend.
+            held = valid[0]
+            chunk_positions = torch.arange(self.prompt_length, self.prompt_length + q.shape[0], device=q.device)
+            return sliding_window_attention(
+                q,
+                chunk_positions,
+                torch.cat([keys[:, held].transpose(0, 1).to(k.dtype), k]),
+                torch.cat([values[:, held].transpose(0, 1).to(v.dtype), v]),
+                torch.cat([positions[0, held].to(chunk_positions.dtype), chunk_positions]),
+                window,
+                self.scale,
+            )
         n = keys.shape[1]
         if not bool(valid.all()) or not torch.equal(positions[0].long(), torch.arange(n, device=positions.device)):
             raise ValueError("the reconstruction pass needs every head to hold the whole uncompressed prompt")
@@ -249,7 +265,7 @@ def score_prompt(
     scores = [torch.zeros(cache.num_kv_heads, n, dtype=torch.float32) for _ in range(cache.num_layers)]
     for start, end, ids in chunk_inputs(tokens, spec, prompts):
         forward(
-            ReconstructionContext(cache, row, (start, end), spec, scale, scores), ids, torch.arange(n, n + len(ids))
+            ReconstructionContext(cache, row, (start, end), spec, scale, scores, n), ids, torch.arange(n, n + len(ids))
         )
     for layer in scores:
         layer[:, : spec.sink_tokens] = float("inf")

@@ -1,4 +1,4 @@
-"""`ModelConfig`: the few numbers the Llama-family forward pass needs, parsed from an HF `config.json`.
+"""`ModelConfig`: the few numbers the decoder's forward pass needs, parsed from an HF `config.json`.
 
 Why our own dataclass instead of `transformers.PretrainedConfig`: the engine must not depend on how a
 given transformers release spells things. `config.json` files in the wild come in two spellings:
@@ -9,6 +9,12 @@ given transformers release spells things. `config.json` files in the wild come i
 Both parse to the same `ModelConfig`. The per-family quirks (which projections carry a bias, Qwen3's
 per-head q/k RMSNorm, Qwen3's default `head_dim` of 128, Qwen's `use_sliding_window` switch) are
 resolved here, once, so the layers only see plain booleans and sizes.
+
+Gemma 3 (text) is a Llama-shaped decoder with five differences, each a field here: RMSNorm weights
+stored as an offset from 1 (`norm_offset`), a norm after attention and around the MLP as well
+(`sandwich_norms`), GELU (tanh) in the MLP, embeddings scaled by sqrt(hidden_size), an attention scale
+of `query_pre_attn_scalar ** -0.5`, and a RoPE base of its own for the sliding-window layers
+(`local_rope_theta`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 
@@ -49,6 +56,12 @@ _FAMILY_DEFAULTS: dict[str, _FamilyDefaults] = {
     "MistralForCausalLM": _FamilyDefaults("mistral", 4096 * 32, 1, 2, None),
     "Qwen2ForCausalLM": _FamilyDefaults("qwen2", 32768, None, None, None),
     "Qwen3ForCausalLM": _FamilyDefaults("qwen3", 32768, None, None, 128),
+    "Gemma3ForCausalLM": _FamilyDefaults("gemma3_text", 131072, 2, 1, 256),
+}
+#: The MLP activations the model code runs, by their HF names.
+SUPPORTED_ACTIVATIONS: dict[str, tuple[str, ...]] = {
+    "silu": ("silu", "swish"),
+    "gelu_pytorch_tanh": ("gelu_pytorch_tanh", "gelu_tanh"),
 }
 _DEFAULT_ROPE_THETA = 10_000.0
 FULL_ATTENTION = "full_attention"
@@ -120,6 +133,12 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     torch_dtype: str | None = None
+    hidden_act: str = "silu"
+    norm_offset: bool = False  # RMSNorm multiplies by (1 + weight), in fp32 (Gemma)
+    sandwich_norms: bool = False  # norms after attention and before and after the MLP (Gemma 3)
+    embedding_multiplier: float | None = None  # embeddings times this, in the weights' dtype (Gemma)
+    query_pre_attn_scalar: float | None = None  # softmax scale is its inverse square root (Gemma)
+    local_rope_theta: float | None = None  # the sliding-window layers' RoPE base, where it differs (Gemma 3)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -150,6 +169,17 @@ class ModelConfig:
             raise ModelConfigError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
             )
+        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            raise ModelConfigError(f"unknown layer type(s) {unknown}; known: {FULL_ATTENTION}, {SLIDING_ATTENTION}")
+        if SLIDING_ATTENTION in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise ModelConfigError(f"sliding-window layers need a positive sliding_window, got {self.sliding_window}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ModelConfigError(
+                f"hidden_act {self.hidden_act!r} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
+        if self.query_pre_attn_scalar is not None and self.query_pre_attn_scalar <= 0:
+            raise ModelConfigError(f"query_pre_attn_scalar must be positive, got {self.query_pre_attn_scalar}")
 
     @property
     def model_type(self) -> str:
@@ -164,6 +194,16 @@ class ModelConfig:
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The attention window of one layer, or None when it attends to its whole prefix."""
         return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Every layer's window (None: a global layer that attends to its whole prefix)."""
+        return tuple(self.layer_sliding_window(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: 1/sqrt(head_dim), or 1/sqrt(query_pre_attn_scalar) where the model sets it."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> ModelConfig:
@@ -187,9 +227,8 @@ class ModelConfig:
         hidden = _int(raw, "hidden_size", source)
         heads = _int(raw, "num_attention_heads", source)
         num_layers = _int(raw, "num_hidden_layers", source)
-        act = raw.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (the Llama family uses 'silu')")
+        gemma = arch == "Gemma3ForCausalLM"
+        act = _activation(raw, gemma, source)
 
         head_dim = raw.get("head_dim") if raw.get("head_dim") is not None else defaults.head_dim
         if head_dim is None:
@@ -202,7 +241,11 @@ class ModelConfig:
 
         kv_heads = raw.get("num_key_value_heads")
         max_pos = int(raw.get("max_position_embeddings") or defaults.max_position_embeddings)
-        rope_theta, rope_scaling = _parse_rope(raw, max_pos, source)
+        if gemma:
+            rope_theta, rope_scaling, local_theta = _parse_gemma3_rope(raw, max_pos, source)
+            _refuse_gemma3_extras(raw, source)
+        else:
+            (rope_theta, rope_scaling), local_theta = _parse_rope(raw, max_pos, source), None
         qkv_bias, o_bias, mlp_bias, qk_norm = _family_flags(arch, raw)
         sliding_window, layer_types = _parse_sliding_window(arch, raw, num_layers)
         return cls(
@@ -229,6 +272,12 @@ class ModelConfig:
             sliding_window=sliding_window,
             layer_types=layer_types,
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            hidden_act=act,
+            norm_offset=gemma,
+            sandwich_norms=gemma,
+            embedding_multiplier=hidden**0.5 if gemma else None,
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if gemma else None,
+            local_rope_theta=local_theta,
         )
 
 
@@ -264,6 +313,45 @@ def _int(raw: Mapping[str, Any], key: str, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ModelConfigError(f"{source}: {key!r} must be an integer, got {value!r}")
     return value
+
+
+def _activation(raw: Mapping[str, Any], gemma: bool, source: str) -> str:
+    """The MLP activation's canonical name; Gemma spells the key `hidden_activation`."""
+    act = raw.get("hidden_activation") or raw.get("hidden_act") if gemma else raw.get("hidden_act", "silu")
+    act = act or ("gelu_pytorch_tanh" if gemma else "silu")
+    for name, spellings in SUPPORTED_ACTIVATIONS.items():
+        if act in spellings and (name == "gelu_pytorch_tanh") == gemma:
+            return name
+    expected = "gelu_pytorch_tanh" if gemma else "silu"
+    raise ModelConfigError(f"{source}: hidden activation {act!r} is not supported (this family uses {expected!r})")
+
+
+def _parse_gemma3_rope(raw: Mapping[str, Any], max_pos: int, source: str) -> tuple[float, RopeScaling, float]:
+    """(global theta, global scaling, sliding layers' theta) from either spelling.
+
+    transformers >= 5 writes `rope_parameters` per layer type; older files give `rope_theta` and
+    `rope_scaling` for the global layers and `rope_local_base_freq` for the sliding ones.
+    """
+    params = raw.get("rope_parameters")
+    if isinstance(params, Mapping) and isinstance(params.get(FULL_ATTENTION), Mapping):
+        full = dict(params[FULL_ATTENTION])
+        local = dict(params.get(SLIDING_ATTENTION) or {})
+        theta, scaling = _parse_rope({"rope_parameters": full}, max_pos, source)
+        local_theta, local_scaling = _parse_rope({"rope_parameters": local}, max_pos, source)
+        if local_scaling.rope_type != "default":
+            raise ModelConfigError(f"{source}: scaled RoPE in the sliding-window layers is not supported")
+        return theta, scaling, local_theta
+    theta, scaling = _parse_rope({k: v for k, v in raw.items() if k != "rope_parameters"}, max_pos, source)
+    return theta, scaling, float(raw.get("rope_local_base_freq", _DEFAULT_ROPE_THETA))
+
+
+def _refuse_gemma3_extras(raw: Mapping[str, Any], source: str) -> None:
+    """Gemma 3 switches the model code does not implement: a clear error rather than wrong logits."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise ModelConfigError(f"{source}: {key}={raw[key]} is not supported (Gemma 3 sets it to null)")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelConfigError(f"{source}: bidirectional attention (an encoder's) is not supported")
 
 
 def _parse_rope(raw: Mapping[str, Any], max_pos: int, source: str) -> tuple[float, RopeScaling]:
@@ -313,6 +401,8 @@ def _family_flags(arch: str, raw: Mapping[str, Any]) -> tuple[bool, bool, bool, 
         return True, False, False, False
     if arch == "Qwen3ForCausalLM":
         return attention_bias, attention_bias, False, True
+    if arch == "Gemma3ForCausalLM":
+        return attention_bias, attention_bias, False, True
     return False, False, False, False  # Mistral: no biases whatever the config says
 
 
@@ -321,9 +411,17 @@ def _parse_sliding_window(arch: str, raw: Mapping[str, Any], num_layers: int) ->
 
     Mistral slides every layer whenever `sliding_window` is set; Qwen2/3 only when
     `use_sliding_window` is true, and then only layers >= `max_window_layers` (or as `layer_types`
-    says). Llama never slides.
+    says). Gemma 3 slides the layers `layer_types` names, or all but every `sliding_window_pattern`-th
+    (6) when a file predates `layer_types`. Llama never slides.
     """
     window = raw.get("sliding_window")
+    if arch == "Gemma3ForCausalLM":
+        window = int(window if window is not None else 4096)
+        layer_types = raw.get("layer_types")
+        if layer_types:
+            return window, tuple(str(t) for t in layer_types)
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        return window, tuple(FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(num_layers))
     if arch == "LlamaForCausalLM" or window is None:
         return None, (FULL_ATTENTION,) * num_layers
     if arch == "MistralForCausalLM":

@@ -1,4 +1,4 @@
-"""GGUF metadata (`llama.*`, `qwen2.*`, `qwen3.*`, `tokenizer.ggml.*`) -> `ModelConfig`.
+"""GGUF metadata (`llama.*`, `qwen2.*`, `qwen3.*`, `gemma3.*`, `tokenizer.ggml.*`) -> `ModelConfig`.
 
 The metadata is first rewritten as the `config.json` dict transformers would save for the same
 model and then parsed by `ModelConfig.from_dict`, so a GGUF file and an HF directory go through the
@@ -18,6 +18,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 # `general.file_type` (llama.cpp's LLAMA_FTYPE) of files whose weights are all floats of one width;
@@ -91,6 +92,17 @@ def hf_config_from_gguf(metadata: Mapping[str, Any], tensor_names: set[str], sou
         "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": FLOAT_FILE_TYPES.get(int(metadata.get("general.file_type", -1)), "float32"),
     }
+    if arch == "gemma3":
+        # llama.cpp writes neither the layer pattern nor the sliding layers' RoPE base nor the attention
+        # scalar: its Gemma 3 code fixes them (every sixth layer global, base 10000, 1/sqrt(head_dim)).
+        config.update(
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=int(need("attention.sliding_window")),
+            sliding_window_pattern=6,
+            rope_local_base_freq=10_000.0,
+            query_pre_attn_scalar=head_dim,
+        )
+        del config["hidden_act"]
     return config
 
 

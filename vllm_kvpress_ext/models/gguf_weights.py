@@ -35,20 +35,27 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors some converters add that carry nothing this model reads (RoPE tables are recomputed).
 _IGNORED = ("rope_freqs.weight",)
 
 
-def parameter_name(gguf_name: str) -> str | None:
+def parameter_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | None:
     """Our parameter name for a GGUF tensor name, or None for a tensor we do not know."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_BLOCK_NAMES if architecture == "Gemma3ForCausalLM" else _BLOCK_NAMES
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
+    if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
-    return f"layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    return f"layers.{layer}.{names[part]}.{kind}"
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -75,7 +82,7 @@ def gguf_state_dict(
     mapping: dict[str, str] = {}
     unknown = []
     for name in gguf.tensor_names():
-        param = parameter_name(name)
+        param = parameter_name(name, config.architecture)
         if param is None:
             if name not in _IGNORED:
                 unknown.append(name)
@@ -107,6 +114,8 @@ def gguf_state_dict(
         projection = param.split(".")[-2]
         if projection in permuted_heads:
             value = unpermute_rows(value, permuted_heads[projection])
+        if config.norm_offset and param.endswith("norm.weight"):
+            value = value - 1.0
         state[param] = value.to(device=device, dtype=dtype)
     return state
 

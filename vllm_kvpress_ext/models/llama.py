@@ -1,7 +1,8 @@
-"""`LlamaFamilyForCausalLM`: one model class for Llama 2/3, Mistral, Qwen2 and Qwen3.
+"""`LlamaFamilyForCausalLM`: one model class for Llama 2/3, Mistral, Qwen2, Qwen3 and Gemma 3 (text).
 
-The four families differ only in flags that `ModelConfig` already resolved (biases, q/k norm,
-head_dim, RoPE scaling, tied embeddings), so a single class covers them. It runs a flat varlen batch
+The families differ only in flags that `ModelConfig` already resolved (biases, q/k norm, head_dim,
+RoPE scaling, tied embeddings; Gemma 3's norms, activation, embedding scale and second RoPE base), so a
+single class covers them. It runs a flat varlen batch
 of new tokens and leaves caching and attention to the `AttentionContext` it is given.
 """
 
@@ -10,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import cast
 
+import torch
 from torch import Tensor, nn
 
 from .base import AttentionContext
-from .config import ModelConfig
-from .layers import DecoderLayer, RMSNorm
+from .config import ModelConfig, RopeScaling
+from .layers import DecoderLayer, norm
 from .linear import Linear, linear
 from .rope import RotaryEmbedding
 
@@ -38,15 +40,25 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     With `tie_word_embeddings` there is no `lm_head`: logits reuse `embed_tokens.weight`, so the
     tie survives any later `.to()` and the checkpoint needs no `lm_head.weight`.
+
+    `rotary` is the global layers' RoPE (the one policies rotate queries with: they compress global
+    layers only); a model with `local_rope_theta` gives its sliding-window layers a second one.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.local_rotary = (
+            RotaryEmbedding(config.head_dim, config.local_rope_theta, RopeScaling())
+            if config.local_rope_theta is not None
+            else None
+        )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = DecoderLayers(DecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = DecoderLayers(
+            DecoderLayer(config, i, self._rotary_of(i)) for i in range(config.num_hidden_layers)
+        )
+        self.norm = norm(config, config.hidden_size)
         self.lm_head: Linear | None = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
@@ -58,10 +70,20 @@ class LlamaFamilyForCausalLM(nn.Module):
         sequence in the batch); cos/sin are computed once and shared by all layers.
         """
         hidden = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier is not None:
+            # In the weights' dtype, as Gemma was trained: sqrt(640) rounds to 25.25 in bf16.
+            hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
         cos, sin = self.rotary.cos_sin(positions, dtype=hidden.dtype)
+        local = self.local_rotary.cos_sin(positions, dtype=hidden.dtype) if self.local_rotary is not None else None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, ctx)
+            layer_cos, layer_sin = (cos, sin) if local is None or layer.self_attn.rotary is self.rotary else local
+            hidden = layer(hidden, layer_cos, layer_sin, ctx)
         return self.norm(hidden)
+
+    def _rotary_of(self, layer_idx: int) -> RotaryEmbedding:
+        if self.local_rotary is not None and self.config.layer_sliding_window(layer_idx) is not None:
+            return self.local_rotary
+        return self.rotary
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """fp32 logits [T, vocab] for final hidden states [T, D]; callers slice to the rows they sample."""

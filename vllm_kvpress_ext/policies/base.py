@@ -23,6 +23,11 @@ l needs nothing from later layers can opt in (XKV with a saved profile; LAVa's c
 which may also shrink earlier layers). The prefill peak is then about one layer's full prompt KV
 plus the compressed earlier layers, instead of every layer's full KV.
 
+Sliding-window layers: on a model with them (Gemma 3's local layers) every hook sees the global layers
+only, numbered 0.. in model order (`LayerPrefill.model_layer` is the model's index). A sliding layer's
+ring holds exactly its window whatever the policy, so budgets, schedules and cross-layer allocations are
+all over the layers that grow with the prompt.
+
 Budget semantics (`Budget`):
 
 - `ratio` r in (0, 1]: each (layer, KV head) keeps on average round(r * n) of the n prompt
@@ -102,7 +107,11 @@ GQA_REDUCTIONS = ("mean", "max")
 
 @dataclass
 class LayerPrefill:
-    """One layer of a request whose prefill just completed (all heads still uncompressed)."""
+    """One layer of a request whose prefill just completed (all heads still uncompressed).
+
+    `layer` counts the layers the policy compresses (0 .. `num_layers` - 1); `model_layer` is the model's
+    own index of the layer. They differ only on a model with sliding-window layers, which no policy sees.
+    """
 
     layer: int
     num_layers: int
@@ -121,6 +130,11 @@ class LayerPrefill:
     # and the layer's query projection (normed hidden states [S, D] -> queries before RoPE [S, Hq, d]).
     rotary: RotaryEmbedding | None = None
     queries_from_hidden: Callable[[torch.Tensor], torch.Tensor] | None = None
+    model_layer: int | None = None  # None: the same as `layer`
+
+    @property
+    def model_layer_index(self) -> int:
+        return self.layer if self.model_layer is None else self.model_layer
 
     @property
     def num_kv_heads(self) -> int:
@@ -138,7 +152,7 @@ class LayerPrefill:
         """This layer's queries before RoPE `[S, Hq, d]` of normed hidden states `[S, D]`, in the weights' dtype."""
         if self.queries_from_hidden is not None:
             return self.queries_from_hidden
-        attention = self.project_model(policy).layers[self.layer].self_attn
+        attention = self.project_model(policy).layers[self.model_layer_index].self_attn
         weight = attention.q_proj.weight
 
         def project(hidden: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,10 @@ budgets place memory across layers and heads as badly as the votes place it acro
 the same mean memory (25.7% kept at 2,048 tokens, served protocol), "head" answers 0%, "layer" 37.5%
 and "request" 79.2%, what AdaKV scores at the same 26% (at 4,096 tokens: 83.3% against AdaKV's 87.5%).
 
+Models with sliding-window layers (Gemma 3): the votes, and "request"'s total, cover the global layers
+only (L is their count); each sliding layer's ring holds its window beside them, which the memory a
+request reports includes.
+
 Divergences:
 - RoPE convention: the paper's listing rotates interleaved pairs (x[2i], x[2i+1]); here the model's
   own convention is used (HF "rotate_half": pairs (x[i], x[i + d/2]), with the model's frequency

@@ -50,6 +50,10 @@ budgets never grow (intermediate steps round up, the last is the one-shot alloca
 re-scored compressed layers, or rounded intermediate budgets down, would end with other (smaller) sets;
 the engine refuses any re-plan that is not a subset rather than silently keep less.
 
+Models with sliding-window layers (Gemma 3): the paper scores every layer. Here a sliding layer's ring
+holds its window and takes no part: the entropies, the layer budgets (L H B in all) and the cascade run
+over the global layers only, L being their count, and the prompt never compresses layer by layer.
+
 Defaults, from the reference's LongBench configs (`c*_w32_k7_maxpool.json` with `--gqa_support`):
 window 32, kernel 7, max pooling, GQA max. Budget default: ratio 0.25, the project-wide default of the
 SnapKV family.

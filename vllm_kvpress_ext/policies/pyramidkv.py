@@ -51,6 +51,10 @@ the bottom layer would exceed n - w, the line is flattened so the bottom keeps t
 and the mean is preserved: budget is redistributed, never silently lost). A prompt no longer than
 B is kept whole in every layer (base semantics).
 
+Models with sliding-window layers (Gemma 3): the pyramid runs over the global layers only, bottom to
+top in model order (a sliding layer's ring holds its window whatever the schedule), so its mean is the
+budget of the layers that grow with the prompt.
+
 Defaults, from the authors' LongBench driver (`run_longbench.py` in KVCache-Factory, the setting
 behind the paper's tables): window 8, kernel 7, max pooling; beta = 20 (the `PyramidKVCluster`
 default). Budget default: ratio 0.25, the project-wide default of the SnapKV family.

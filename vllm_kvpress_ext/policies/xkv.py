@@ -65,6 +65,11 @@ Divergences:
 - GQA: per-head selection under the shared per-layer count (the paper does not treat heads).
 - The pooled vector is normalised by its own sum (pooling changes the mass slightly).
 
+Models with sliding-window layers (Gemma 3): the paper's layers are all global. Here a sliding layer's
+ring holds its window and is no layer of the allocation: Algorithm 1 spreads the budget over the global
+layers only (L in the equations is their count), and a saved profile is the global layers' allocation.
+Such a model compresses at the end of prefill, never layer by layer (the rings never hold a prompt).
+
 Layer-wise prefill compression: with a saved `profile` the per-layer sizes m_l depend only on the
 prompt length, so they are known before the prompt runs and layer l's keep set (its heads' own top
 m_l + window) needs nothing from later layers. The policy then opts in (`compresses_layerwise`):

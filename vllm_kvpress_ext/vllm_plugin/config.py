@@ -95,14 +95,23 @@ def record_explicit_prefix_caching(engine_args: Any) -> None:
         engine_args.additional_config = {**dict(engine_args.additional_config or {}), PREFIX_CACHING_KEY: choice}
 
 
+#: The architectures the plugin runs on its own runner when `kv_runner` is unset. Gemma 3, which the embedded
+#: engine also runs, stays on vLLM's runner: its GGUF config and weights reach vLLM through transformers, and
+#: the native pool frees what its sliding-window layers no longer read.
+PROJECT_RUNNER_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
 def chosen_runner(additional: dict[str, Any], architectures: Any = None) -> str:
     """`additional_config["kv_runner"]`, checked; unset, "project" for a model of an architecture the plugin's own
-    runner runs (or when the architectures are not known), "vllm" for any other."""
-    from vllm_kvpress_ext.models.config import SUPPORTED_ARCHITECTURES
-
+    runner runs by default (or when the architectures are not known), "vllm" for any other."""
     runner = additional.get(RUNNER_KEY)
     if runner is None:
-        return "vllm" if architectures and not set(architectures) & set(SUPPORTED_ARCHITECTURES) else "project"
+        return "vllm" if architectures and not set(architectures) & set(PROJECT_RUNNER_ARCHITECTURES) else "project"
     if runner not in RUNNERS:
         raise UnsupportedConfigError(f"additional_config {RUNNER_KEY} must be one of {RUNNERS}, got {runner!r}")
     return str(runner)

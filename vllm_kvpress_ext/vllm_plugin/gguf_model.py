@@ -17,10 +17,12 @@ On vLLM's own model runner (`kv_runner: vllm`) vLLM's loader reads the weights, 
 file: `prepare_gguf_weights` writes the file's weights, dequantised to the served dtype, as
 `model.safetensors` in the same directory, once per dtype.
 
-The architectures this project's loader reads (Llama, Mistral, Qwen2, Qwen3) go through it, config and
-weights alike, as the plugin's own runner loads them. Any other architecture whose GGUF files
-transformers reads (Gemma 2 and 3, Phi-3, ...) is converted by transformers: its config, its weights
-dequantised, and its tokenizer. Such a model runs on vLLM's runner (`config.chosen_runner`).
+The architectures the plugin's own runner serves by default (Llama, Mistral, Qwen2, Qwen3) go through this
+project's loader, config and weights alike, as that runner loads them. Any other architecture whose GGUF
+files transformers reads (Gemma 2 and 3, Phi-3, ...) is converted by transformers: its config, its weights
+dequantised, and its tokenizer. Such a model runs on vLLM's runner (`config.chosen_runner`). (The embedded
+engine reads Gemma 3 files with this project's loader; for vLLM the file's config must be the
+`gemma3_text` one transformers writes, which vLLM's Gemma 3 code reads.)
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any
+
+from vllm_kvpress_ext.vllm_plugin.config import PROJECT_RUNNER_ARCHITECTURES
 
 MARKER = "kvpress-gguf.json"
 WEIGHTS_MARKER = "kvpress-weights.json"  # the dtype `model.safetensors` was written in
@@ -58,6 +62,11 @@ def gguf_source(model_dir: str | os.PathLike[str]) -> Path | None:
     return path
 
 
+# The GGUF architectures whose vLLM config the project writes itself (those its own runner serves by default);
+# any other file's config, tokenizer and weights come from transformers' GGUF reader.
+_PROJECT_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
 def prepare_gguf_model(model: str, tokenizer: str | None = None) -> Path:
     """The directory vLLM is given for GGUF file (or catalog name) `model`; written on first use.
 
@@ -67,7 +76,7 @@ def prepare_gguf_model(model: str, tokenizer: str | None = None) -> Path:
     from vllm_kvpress_ext.hub.catalog import cache_dir
     from vllm_kvpress_ext.hub.pull import resolve_model
     from vllm_kvpress_ext.models.errors import ModelLoadError
-    from vllm_kvpress_ext.models.gguf_config import GGUF_ARCHITECTURES, gguf_architecture, hf_config_from_gguf
+    from vllm_kvpress_ext.models.gguf_config import gguf_architecture, hf_config_from_gguf
     from vllm_kvpress_ext.models.gguf_file import open_gguf
 
     path = resolve_model(model).expanduser()
@@ -83,7 +92,7 @@ def prepare_gguf_model(model: str, tokenizer: str | None = None) -> Path:
     try:
         gguf = open_gguf(path)
         metadata = gguf.metadata
-        if metadata.get("general.architecture") in GGUF_ARCHITECTURES:
+        if metadata.get("general.architecture") in _PROJECT_GGUF_ARCHITECTURES:
             config = hf_config_from_gguf(metadata, set(gguf.tensor_names()), str(path))
             config["model_type"], _ = gguf_architecture(metadata, str(path))  # AutoConfig picks its class by it
         else:
@@ -154,7 +163,6 @@ def prepare_gguf_weights(directory: Path, dtype: Any = "auto") -> Path:
     import torch
 
     from vllm_kvpress_ext.models import load_model
-    from vllm_kvpress_ext.models.config import SUPPORTED_ARCHITECTURES
     from vllm_kvpress_ext.models.writer import save_model
 
     source = gguf_source(directory)
@@ -170,7 +178,7 @@ def prepare_gguf_weights(directory: Path, dtype: Any = "auto") -> Path:
     staging = directory / f".weights.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        if config["architectures"][0] in SUPPORTED_ARCHITECTURES:
+        if config["architectures"][0] in PROJECT_RUNNER_ARCHITECTURES:
             model = load_model(source, dtype=dtype if wanted is not None else "auto")
             with torch.no_grad():
                 save_model(model, config, staging)

@@ -1,0 +1,86 @@
+"""Gemma 3 270M (the catalog's GGUF file) in the embedded engine: transformers' tokens, a ring of 512 per sliding layer.
+
+The project's loader reads the file (llama.cpp stores Gemma's norm weights plus one; the loader takes it off).
+Checked: greedy tokens equal transformers' for 16 tokens after a 1,200-token prompt, more than twice the
+sliding window; every sliding-window layer then holds exactly the last 512 positions and every global layer
+all of them; SnapKV compresses the global layers only, and every page comes back. Skipped unless the model
+is pulled (`kvpress models pull gemma3-270m`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from vllm_kvpress_ext.engine import LLM, SamplingParams
+from vllm_kvpress_ext.hub import catalog
+
+pytestmark = pytest.mark.slow
+
+WINDOW = 512
+PROMPT_TOKENS = 1200
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    entry = catalog.lookup("gemma3-270m")
+    assert entry is not None
+    path = catalog.cached_path(entry)
+    if not path.is_file():
+        pytest.skip("Gemma 3 270M is not pulled (kvpress models pull gemma3-270m)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(gguf: Path) -> LLM:
+    return LLM(gguf, dtype=torch.float32, page_size=16)
+
+
+@pytest.fixture(scope="module")
+def prompt(llm: LLM) -> list[int]:
+    text = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    ids = list(llm.tokenizer(text)["input_ids"][:PROMPT_TOKENS])
+    assert ids[0] == 2  # <bos>, which the file asks for
+    return ids
+
+
+def test_greedy_tokens_equal_transformers_and_sliding_layers_hold_their_window(
+    llm: LLM, gguf: Path, prompt: list[int]
+) -> None:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_kept=True)
+    (out,) = llm.generate([prompt], params)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )[0, len(prompt) :].tolist()
+    assert out.output_token_ids == expected
+    kept = out.kv.kept
+    assert kept is not None
+    written = PROMPT_TOKENS + NEW_TOKENS - 1
+    windows = llm.engine.config.layer_windows
+    assert windows.count(WINDOW) == 15 and windows.count(None) == 3
+    for layer, window in enumerate(windows):
+        expected_positions = list(range(written - WINDOW, written)) if window else list(range(written))
+        assert kept.head(layer, 0) == expected_positions, f"layer {layer}"
+    assert out.kv.tokens_kept == 15 * WINDOW + 3 * written
+    assert llm.engine.cache.pool.num_used == 0
+
+
+def test_snapkv_compresses_the_global_layers_and_gives_every_page_back(llm: LLM, prompt: list[int]) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, return_kept=True)
+    (out,) = llm.generate([prompt], params, policy={"name": "snapkv", "ratio": 0.25})
+    at_compression = out.kv.kept_at_compression
+    assert at_compression is not None
+    per_layer = at_compression.per_layer
+    windows = llm.engine.config.layer_windows
+    assert [n for n, w in zip(per_layer, windows, strict=True) if w] == [WINDOW] * 15
+    assert [n for n, w in zip(per_layer, windows, strict=True) if not w] == [round(0.25 * PROMPT_TOKENS)] * 3
+    assert llm.engine.cache.pool.num_used == 0

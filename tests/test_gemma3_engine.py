@@ -1,0 +1,146 @@
+"""Gemma 3 in the embedded engine: its sliding-window layers live in a ring of exactly their window.
+
+A random Gemma 3 checkpoint (written here with transformers: two sliding layers of window 8, two global
+layers, GQA) runs prompts several windows long. With the full cache the engine's greedy tokens are
+transformers', whether the prompt runs as one chunk or as chunks shorter than the window. Under every
+policy, right after compression and when the request finishes, each sliding layer holds exactly the
+last `window` positions, every global entry is a position the request wrote, and every page comes back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from model_utils import hf_greedy, randomised
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, PreTrainedModel
+
+from vllm_kvpress_ext.engine import LLM, KeptEntries, LLMEngine, RequestRejectedError, SamplingParams
+from vllm_kvpress_ext.policies.registry import create_policy, policy_names
+from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY, save_tokenizer
+
+WINDOW = 8
+PAGE_SIZE = 4
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+SLIDING = [i for i, kind in enumerate(LAYER_TYPES) if kind == "sliding_attention"]
+GLOBAL = [i for i, kind in enumerate(LAYER_TYPES) if kind == "full_attention"]
+NEW_TOKENS = 6
+# Write gates need a ring of their own, which a model with sliding layers does not get (refused, tested below).
+POLICIES = [name for name in policy_names() if not create_policy(name).admits_during_prefill]
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, Path]:
+    config = Gemma3TextConfig(
+        vocab_size=len(VOCABULARY),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=len(LAYER_TYPES),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=12,
+        sliding_window=WINDOW,
+        layer_types=LAYER_TYPES,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = randomised(Gemma3ForCausalLM(config), seed=5)
+    path = tmp_path_factory.mktemp("gemma3")
+    model.save_pretrained(path)
+    save_tokenizer(path)  # KVzip's reconstruction prompt needs the model's tokenizer
+    return model, path
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, len(VOCABULARY), (length,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("chunk", [2048, 5])
+def test_full_cache_greedy_tokens_equal_transformers(gemma: tuple[PreTrainedModel, Path], chunk: int) -> None:
+    model, path = gemma
+    batch = [prompt(45, 0), prompt(23, 1)]
+    engine = LLMEngine(path, dtype=torch.float32, num_pages=512, page_size=PAGE_SIZE, max_num_batched_tokens=chunk)
+    for i, ids in enumerate(batch):
+        engine.add_request(ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), request_id=str(i))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.output_token_ids
+    for i, ids in enumerate(batch):
+        assert outputs[str(i)] == hf_greedy(model, ids, 12), f"prompt {i}, chunk {chunk}"
+    assert engine.cache.pool.num_used == 0
+
+
+def assert_sliding_layers_hold_their_window(kept: KeptEntries, written: int) -> None:
+    last = list(range(written - WINDOW, written))
+    heads = kept.lengths.shape[1]
+    for layer in SLIDING:
+        for head in range(heads):
+            assert kept.head(layer, head) == last, f"layer {layer} head {head}"
+
+
+def assert_global_entries_in_range(kept: KeptEntries, written: int) -> None:
+    for layer in GLOBAL:
+        for head in range(kept.lengths.shape[1]):
+            held = kept.head(layer, head)
+            assert len(set(held)) == len(held) and all(0 <= p < written for p in held)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_policy_leaves_sliding_layers_their_window(gemma: tuple[PreTrainedModel, Path], name: str) -> None:
+    _, path = gemma
+    llm = LLM(path, dtype=torch.float32, num_pages=1024, page_size=PAGE_SIZE, max_num_batched_tokens=32)
+    batch = [prompt(64, 2), prompt(50, 3)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_kept=True)
+    outputs = llm.generate(batch, params, policy=name)
+    for ids, out in zip(batch, outputs, strict=True):
+        assert out.error is None and len(out.output_token_ids) == NEW_TOKENS
+        at_compression, at_end = out.kv.kept_at_compression, out.kv.kept
+        assert at_end is not None
+        written = len(ids) + NEW_TOKENS - 1  # the last sampled token never enters the cache
+        assert_sliding_layers_hold_their_window(at_end, written)
+        assert_global_entries_in_range(at_end, written)
+        if create_policy(name).compresses:
+            assert at_compression is not None
+            assert_sliding_layers_hold_their_window(at_compression, len(ids))
+            assert_global_entries_in_range(at_compression, len(ids))
+            assert int(at_compression.counts[GLOBAL].sum()) < len(GLOBAL) * 2 * len(ids), "nothing was compressed"
+    assert llm.engine.cache.pool.num_used == 0
+
+
+def test_a_write_gate_is_refused_with_the_reason(gemma: tuple[PreTrainedModel, Path]) -> None:
+    _, path = gemma
+    engine = LLMEngine(path, dtype=torch.float32, num_pages=256, page_size=PAGE_SIZE)
+    with pytest.raises(RequestRejectedError, match="sliding-window layers"):
+        engine.add_request(prompt(20, 4), SamplingParams(max_tokens=2), policy=create_policy("wgkv"))
+
+
+def test_a_model_whose_every_layer_slides_runs_every_policy_as_full(tmp_path: Path) -> None:
+    """Mistral 7B v0.1's shape: every layer slides, so no layer is a policy's and the ring bounds the cache."""
+    config = MistralConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=WINDOW,
+        max_position_embeddings=256,
+    )
+    model = randomised(MistralForCausalLM(config), seed=6)
+    model.save_pretrained(tmp_path)
+    ids = [t % 128 for t in prompt(40, 7)]
+    expected = hf_greedy(model, ids, 10)
+    llm = LLM(tmp_path, dtype=torch.float32, num_pages=256, page_size=PAGE_SIZE)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, return_kept=True)
+    for policy in ("full", "snapkv", "h2o"):
+        (out,) = llm.generate([ids], params, policy=policy)
+        assert out.output_token_ids == expected, policy
+        assert out.kv.kept is not None and out.kv.kept.per_layer == [2 * WINDOW] * 2
+    assert llm.engine.cache.pool.num_used == 0
