@@ -214,3 +214,23 @@ def test_errors_name_the_problem(files: dict, tmp_path: Path) -> None:
         load_model(wrong)
     no_tok = write_gguf(tmp_path / "notok.gguf", tiny_model("llama"), with_tokenizer=False)
     assert load_tokenizer(no_tok) is None
+
+
+def test_a_damaged_file_is_named_with_what_is_wrong(files: dict, tmp_path: Path) -> None:
+    """The header reader's own checks: a cut header, cut tensor data, an unknown version."""
+    _, path = files["llama-mixed"]
+    whole = path.read_bytes()
+    header_cut = tmp_path / "header-cut.gguf"
+    header_cut.write_bytes(whole[:200])
+    with pytest.raises(ModelLoadError, match="truncated: its header"):
+        GGUFFile(header_cut)
+    data_cut = tmp_path / "data-cut.gguf"
+    data_cut.write_bytes(whole[:-64])
+    damaged = GGUFFile(data_cut)  # the header is whole: the last tensor's bytes are not
+    last = damaged.tensor_names()[-1]
+    with pytest.raises(ModelLoadError, match=f"truncated: tensor {last}"):
+        damaged.tensor(last)
+    future = tmp_path / "future.gguf"
+    future.write_bytes(whole[:4] + (99).to_bytes(4, "little") + whole[8:])
+    with pytest.raises(ModelLoadError, match="GGUF version 99"):
+        GGUFFile(future)
