@@ -187,6 +187,38 @@ def write_suite_model(
     return path
 
 
+def write_suite_gemma3(
+    path: Path,
+    *,
+    window: int = 8,
+    layer_types: tuple[str, ...] = ("sliding_attention", "full_attention") * 2,
+    seed: int = 5,
+) -> tuple[PreTrainedModel, Path]:
+    """A random Gemma 3 (sliding layers of `window`, GQA) over the synthetic suite's vocabulary, with its tokenizer."""
+    from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY, save_tokenizer
+
+    config = Gemma3TextConfig(
+        vocab_size=len(VOCABULARY),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=12,
+        sliding_window=window,
+        layer_types=list(layer_types),
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = randomised(Gemma3ForCausalLM(config), seed=seed)
+    model.save_pretrained(path)
+    save_tokenizer(path)  # KVzip's reconstruction prompt needs the model's tokenizer
+    return model, path
+
+
 def hf_greedy(model: PreTrainedModel, prompt: list[int], new_tokens: int) -> list[int]:
     """Transformers' greedy continuation of one prompt, never stopping at `<eos>`."""
     with torch.no_grad():

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_utils import hf_greedy, randomised
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, PreTrainedModel
+from model_utils import hf_greedy, randomised, write_suite_gemma3
+from transformers import MistralConfig, MistralForCausalLM, PreTrainedModel
 
 from vllm_kvpress_ext.engine import LLM, KeptEntries, LLMEngine, RequestRejectedError, SamplingParams
 from vllm_kvpress_ext.policies.registry import create_policy, policy_names
-from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY, save_tokenizer
+from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
 
 WINDOW = 8
 PAGE_SIZE = 4
@@ -32,27 +32,7 @@ POLICIES = [name for name in policy_names() if not create_policy(name).admits_du
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, Path]:
-    config = Gemma3TextConfig(
-        vocab_size=len(VOCABULARY),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=len(LAYER_TYPES),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        query_pre_attn_scalar=12,
-        sliding_window=WINDOW,
-        layer_types=LAYER_TYPES,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = randomised(Gemma3ForCausalLM(config), seed=5)
-    path = tmp_path_factory.mktemp("gemma3")
-    model.save_pretrained(path)
-    save_tokenizer(path)  # KVzip's reconstruction prompt needs the model's tokenizer
-    return model, path
+    return write_suite_gemma3(tmp_path_factory.mktemp("gemma3"), window=WINDOW, layer_types=tuple(LAYER_TYPES))
 
 
 def prompt(length: int, seed: int) -> list[int]:

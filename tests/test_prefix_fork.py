@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_utils import write_suite_model
+from model_utils import write_suite_gemma3, write_suite_model
 
 from vllm_kvpress_ext.bench.budgets import budgets_for, make_policy
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
@@ -18,9 +18,13 @@ PREFIX, TOTAL = 150, 170
 POLICIES = [p for p in policy_names() if p != "wgkv"]
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
-    path = write_suite_model(tmp_path_factory.mktemp("suite-model"), std=0.3)
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
+    """The suite's Llama, and a Gemma 3 whose sliding layers (window 32) hold a ring the fork must copy whole."""
+    if request.param == "gemma3":
+        _, path = write_suite_gemma3(tmp_path_factory.mktemp("suite-gemma3"), window=32)
+    else:
+        path = write_suite_model(tmp_path_factory.mktemp("suite-model"), std=0.3)
     return LLMEngine(path, max_num_seqs=4, kv_memory=8 << 20, page_size=16)
 
 
@@ -91,7 +95,7 @@ def test_forks_share_scores_and_still_equal_whole_runs(engine: LLMEngine) -> Non
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     policies = {f"{name}-{b}": make_policy(name, b) for name in ("h2o", "snapkv", "lava", "kvec") for b in (0.5, 0.2)}
     snapshot = capture_prefix(engine, prompt[:PREFIX], merged_capture_spec(list(policies.values())), "prefix-memo")
-    shared = snapshot.layers[0].shared
+    shared = snapshot.layers[engine.config.layer_windows.index(None)].shared  # the first layer a policy sees
     assert shared == {}
     for label, policy in policies.items():
         whole = _run(

@@ -60,7 +60,8 @@ class _CaptureOnly(KVPolicy):
         return self.spec
 
     def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> Any:
-        state.setdefault("captures", []).append(layer.capture)
+        # By the model's layer: a model's sliding-window layers are no policy's, so they get no hook.
+        state.setdefault("captures", {})[layer.model_layer_index] = layer.capture
         return None
 
 
@@ -93,15 +94,26 @@ def capture_prefix(
         if request.request_id != request_id:
             return
         keys, values = [], []
-        for layer in range(engine.config.num_hidden_layers):
+        n = len(token_ids)
+        for layer, window in enumerate(engine.config.layer_windows):
             k, v, positions, _ = engine.cache.gather_layer(request_id, layer)
-            expected = torch.arange(len(token_ids), device=positions.device).expand_as(positions)
-            assert torch.equal(positions.to(torch.int64), expected), "the prefix cache must be uncompressed"
-            keys.append(k.clone())
-            values.append(v.clone())
+            positions = positions.to(torch.int64)
+            if window is None:
+                expected = torch.arange(n, device=positions.device).expand_as(positions)
+                assert torch.equal(positions, expected), "the prefix cache must be uncompressed"
+                keys.append(k.clone())
+                values.append(v.clone())
+                continue
+            # A sliding layer's ring holds the last `window` positions in ring order. Laid out by position (the
+            # older ones zero), the copy goes back in through `load_prefill`, whose appends write only those.
+            held = torch.arange(max(0, n - window), n, device=positions.device)
+            assert torch.equal(positions.sort(dim=-1).values, held.expand_as(positions)), "a ring must be whole"
+            index = positions.unsqueeze(-1).expand_as(k)
+            keys.append(k.new_zeros(k.shape[0], n, k.shape[-1]).scatter_(1, index, k))
+            values.append(v.new_zeros(v.shape[0], n, v.shape[-1]).scatter_(1, index, v))
         snapshot["keys"], snapshot["values"] = torch.stack(keys), torch.stack(values)
-        captures = (request.policy_state or {}).get("captures")
-        snapshot["layers"] = captures if captures else [LayerCapture() for _ in keys]
+        captures = (request.policy_state or {}).get("captures") or {}
+        snapshot["layers"] = [captures.get(layer) or LayerCapture() for layer in range(len(keys))]
         for layer_capture in snapshot["layers"]:
             layer_capture.shared = {}
         snapshot["next_token"] = request.output_token_ids[0]
@@ -126,7 +138,9 @@ def _own_capture(snapshot: PrefixSnapshot, spec: CaptureSpec, engine: LLMEngine)
     if spec.empty:
         return None
     capture = PrefillCapture(spec, engine.config.num_hidden_layers, engine.model.rotary)
-    for mine, shared in zip(capture.layers, snapshot.layers, strict=True):
+    for layer, (mine, shared) in enumerate(zip(capture.layers, snapshot.layers, strict=True)):
+        if engine.config.layer_sliding_window(layer) is not None:
+            continue  # no policy reads a sliding-window layer's capture
         mine.shared = shared.shared
         if spec.window:
             assert shared.queries is not None and shared.query_positions is not None
