@@ -79,6 +79,8 @@ AdaKV's 32-entry window, nor more than the prompt). Measured on SmolLM2-135M (do
 budgets place memory across layers and heads as badly as the votes place it across positions: with
 the same mean memory (25.7% kept at 2,048 tokens, served protocol), "head" answers 0%, "layer" 37.5%
 and "request" 79.2%, what AdaKV scores at the same 26% (at 4,096 tokens: 83.3% against AdaKV's 87.5%).
+On Gemma 3 270M "request" equals AdaKV at the memory it chose as well (75.0% and 75.0% at 2,048 tokens,
+66.7% and 66.7% at 4,096).
 
 Models with sliding-window layers (Gemma 3): the votes, and "request"'s total, cover the global layers
 only (L is their count); each sliding layer's ring holds its window beside them, which the memory a
