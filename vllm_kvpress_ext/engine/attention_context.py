@@ -101,10 +101,8 @@ class PrefillContext:
                 assert seg.slots is not None
                 slots = seg.slots[layer_idx, 0]
             window = self.windows[layer_idx]
-            if window:
+            if window:  # no policy reads a sliding layer, so nothing of it is captured
                 out[sl] = self._sliding(seg, layer_idx, slots, q[sl], k[sl], v[sl], window)
-                if seg.capture is not None:
-                    seg.capture.record(layer_idx, self.positions[sl], hidden[sl], q[sl], k[sl], k_pre_rope[sl], None)
                 continue
             cache.write(slots.transpose(0, 1), k[sl], v[sl])
             # Where the capture asks for the queries' log-sum-exps, the attention below yields them (free on a
