@@ -234,3 +234,35 @@ def test_a_damaged_file_is_named_with_what_is_wrong(files: dict, tmp_path: Path)
     future.write_bytes(whole[:4] + (99).to_bytes(4, "little") + whole[8:])
     with pytest.raises(ModelLoadError, match="GGUF version 99"):
         GGUFFile(future)
+
+
+def test_a_gemma3_file_as_llama_cpp_writes_it_gives_transformers_logits(tmp_path: Path) -> None:
+    """llama.cpp's Gemma 3: norms stored plus one, `ffn_norm` before the MLP, and the layer pattern, the sliding
+    layers' RoPE base and the attention scale left to its code (every sixth layer global, 10000, 1/sqrt(d))."""
+    from gguf_utils import write_gemma3_gguf
+    from model_utils import randomised
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=4,
+        max_position_embeddings=256,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        },
+    )
+    hf = randomised(Gemma3ForCausalLM(config), seed=4)
+    model = load_model(write_gemma3_gguf(tmp_path / "tiny-gemma3.gguf", hf))
+    assert model.config.layer_windows == (4, 4, 4, 4, 4, None)
+    ids = torch.randint(0, 128, (13,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        logits = model.compute_logits(model(ids, torch.arange(13), DenseContext([13], model.config)))
+    torch.testing.assert_close(logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
