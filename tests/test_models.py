@@ -160,6 +160,38 @@ def test_pre_v5_config_spelling_parses_identically(saved: dict, tmp_path: Path) 
     )
 
 
+def test_gemma3_pre_v5_config_spelling_parses_identically(saved: dict) -> None:
+    """Gemma 3's older config.json: `rope_theta` / `rope_scaling` for the global layers, `rope_local_base_freq`
+    for the sliding ones, and the layer pattern as `sliding_window_pattern` rather than `layer_types`."""
+    _, path = saved["gemma3"]
+    raw = json.loads((path / "config.json").read_text())
+    rope = raw.pop("rope_parameters")
+    raw["rope_theta"] = rope["full_attention"]["rope_theta"]
+    raw["rope_scaling"] = {"type": "linear", "factor": rope["full_attention"]["factor"]}
+    raw["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+    raw["sliding_window_pattern"] = 2  # layers 0, 2, ... slide; every second is global, as `layer_types` says
+    del raw["layer_types"]
+    assert ModelConfig.from_dict(raw) == load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+        ({"use_bidirectional_attention": True}, "bidirectional attention"),
+        ({"hidden_activation": "relu"}, "hidden activation 'relu' is not supported"),
+        ({"layer_types": ["local", "full_attention"]}, "unknown layer type"),
+        ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be positive"),
+    ],
+)
+def test_gemma3_switches_the_model_code_lacks_are_refused(saved: dict, change: dict, message: str) -> None:
+    _, path = saved["gemma3"]
+    raw = {**json.loads((path / "config.json").read_text()), **change}
+    with pytest.raises(ModelConfigError, match=message):
+        ModelConfig.from_dict(raw)
+
+
 def test_bf16_load(saved: dict) -> None:
     hf, path = saved["qwen3"]
     model = load_model(path, dtype=torch.bfloat16)

@@ -317,7 +317,7 @@ def _int(raw: Mapping[str, Any], key: str, source: str) -> int:
 
 def _activation(raw: Mapping[str, Any], gemma: bool, source: str) -> str:
     """The MLP activation's canonical name; Gemma spells the key `hidden_activation`."""
-    act = raw.get("hidden_activation") or raw.get("hidden_act") if gemma else raw.get("hidden_act", "silu")
+    act = (raw.get("hidden_activation") or raw.get("hidden_act")) if gemma else raw.get("hidden_act", "silu")
     act = act or ("gelu_pytorch_tanh" if gemma else "silu")
     for name, spellings in SUPPORTED_ACTIVATIONS.items():
         if act in spellings and (name == "gelu_pytorch_tanh") == gemma:
