@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerances import logprob_atol
 from transformers import AutoModelForCausalLM
 
 from vllm_kvpress_ext.engine import LLM, SamplingParams
@@ -41,6 +42,11 @@ def llm(gguf: Path) -> LLM:
 
 
 @pytest.fixture(scope="module")
+def hf(gguf: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
 def prompt(llm: LLM) -> list[int]:
     text = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
     ids = list(llm.tokenizer(text)["input_ids"][:PROMPT_TOKENS])
@@ -49,11 +55,10 @@ def prompt(llm: LLM) -> list[int]:
 
 
 def test_greedy_tokens_equal_transformers_and_sliding_layers_hold_their_window(
-    llm: LLM, gguf: Path, prompt: list[int]
+    llm: LLM, hf: torch.nn.Module, prompt: list[int]
 ) -> None:
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_kept=True)
     (out,) = llm.generate([prompt], params)
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf.generate(
             torch.tensor([prompt]),
@@ -72,6 +77,27 @@ def test_greedy_tokens_equal_transformers_and_sliding_layers_hold_their_window(
         assert kept.head(layer, 0) == expected_positions, f"layer {layer}"
     assert out.kv.tokens_kept == 15 * WINDOW + 3 * written
     assert llm.engine.cache.pool.num_used == 0
+
+
+def test_logprobs_after_a_long_prompt_equal_transformers(llm: LLM, hf: torch.nn.Module) -> None:
+    """At 2,100 tokens (four windows and more, in two prefill chunks of the default 2,048), the first generated
+    tokens' log-probabilities and top 5 are the log-softmax of transformers' logits, within fp32 rounding."""
+    text = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    prompt = list(llm.tokenizer(text)["input_ids"][:2100])
+    assert len(prompt) == 2100
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=5)
+    (out,) = llm.generate([prompt], params)
+    assert out.logprobs is not None
+    sequence = prompt + out.output_token_ids
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([sequence[:-1]])).logits[0, len(prompt) - 1 :].float()
+    reference = torch.log_softmax(logits, dim=-1)
+    config = llm.engine.config
+    for step, entry in enumerate(out.logprobs):
+        row = reference[step]
+        assert entry.token_id == int(row.argmax())
+        assert entry.logprob == pytest.approx(float(row[entry.token_id]), abs=logprob_atol(torch.float32, config, 20.0))
+        assert [t for t, _ in entry.top] == torch.topk(row, 5).indices.tolist()
 
 
 def test_snapkv_compresses_the_global_layers_and_gives_every_page_back(llm: LLM, prompt: list[int]) -> None:
