@@ -46,7 +46,7 @@ test-fast: install
 AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 KVPRESS_CPU_KERNEL_ARCH=x86-64-v3
 AVX2_TESTS := tests/test_cpu_paths.py tests/test_linear.py tests/test_models.py tests/test_gguf.py \
 	tests/test_cpu_kernels.py tests/test_cpu_paged_decode.py tests/test_huge_pages.py \
-	tests/test_engine.py tests/test_engine_decode_attention.py tests/test_layerwise_prefill.py \
+	tests/test_engine.py tests/test_engine_decode_attention.py tests/test_layerwise_prefill.py tests/test_gemma3_engine.py \
 	tests/test_attention_reference.py tests/test_block_sparse_attention.py tests/test_kernels.py \
 	tests/test_capture.py tests/test_expected_attention.py tests/test_kvzip.py tests/test_wgkv.py \
 	tests/test_wgkv_chunked.py tests/test_policies_baselines.py tests/test_policies_gvote_xkv.py \
