@@ -42,3 +42,16 @@ def scratch_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(catalog.CACHE_ENV, str(scratch))
         yield scratch
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's pulled GGUF file; the test is skipped where it is not pulled."""
+    from vllm_kvpress_ext.hub import catalog
+
+    entry = catalog.lookup("gemma3-270m")
+    assert entry is not None
+    path = catalog.cached_path(entry)
+    if not path.is_file():
+        pytest.skip("Gemma 3 270M is not pulled (kvpress models pull gemma3-270m)")
+    return path

@@ -21,8 +21,6 @@ from vllm import LLM as VllmLLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm_utils import assert_no_page_leaked, in_process_engine, in_process_worker
 
-from vllm_kvpress_ext.hub import catalog
-
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures(in_process_engine.__name__)]
 
 WINDOW = 512  # the model's sliding window
@@ -31,17 +29,7 @@ NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def gguf() -> Path:
-    entry = catalog.lookup("gemma3-270m")
-    assert entry is not None
-    path = catalog.cached_path(entry)
-    if not path.is_file():
-        pytest.skip("Gemma 3 270M is not pulled (kvpress models pull gemma3-270m)")
-    return path
-
-
-@pytest.fixture(scope="module")
-def llm(gguf: Path) -> Iterator[VllmLLM]:
+def llm(gemma3_gguf: Path) -> Iterator[VllmLLM]:
     engine = VllmLLM(
         "gemma3-270m",
         dtype="float32",
@@ -63,7 +51,7 @@ def prompt(llm: VllmLLM) -> list[int]:
 
 
 def test_greedy_tokens_equal_transformers_and_sliding_layers_hold_their_window(
-    llm: VllmLLM, gguf: Path, prompt: list[int]
+    llm: VllmLLM, gemma3_gguf: Path, prompt: list[int]
 ) -> None:
     params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
@@ -83,7 +71,9 @@ def test_greedy_tokens_equal_transformers_and_sliding_layers_hold_their_window(
 
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name, dtype=torch.float32
+    )
     with torch.no_grad():
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
     assert list(out.outputs[0].token_ids) == expected[0, len(prompt) :].tolist()

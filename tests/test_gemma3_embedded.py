@@ -17,7 +17,6 @@ from tolerances import logprob_atol
 from transformers import AutoModelForCausalLM
 
 from vllm_kvpress_ext.engine import LLM, SamplingParams
-from vllm_kvpress_ext.hub import catalog
 
 pytestmark = pytest.mark.slow
 
@@ -27,23 +26,15 @@ NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def gguf() -> Path:
-    entry = catalog.lookup("gemma3-270m")
-    assert entry is not None
-    path = catalog.cached_path(entry)
-    if not path.is_file():
-        pytest.skip("Gemma 3 270M is not pulled (kvpress models pull gemma3-270m)")
-    return path
+def llm(gemma3_gguf: Path) -> LLM:
+    return LLM(gemma3_gguf, dtype=torch.float32, page_size=16)
 
 
 @pytest.fixture(scope="module")
-def llm(gguf: Path) -> LLM:
-    return LLM(gguf, dtype=torch.float32, page_size=16)
-
-
-@pytest.fixture(scope="module")
-def hf(gguf: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+def hf(gemma3_gguf: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(
+        str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")
