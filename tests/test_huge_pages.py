@@ -114,7 +114,11 @@ def test_placement_names_the_switch_and_small_tensors(monkeypatch: pytest.Monkey
     monkeypatch.setenv(huge_pages.DISABLE_ENV, "1")
     tensor = huge_page_tensor((4 * HUGE_PAGE_BYTES // 4,), torch.float32)
     placement = huge_page_placement(tensor)
-    assert not placement.all_huge and placement.reason == f"{huge_pages.DISABLE_ENV} is set"
+    # The switch stops the advice, not the allocator: heap memory this process already faulted in on 2 MB pages
+    # (after an earlier test's model arena, say) may back the plain allocation anyway. Where it does not, the
+    # reason names the switch.
+    assert placement.all_huge or placement.reason == f"{huge_pages.DISABLE_ENV} is set"
+    assert huge_pages._advised_bytes(4 * HUGE_PAGE_BYTES) is None  # nothing is advised while it is set
     monkeypatch.delenv(huge_pages.DISABLE_ENV)
     small = huge_page_placement(torch.zeros(1000))
     assert small.span_bytes == 0 and small.reason == "smaller than one aligned 2 MB page"

@@ -79,6 +79,10 @@ def native_rope(model_dir: str | Path) -> RotaryEmbedding | None:
         config = load_config(model_dir)
     except Exception:  # not a directory the project reads, or an architecture it does not implement
         return None
+    if config.local_rope_theta is not None:
+        # Gemma 3's sliding layers rotate with a base of their own, and this pool's policies see every layer
+        # with one RoPE: such a model is refused the policies that rotate, as one the project does not parse.
+        return None
     return RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
