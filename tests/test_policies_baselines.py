@@ -531,9 +531,9 @@ def test_plan_frees_exactly_the_pages_it_drops(model_dir: Path, spec: dict[str, 
     applied: list[tuple[int, int, int, Any]] = []
     original_apply = engine.cache.apply_keep_plan
 
-    def recording_apply(request_id: Any, plan: KeepPlan) -> int:
+    def recording_apply(request_id: Any, plan: KeepPlan, layers: list[int] | None = None) -> int:
         before = engine.cache.pool.num_used
-        freed = original_apply(request_id, plan)
+        freed = original_apply(request_id, plan, layers)
         applied.append((before, engine.cache.pool.num_used, freed, engine.cache.usage(request_id)))
         return freed
 

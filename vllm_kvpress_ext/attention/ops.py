@@ -201,18 +201,9 @@ def vertical_slash_attention(
     return vertical_slash_attention_blocks(query, keys, values, admitted, window, scale, query_start)
 
 
-def sliding_window_attention(
-    query: torch.Tensor,
-    query_positions: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    key_positions: torch.Tensor,
-    window: int,
-    scale: float,
-) -> torch.Tensor:
-    """Attention within a sliding window over a ring's and a chunk's keys; see `reference.sliding_window_attention`
-    (torch's SDPA under a mask on every device: the blocks are a window wide, so no kernel of its own is needed)."""
-    return reference.sliding_window_attention(query, query_positions, keys, values, key_positions, window, scale)
+# Attention within a sliding window over a ring's and a chunk's keys: torch's SDPA under a mask on every device
+# (its query blocks are a window wide, so no kernel of its own is needed).
+sliding_window_attention = reference.sliding_window_attention
 
 
 def write_kv(

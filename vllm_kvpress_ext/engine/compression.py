@@ -99,10 +99,8 @@ def compress_prefill(
         length=length,
     )
     plan = policy.plan(summary, results, state)
-    if plan is not None and len(layers) == cache.num_layers:
-        cache.apply_keep_plan(request_id, plan)
-    elif plan is not None:
-        cache.apply_keep_plan(request_id, plan, layers)
+    if plan is not None:
+        cache.apply_keep_plan(request_id, plan, None if len(layers) == cache.num_layers else layers)
 
 
 def evict_after_decode(
