@@ -58,6 +58,42 @@ def test_a_sliding_layer_holds_exactly_its_last_window(chunks: list[int]) -> Non
     assert cache.pool.num_used == 0
 
 
+@pytest.mark.parametrize("blocks", [1, 2, 5])
+def test_a_row_on_a_prefixs_block_pages_rebuilds_its_ring_from_the_last_window(blocks: int) -> None:
+    """Block b's pages in every layer (the sliding layer's written whole elsewhere): the new row's global layer
+    holds every block, its ring only the last window's, each at ring page `b % (window / page)`; appending on
+    from there keeps the ring exact and leaves the shared pages as they were (copy-on-write)."""
+    cache = sliding_cache()
+    pages = cache.pool.allocate(2 * HEADS * blocks).view(2, HEADS, blocks)
+    for block in range(blocks):
+        positions = torch.arange(block * PAGE, (block + 1) * PAGE)
+        slots = pages[:, :, block, None] * PAGE + positions % PAGE  # [L, H, page]
+        values = positions.view(1, 1, -1, 1).expand(2, HEADS, PAGE, DIM).float()
+        cache.write(slots, values, values)
+        cache.pool.positions.view(-1)[slots.reshape(-1)] = positions.repeat(2 * HEADS).to(torch.int32)
+    before = cache.pool.kv.clone()
+    cache.add_request_on_pages("a", pages)
+    written = blocks * PAGE
+    for head in range(HEADS):
+        assert held(cache, "a", 0, head) == list(range(max(0, written - WINDOW), written))
+        assert held(cache, "a", 1, head) == list(range(written))
+    append(cache, "a", written, 6)
+    for head in range(HEADS):
+        assert held(cache, "a", 0, head) == list(range(written + 6 - WINDOW, written + 6))
+    assert torch.equal(cache.pool.kv[pages.reshape(-1)], before[pages.reshape(-1)])
+    cache.free_request("a")
+    cache.pool.free(pages.reshape(-1))
+    assert cache.pool.num_used == 0
+
+
+def test_a_ring_that_is_not_whole_pages_cannot_start_on_a_prefix() -> None:
+    cache = PagedKVCache(2, HEADS, DIM, 64, page_size=PAGE, dtype=torch.float32, layer_windows=[WINDOW - 1, None])
+    pages = cache.pool.allocate(2 * HEADS).view(2, HEADS, 1)
+    with pytest.raises(ValueError, match="window of 7 tokens is not whole pages of 4"):
+        cache.add_request_on_pages("a", pages)
+    assert cache.num_requests == 0
+
+
 def test_pages_for_a_prompt_count_a_sliding_layer_up_to_its_window() -> None:
     cache = sliding_cache()
     assert cache.pages_for_prompt(6) == HEADS * (2 + 2)

@@ -59,15 +59,12 @@ def test_greedy_tokens_equal_transformers_and_sliding_layers_hold_their_window(
     (seat,) = pool.seats.values()  # the finished request, freed at the next step
     written = PROMPT_TOKENS + NEW_TOKENS - 1
     held = pool.cache.seq_lens[:, seat.row].tolist()  # [layer][KV head]
-    sliding = pool.window_layers[WINDOW]
-    assert list(pool.window_layers) == [WINDOW] and len(sliding) == 15  # five of every six layers
-    for index, layer in enumerate(held):
-        if index in sliding:
-            assert all(WINDOW - 1 <= n < WINDOW + pool.cache.page_size for n in layer)
-        else:
-            assert layer == [written]
+    windows = pool.cache.layer_windows.tolist()
+    assert sorted(set(windows)) == [0, WINDOW] and windows.count(WINDOW) == 15  # five of every six layers
+    for window, layer in zip(windows, held, strict=True):
+        assert layer == [WINDOW if window else written]  # a ring of exactly its window, or every token
     figures = out.kv_transfer_params["kvpress"]
-    assert figures["kv_tokens_kept"] == sum(map(sum, held)) < 15 * (WINDOW + pool.cache.page_size) + 3 * written
+    assert figures["kv_tokens_kept"] == sum(map(sum, held)) == 15 * WINDOW + 3 * written
 
     from transformers import AutoModelForCausalLM
 
@@ -86,7 +83,9 @@ def test_snapkv_compresses_gemma3_and_every_page_comes_back(llm: VllmLLM, prompt
     for out in outputs:
         figures = out.kv_transfer_params["kvpress"]
         assert figures["policy"] == "snapkv" and len(out.outputs[0].token_ids) == NEW_TOKENS
-        assert figures["kv_tokens_kept"] < 0.3 * figures["kv_tokens_full"]
+        # The policy compresses the 3 global layers (the 15 rings hold their window whatever it chooses).
+        global_kept = figures["kv_tokens_kept"] - 15 * WINDOW
+        assert 0 < global_kept < 0.3 * 3 * (PROMPT_TOKENS + NEW_TOKENS - 1)
         assert figures["kv_bytes"] < figures["kv_bytes_peak"]
     llm.generate([{"prompt_token_ids": prompt[:8]}], VllmSamplingParams(max_tokens=1), use_tqdm=False)
     assert_no_page_leaked(in_process_worker(llm).model_runner.pool)

@@ -312,8 +312,8 @@ def test_a_gemma3_file_is_read_by_transformers_and_served_on_vllms_runner(
     finally:
         del llm
     assert list(result.outputs[0].token_ids) == expected
-    assert pool.window_layers == {8: [0, 1, 2, 3, 4]}
-    assert all(max(layer) < 8 + PAGE_SIZE for layer in held[:5])
+    assert pool.cache.layer_windows.tolist() == [8, 8, 8, 8, 8, 0]
+    assert held[:5] == [[8, 8]] * 5  # each sliding-window layer a ring of exactly its window
     assert held[5] == [len(prompt) + NEW_TOKENS - 1] * 2
     directory = prepare_gguf_model(str(path), tokenizer=str(default_model_dir()))
     written = json.loads((directory / "config.json").read_text())

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from model_utils import write_suite_model
+from model_utils import write_suite_gemma3, write_suite_model
 from vllm import LLM as VllmLLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
@@ -147,6 +147,29 @@ def test_a_prompt_in_chunks_keeps_the_same_entries(name: str, model: Path) -> No
     finally:
         del native
         gc.collect()
+
+
+# Gemma 3 (sliding-window layers): vLLM's runner serves the policies that need no RoPE of the project's.
+SERVED_ON_GEMMA3 = [
+    n for n in policy_names() if create_policy(n).compresses and native_refusal(create_policy(n), False, False) is None
+]
+
+
+def test_every_served_policy_keeps_the_embedded_engines_entries_on_gemma3(tmp_path: Path) -> None:
+    """A random Gemma 3 with a window of 8 in two of its four layers: on both engines those layers are rings of
+    the prompt's last 8 positions, and each policy keeps the same entries of the global layers, alone or with a
+    prompt in chunks of 32 (a chunk reads the ring the previous one left)."""
+    _, gemma3 = write_suite_gemma3(tmp_path / "gemma3")
+    for chunk in (None, 32):
+        chunking = {} if chunk is None else {"max_num_batched_tokens": chunk}
+        embedded = LLM(gemma3, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE, **chunking)
+        native = native_llm(gemma3, max_num_batched_tokens=chunk)
+        try:
+            for name in SERVED_ON_GEMMA3:
+                assert_same_kept(embedded, native, name, prompts() if chunk is None else prompts()[:1])
+        finally:
+            del native
+            gc.collect()
 
 
 @pytest.fixture(scope="module")

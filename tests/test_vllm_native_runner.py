@@ -84,9 +84,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     return checkpoint
 
 
-def write_checkpoint(root: Path, name: str) -> tuple[Path, list[list[int]]]:
-    """A random fp32 checkpoint of `name`, and HF's greedy continuation of each prompt."""
-    config_name, model_name, extra = ARCHITECTURES[name]
+def write_checkpoint(
+    root: Path, name: str, spec: tuple[str, str, dict[str, Any]] | None = None
+) -> tuple[Path, list[list[int]]]:
+    """A random fp32 checkpoint of `name` (from ARCHITECTURES, or `spec`), and HF's greedy continuation of each
+    prompt."""
+    config_name, model_name, extra = spec or ARCHITECTURES[name]
     torch.manual_seed(0)
     config = getattr(transformers, config_name)(**COMMON, **extra)
     model = getattr(transformers, model_name)(config).eval()
@@ -131,10 +134,10 @@ def test_vllms_model_code_equals_transformers_token_for_token(name: str, checkpo
         gc.collect()
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3"])
 def test_chunked_prefill_reads_earlier_chunks_from_the_pool(name: str, checkpoints: Checkpoints) -> None:
     """Steps of at most 16 tokens: the 40-token prompt runs in three chunks beside the other request's decodes,
-    each later chunk attending to the earlier ones through the pool (Gemma 3's window layer by mask)."""
+    each later chunk attending to the earlier ones through the pool (a window layer's chunk reads its ring first)."""
     path, expected = checkpoints(name)
     llm = native_llm(path, max_num_batched_tokens=16)
     try:
@@ -174,11 +177,12 @@ def test_every_architecture_compresses_and_frees_what_it_drops(name: str, checkp
         gc.collect()
 
 
-def test_sliding_window_layers_hold_only_their_window(checkpoints: Checkpoints) -> None:
-    """Gemma 3's first layer attends to a window of 8: the pool frees what falls out of it (a page at a time),
-    so that layer holds under a window and a page of entries while the full layer holds every token, and the
-    tokens are still HF's."""
-    path, expected = checkpoints("gemma3")
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_sliding_window_layers_hold_only_their_window(name: str, checkpoints: Checkpoints) -> None:
+    """The first layer attends to a window of 8: it is a ring of exactly 8 entries per KV head, holding the last
+    8 positions, while the full layer holds every token, and the tokens are still HF's (Gemma 2's soft cap on
+    the ring too)."""
+    path, expected = checkpoints(name)
     llm = native_llm(path)
     try:
         params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -188,10 +192,11 @@ def test_sliding_window_layers_hold_only_their_window(checkpoints: Checkpoints) 
         ((request_id, seat),) = pool.seats.items()  # the finished request, freed at the next step
         written = len(PROMPTS[2]) + NEW_TOKENS - 1
         window_layer, full_layer = pool.cache.seq_lens[:, seat.row].tolist()
-        assert all(8 - 1 <= held < 8 + pool.cache.page_size for held in window_layer)
+        assert window_layer == [8] * len(window_layer)
         assert full_layer == [written] * len(full_layer)
-        positions, lengths = pool.cache.entry_positions(request_id)
-        assert int(positions[0, :, : int(lengths[0].min())].min()) > written - 8 - pool.cache.page_size
+        positions, _ = pool.cache.entry_positions(request_id)
+        for head in positions[0]:
+            assert sorted(head[:8].tolist()) == list(range(written - 8, written))
         figures = outputs[0].kv_transfer_params["kvpress"]
         assert figures["kv_tokens_kept"] == sum(window_layer) + sum(full_layer) < figures["kv_tokens_full"]
     finally:
@@ -380,6 +385,42 @@ def test_vllms_prefix_caching_reads_kept_blocks_and_answers_as_without_it(checkp
         assert pool.prefix_blocks is not None and not pool.prefix_blocks.kept
         assert run(llm) == [(expected[0][0], 0), (expected[1][0], 80), (expected[2][0], 80)]
         assert len(pool.prefix_blocks.kept) >= 5
+        assert_no_page_leaked(pool)
+    finally:
+        del llm
+        gc.collect()
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [None, 16])
+def test_prefix_caching_rebuilds_the_rings_of_sliding_window_layers(
+    tmp_path: Path, max_num_batched_tokens: int | None
+) -> None:
+    """Gemma 3 with a window of two blocks: the sliding-window layer is a ring, yet every block of a request
+    without a policy is kept whole (its ring tokens also go to the block's own pages), and a request that hits
+    five blocks starts with its ring rebuilt from the last two. Tokens equal caching off, whole prompts or
+    chunks of 16, and no page leaks."""
+    config_name, model_name, extra = ARCHITECTURES["gemma3"]
+    path, _ = write_checkpoint(tmp_path, "gemma3", (config_name, model_name, {**extra, "sliding_window": 32}))
+    shared = list(range(5, 85))  # five blocks of 16
+    prompts = [shared + [100 + i] * 7 for i in range(3)]
+    params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def run(llm: LLM) -> list[tuple[list[int], int]]:
+        outputs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+        return [(list(o.outputs[0].token_ids), o.num_cached_tokens) for o in outputs]
+
+    uncached = native_llm(path, max_num_batched_tokens, enable_prefix_caching=False)
+    try:
+        expected = run(uncached)
+    finally:
+        del uncached
+        gc.collect()
+    llm = native_llm(path, max_num_batched_tokens)
+    try:
+        pool = in_process_worker(llm).model_runner.pool
+        assert pool.cache.layer_windows.tolist() == [32, 0]
+        assert run(llm) == [(expected[0][0], 0), (expected[1][0], 80), (expected[2][0], 80)]
+        assert pool.prefix_blocks is not None and len(pool.prefix_blocks.kept) >= 5
         assert_no_page_leaked(pool)
     finally:
         del llm

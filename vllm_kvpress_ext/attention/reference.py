@@ -366,13 +366,15 @@ def sliding_window_attention(
     key_positions: torch.Tensor,
     window: int,
     scale: float,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention within a sliding window: the query at position p reads the keys at p - window < k <= p.
 
     query `[n, Hq, d]` at ascending `query_positions[n]`; keys/values `[m, Hkv, d]` at distinct
     `key_positions[m]` in any order (a ring's and a chunk's together). This is HF transformers' window
     (a key is seen while the distance is below `window`). Queries go in blocks of about a window, each
-    against the keys its block can reach only, so the work is O(n * window), not O(n * m).
+    against the keys its block can reach only, so the work is O(n * window), not O(n * m). With
+    `soft_cap` (Gemma 2) the scores are `soft_cap * tanh(score / soft_cap)` before the softmax.
     """
     n = query.shape[0]
     out = torch.empty_like(query)
@@ -387,15 +389,26 @@ def sliding_window_attention(
         k_pos = key_positions[reach]
         distance = q_pos.view(-1, 1) - k_pos.view(1, -1)
         mask = (distance >= 0) & (distance < window)
-        attended = F.scaled_dot_product_attention(
-            query[first:last].transpose(0, 1).unsqueeze(0),
-            keys[reach].transpose(0, 1).unsqueeze(0),
-            values[reach].transpose(0, 1).unsqueeze(0),
-            attn_mask=mask.view(1, 1, *mask.shape),
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[first:last] = attended[0].transpose(0, 1)
+        block_queries = query[first:last].transpose(0, 1)  # [Hq, b, d]
+        block_keys, block_values = keys[reach].transpose(0, 1), values[reach].transpose(0, 1)  # [Hkv, r, d]
+        if soft_cap is None:
+            attended = F.scaled_dot_product_attention(
+                block_queries.unsqueeze(0),
+                block_keys.unsqueeze(0),
+                block_values.unsqueeze(0),
+                attn_mask=mask.view(1, 1, *mask.shape),
+                scale=scale,
+                enable_gqa=True,
+            )[0]
+        else:
+            group = query.shape[1] // keys.shape[1]
+            block_keys = block_keys.repeat_interleave(group, 0)
+            block_values = block_values.repeat_interleave(group, 0)
+            scores = torch.matmul(block_queries, block_keys.transpose(-1, -2)).float() * scale
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+            weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            attended = torch.matmul(weights.to(block_values.dtype), block_values)
+        out[first:last] = attended.transpose(0, 1)
     return out
 
 

@@ -207,22 +207,36 @@ class PagedKVCache:
         return child
 
     def add_request_on_pages(self, request_id: Hashable, pages: torch.Tensor) -> int:
-        """A new row for `request_id` whose first `k` pages in every (layer, KV head) are `pages[L, H, k]`, full
-        and shared (copy-on-write), so it holds `k * page_size` entries; return the row."""
+        """A new row for `request_id` on `k` full blocks of a prefix: `pages[L, H, k]`, block b's page in every
+        (layer, KV head), shared (copy-on-write). A global layer holds all `k * page_size` entries. A sliding
+        layer of window W is a ring, which holds only the last W of them: block b goes to ring page
+        `b % (W / page_size)`, so W must be a whole number of pages. Return the row."""
         num_layers, num_heads, count = pages.shape
         if (num_layers, num_heads) != (self.num_layers, self.num_kv_heads):
             raise ValueError(
                 f"pages for {num_layers} layers x {num_heads} heads, the cache has {self.num_layers} x "
                 f"{self.num_kv_heads}"
             )
+        table = pages.to(torch.int32).clone()
+        lens = torch.full((num_layers, 1, num_heads), count * self.page_size)
+        for layer in self.sliding_layers.tolist():
+            window = int(self.layer_windows[layer])
+            if window % self.page_size:
+                raise ValueError(f"a window of {window} tokens is not whole pages of {self.page_size}")
+            ring_pages = window // self.page_size
+            blocks = torch.arange(max(0, count - ring_pages), count)
+            table[layer] = -1
+            table[layer][:, blocks % ring_pages] = pages[layer][:, blocks].to(torch.int32)
+            lens[layer] = min(count * self.page_size, window)
         row = self.add_request(request_id)
         self._ensure_table_width(count)
-        self.pool.share(pages.reshape(-1).to(torch.int64))
+        held = table[table >= 0].to(torch.int64)
+        self.pool.share(held)
         rows = torch.tensor([row])
-        self.block_tables[:, row, :, :count] = pages.to(torch.int32)
+        self.block_tables[:, row, :, :count] = table
         if self._mirror:
-            self.device_block_tables[:, row, :, :count] = pages.to(device=self.device, dtype=torch.int32)
-        self._write_lens(rows, torch.full((num_layers, 1, num_heads), count * self.page_size))
+            self.device_block_tables[:, row, :, :count] = table.to(self.device)
+        self._write_lens(rows, lens)
         self._note_peak(rows)
         return row
 

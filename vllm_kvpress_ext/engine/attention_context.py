@@ -69,6 +69,42 @@ class PrefillSegment:
         return self.end - self.start
 
 
+def attend_sliding_chunk(
+    cache: PagedKVCache,
+    layer: int,
+    row: int,
+    start: int,
+    slots: torch.Tensor,
+    queries: torch.Tensor,
+    positions: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    window: int,
+    scale: float,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """A sliding-window layer's prompt chunk (positions `start`..): read the ring, write the chunk into it at
+    `slots [n, Hkv]`, attend over both. The ring is read first because the chunk's tokens overwrite entries its
+    own first queries still see. Shared by the embedded engine and the plugin's backend on vLLM's runner."""
+    all_keys, all_values, key_positions = keys, values, positions
+    if start > 0:
+        # The ring before this chunk: entry e holds the latest position before `start` that is e modulo the
+        # window. Its positions are worked out, not read: the chunk's slots already carry its own.
+        held = min(start, window)
+        table = cache.device_block_tables[layer, row]
+        lens = torch.full(table.shape[:1], held, dtype=torch.int32, device=table.device)
+        ring_keys, ring_values, _, _ = gather_paged(cache.pool.kv, cache.pool.positions, table, lens)
+        entry = torch.arange(held, device=positions.device)
+        ring_positions = start - 1 - (start - 1 - entry) % window
+        all_keys = torch.cat([ring_keys.transpose(0, 1).to(keys.dtype), keys])
+        all_values = torch.cat([ring_values.transpose(0, 1).to(values.dtype), values])
+        key_positions = torch.cat([ring_positions.to(positions.dtype), positions])
+    cache.write(slots, keys, values)
+    return sliding_window_attention(
+        queries, positions, all_keys, all_values, key_positions, window, scale, soft_cap=soft_cap
+    )
+
+
 class PrefillContext:
     def __init__(self, cache: PagedKVCache, segments: list[PrefillSegment], positions: torch.Tensor, scale: float):
         self.cache = cache
@@ -146,24 +182,10 @@ class PrefillContext:
         v: torch.Tensor,
         window: int,
     ) -> torch.Tensor:
-        """A sliding-window layer's chunk: read the ring, write the chunk into it, attend over both."""
-        cache = self.cache
         positions = self.positions[seg.offset : seg.offset + seg.length]
-        keys, values, key_positions = k, v, positions
-        if seg.start > 0:
-            # The ring before this chunk: entry e holds the latest position before `start` that is e modulo the
-            # window. Its positions are worked out, not read: the chunk's slots already carry its own.
-            held = min(seg.start, window)
-            table = cache.device_block_tables[layer_idx, seg.row]
-            lens = torch.full(table.shape[:1], held, dtype=torch.int32, device=table.device)
-            ring_keys, ring_values, _, _ = gather_paged(cache.pool.kv, cache.pool.positions, table, lens)
-            entry = torch.arange(held, device=positions.device)
-            ring_positions = seg.start - 1 - (seg.start - 1 - entry) % window
-            keys = torch.cat([ring_keys.transpose(0, 1).to(k.dtype), k])
-            values = torch.cat([ring_values.transpose(0, 1).to(v.dtype), v])
-            key_positions = torch.cat([ring_positions.to(positions.dtype), positions])
-        cache.write(slots.transpose(0, 1), k, v)
-        return sliding_window_attention(q, positions, keys, values, key_positions, window, self.scale)
+        return attend_sliding_chunk(
+            self.cache, layer_idx, seg.row, seg.start, slots.transpose(0, 1), q, positions, k, v, window, self.scale
+        )
 
     def _gated(
         self,

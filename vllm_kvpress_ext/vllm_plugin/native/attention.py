@@ -15,9 +15,12 @@ else:
   the C++ kernel or torch on a CPU, Triton on CUDA);
 - a prompt's first chunk is causal attention over its own keys (`attention.causal_attention`), a later
   chunk the paged prefill attention over the row (`attention.paged_prefill_attention`);
-- a layer with a sliding window or a logit soft cap (Gemma 2 and 3), which those kernels do not take,
-  gathers each request's entries and attends with masks in torch: position q sees k when `k <= q`
-  and, with a window `w`, `q - k < w` (HF transformers' `sliding_window`). GQA reads KV head
+- a sliding-window layer (Gemma 2 and 3's local layers) holds a ring of exactly its window per (layer, KV
+  head), token t at entry `t % w` (`PagedKVCache(layer_windows=...)`): a prompt chunk reads the ring before
+  writing over it and attends within the window (`attend_sliding_chunk`, shared with the embedded engine);
+  a decode's ring is exactly what its query sees, so the decode kernel reads it unmasked;
+- a layer with a logit soft cap (Gemma 2), which the kernels do not take, gathers each request's entries
+  and attends with masks in torch: position q sees k when `k <= q`. GQA reads KV head
   `h // (num_heads / num_kv_heads)`.
 """
 
@@ -47,6 +50,7 @@ from vllm_kvpress_ext.attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
+from vllm_kvpress_ext.engine.attention_context import attend_sliding_chunk
 from vllm_kvpress_ext.engine.reconstruction import ReconstructionContext
 from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool, PrefillSpan, StepPlan
 
@@ -136,6 +140,16 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             return
         plan = self.pool.current
         slots = plan.token_slots[self.layer_index]  # [T, Hkv]
+        if self.sliding_window is not None:
+            # A ring: a prompt chunk is written in `forward`, once the ring it overwrites has been read. A decode
+            # token replaces the entry one window back, which its query no longer sees: written now. Tokens of
+            # rows whose blocks are kept for prefix caching also go to those blocks' own pages.
+            tokens = plan.decode_tokens.to(slots.device)
+            self.pool.cache.write(slots[tokens], key[tokens], value[tokens])
+            if plan.spill_slots is not None:
+                spill = plan.spill_slots[self.layer_index]
+                self.pool.cache.write(spill, key[: plan.num_tokens], value[: plan.num_tokens])
+            return
         keys, values = key[: plan.num_tokens], value[: plan.num_tokens]
         if plan.written is not None:
             slots, keys, values = slots[plan.written], keys[plan.written], values[plan.written]
@@ -167,22 +181,14 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             return output
         for begin, end in plan.failed_tokens:
             out[begin:end] = 0
-        if self.sliding_window is not None or self.logits_soft_cap is not None:
+        if self.sliding_window is not None:
+            self._ring(plan, queries, key, value, out)
+            return output
+        if self.logits_soft_cap is not None:
             self._masked(plan, queries, out)
             return output
         cache, layer_index = self.pool.cache, self.layer_index
-        if plan.decode_tokens.numel():
-            tokens = plan.decode_tokens.to(query.device)
-            out[tokens] = paged_decode_attention(
-                queries[tokens],
-                cache.pool.kv,
-                cache.pool.positions,
-                cache.device_block_tables[layer_index],
-                cache.device_seq_lens[layer_index],
-                plan.decode_rows,
-                self.scale,
-                probs_out=plan.decode_probs,
-            ).to(out.dtype)
+        self._decode(plan, queries, out)
         for span in plan.prefills:
             chunk = slice(span.begin, span.end)
             want_lse = span.capture is not None and span.capture.spec.query_lse
@@ -211,17 +217,70 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             self._record(span, plan, queries[chunk], lse)
         return output
 
+    def _decode(self, plan: StepPlan, queries: torch.Tensor, out: torch.Tensor) -> None:
+        """The step's decodes, batched, over their rows (the project's paged decode kernel)."""
+        if not plan.decode_tokens.numel():
+            return
+        assert self.pool is not None
+        cache, layer_index = self.pool.cache, self.layer_index
+        tokens = plan.decode_tokens.to(queries.device)
+        out[tokens] = paged_decode_attention(
+            queries[tokens],
+            cache.pool.kv,
+            cache.pool.positions,
+            cache.device_block_tables[layer_index],
+            cache.device_seq_lens[layer_index],
+            plan.decode_rows,
+            self.scale,
+            probs_out=plan.decode_probs,
+        ).to(out.dtype)
+
+    def _ring(
+        self, plan: StepPlan, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """A sliding-window layer, whose rows are rings of `window` entries (token t at entry t % window).
+
+        A prompt chunk reads the ring, writes itself into it and attends over both within the window
+        (`attend_sliding_chunk`, as the embedded engine does). A decode's ring holds exactly the window its query
+        sees, so decodes need no mask: the paged decode kernel, or with a soft cap the masked torch path. No
+        policy compresses these layers, so nothing of them is captured.
+        """
+        assert self.pool is not None and self.sliding_window is not None
+        for span in plan.prefills:
+            chunk = slice(span.begin, span.end)
+            out[chunk] = attend_sliding_chunk(
+                self.pool.cache,
+                self.layer_index,
+                span.row,
+                span.first_position,
+                plan.token_slots[self.layer_index, chunk],
+                queries[chunk],
+                plan.query_positions[chunk].to(queries.device),
+                keys[chunk],
+                values[chunk],
+                self.sliding_window,
+                self.scale,
+                soft_cap=self.logits_soft_cap,
+            ).to(out.dtype)
+        if self.logits_soft_cap is not None:
+            self._masked(plan, queries, out, prefills=False)
+        else:
+            self._decode(plan, queries, out)
+
     def _record(self, span: PrefillSpan, plan: StepPlan, queries: torch.Tensor, lse: torch.Tensor | None) -> None:
         """What the request's policy captures of this chunk in this layer (the window's queries, after RoPE)."""
         if span.capture is not None:
             positions = plan.query_positions[span.begin : span.end].to(queries.device)
             span.capture.record(self.layer_index, positions, None, queries, None, None, lse)
 
-    def _masked(self, plan: StepPlan, queries: torch.Tensor, out: torch.Tensor) -> None:
-        """Each request's queries over its row's entries, masked by position (window, soft cap: torch)."""
+    def _masked(self, plan: StepPlan, queries: torch.Tensor, out: torch.Tensor, prefills: bool = True) -> None:
+        """Each request's queries over its row's entries, masked by position, with the soft cap (torch); the
+        decodes alone when `prefills` is False."""
         assert self.pool is not None
         cache, layer_index = self.pool.cache, self.layer_index
-        spans: list[tuple[int, int, int, PrefillSpan | None]] = [(p.begin, p.end, p.row, p) for p in plan.prefills]
+        spans: list[tuple[int, int, int, PrefillSpan | None]] = (
+            [(p.begin, p.end, p.row, p) for p in plan.prefills] if prefills else []
+        )
         decodes = zip(plan.decode_tokens.tolist(), plan.decode_rows.tolist(), strict=True)
         spans += [(token, token + 1, row, None) for token, row in decodes]
         decode_probs: list[torch.Tensor] = []
@@ -235,8 +294,6 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             query_positions = plan.query_positions[begin:end].to(positions.device).view(1, -1, 1)
             key_positions = positions.to(torch.int64).unsqueeze(1)  # [Hkv, 1, N]
             mask = valid.unsqueeze(1) & (key_positions <= query_positions)  # [Hkv, n, N]
-            if self.sliding_window is not None:
-                mask = mask & (query_positions - key_positions < self.sliding_window)
             want_probs = prefill is None and plan.decode_probs is not None
             attended, probs = self._attend(queries[begin:end].transpose(0, 1), keys, values, mask, want_probs)
             out[begin:end] = attended.transpose(0, 1)

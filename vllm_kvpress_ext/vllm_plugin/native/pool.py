@@ -33,7 +33,6 @@ import torch
 from vllm_kvpress_ext.api.policy_spec import policy_label
 from vllm_kvpress_ext.api.usage import kv_figures
 from vllm_kvpress_ext.cache import PagedKVCache
-from vllm_kvpress_ext.cache.plan import KeepPlan
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_decode
 from vllm_kvpress_ext.engine.kept import KeptEntries, kept_entries
@@ -79,6 +78,9 @@ class StepPlan:
     # Per layer, the decodes' attention `[Bd, Hkv, G, N]` over each row's entries in storage order, when a
     # decoding request's policy reads it (H2O); filled by the backend as the layers run.
     decode_probs: list[torch.Tensor] | None = None
+    # `[L, T, H]`: a second slot of each token in the sliding-window layers (-1: none), in pages of its block
+    # kept for vLLM's prefix caching (`_Seat.spill`); None when no token has one.
+    spill_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -91,15 +93,16 @@ class _Seat:
     written: int = 0  # tokens whose K/V are in the pool (the next token goes to this position)
     compressed: bool = False
     compression_seconds: float = 0.0
-    # Per window size: the sliding-window layers of that window hold no entry before this position any more.
-    window_starts: dict[int, int] = field(default_factory=dict)
     blocks: list[int] = field(default_factory=list)  # vLLM's block ids for the request, in token order
-    # Whether page b of every (layer, KV head) holds tokens [b * page_size, (b + 1) * page_size) and will until
-    # its full blocks are kept for vLLM's prefix caching: a request without a policy whose sliding windows
-    # (if any) have not dropped an entry yet. A compressing request's pages are not kept: it would copy every
-    # kept page it compacts into.
+    # Whether its full blocks are kept for vLLM's prefix caching: a request without a policy, whose page b of
+    # every global (layer, KV head) holds tokens [b * page_size, (b + 1) * page_size) and will. A compressing
+    # request's pages are not kept: it would copy every kept page it compacts into.
     aligned: bool = False
     blocks_kept: int = 0  # leading full blocks handed to `prefix_blocks`
+    # An aligned row's sliding-window layers are rings, whose pages never hold a block for long: each of its
+    # blocks not yet kept also has pages of its own `[Ls, H]` there (block index -> pages, one reference each),
+    # written beside the ring, which become the kept block's pages in those layers.
+    spill: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class NativePool:
@@ -112,17 +115,17 @@ class NativePool:
         scale: float,
         default_policy: KVPolicy | None = None,
         rotary: RotaryEmbedding | None = None,
-        windows: list[int | None] | None = None,
         prefix_caching: bool = False,
     ) -> None:
+        # Sliding-window layers are rings of their window in `cache` (`PagedKVCache(layer_windows=...)`): what
+        # falls out of a window is overwritten, never held.
         self.cache = cache
         # vLLM's prefix caching: full uncompressed blocks kept under vLLM's block ids (None: off).
         self.prefix_blocks = PrefixBlocks(cache) if prefix_caching else None
-        # Sliding-window layers by window: an entry that fell out of a layer's window is never attended again.
-        self.window_layers: dict[int, list[int]] = {}
-        for layer, window in enumerate(windows or []):
-            if window is not None:
-                self.window_layers.setdefault(window, []).append(layer)
+        # A prefix hit rebuilds each ring from the last window's blocks, a page per ring page: a window must be
+        # whole pages for that (Gemma 2 and 3's are), else a model with rings keeps no blocks.
+        windows = cache.layer_windows[cache.sliding_layers]
+        self.rings_keep_blocks = bool((windows % cache.page_size == 0).all())
         self.rotary = rotary  # the model's RoPE where the project knows it (`native_rope`)
         # KVzip's reconstruction pass: one chunk's forward of vLLM's model (set by the runner), the directory of
         # the tokenizer its prompt is written with, and whether a pass is running (no step is then).
@@ -225,13 +228,16 @@ class NativePool:
             capture=capture,
             written=computed,
             blocks=blocks,
-            aligned=policy is None,
+            aligned=policy is None and self.prefix_blocks is not None and self.rings_keep_blocks,
             blocks_kept=hits,
         )
 
     def release(self, request_id: str) -> None:
-        if self.seats.pop(request_id, None) is not None:
+        seat = self.seats.pop(request_id, None)
+        if seat is not None:
             self.cache.free_request(request_id)
+            if seat.spill:
+                self.cache.pool.free(torch.cat([pages.reshape(-1) for pages in seat.spill.values()]))
 
     def _fail(self, request_id: str, message: str) -> None:
         self.failed[request_id] = message
@@ -256,6 +262,9 @@ class NativePool:
         )
         query_positions = torch.empty(num_tokens, dtype=torch.int64)
         written = torch.ones(num_tokens, dtype=torch.bool)
+        # Where aligned rows' tokens also go in the sliding-window layers (`_Seat.spill`), -1 elsewhere.
+        spills = cache.has_sliding_layers and any(seat.aligned for seat in self.seats.values())
+        spill_slots = torch.full_like(token_slots, -1) if spills else None
         decodes: list[tuple[str, int, int]] = []  # (request, token index, position)
         prefills: list[PrefillSpan] = []
         failed_tokens: list[tuple[int, int]] = []
@@ -283,10 +292,28 @@ class NativePool:
                 failed_tokens.append((begin, end))
                 continue
             token_slots[:, begin:end] = slots[:, 0].transpose(1, 2)
+            if seat.aligned and spill_slots is not None:
+                try:
+                    spill_slots[cache.sliding_layers, begin:end] = self._spill_slots(seat, query_positions[begin:end])
+                except PoolExhaustedError as exc:
+                    self._fail(request_id, str(exc))
+                    written[begin:end] = False
+                    failed_tokens.append((begin, end))
+                    continue
             seat.written = seq_lens[index]
             capture = seat.capture if not seat.compressed else None
             prefills.append(PrefillSpan(begin, end, seat.row, first, capture))
         self._plan_decodes(decodes, token_slots, written, failed_tokens)
+        for request_id, token, position in decodes:
+            seat = self.seats.get(request_id)
+            if seat is None or not seat.aligned or spill_slots is None:
+                continue
+            try:
+                spill_slots[cache.sliding_layers, token : token + 1] = self._spill_slots(seat, torch.tensor([position]))
+            except PoolExhaustedError as exc:
+                self._fail(request_id, str(exc))
+                written[token] = False
+                failed_tokens.append((token, token + 1))
         # The decodes that got their slots, in batch order (`plan` walks the batch in order).
         self.decode_request_ids = [request_id for request_id, _, _ in decodes if request_id in self.seats]
         decode_tokens = torch.tensor([token for r, token, _ in decodes if r in self.seats], dtype=torch.int64)
@@ -302,8 +329,33 @@ class NativePool:
             prefills=prefills,
             failed_tokens=failed_tokens,
             decode_probs=[] if wants_probs else None,
+            spill_slots=spill_slots,
         )
         return self._plan
+
+    def _spill_slots(self, seat: _Seat, positions: torch.Tensor) -> torch.Tensor:
+        """Slots `[Ls, n, H]` of an aligned row's tokens at `positions` in its blocks' own pages in the
+        sliding-window layers (`_Seat.spill`), each block's pages allocated as it starts."""
+        cache, page_size = self.cache, self.cache.page_size
+        sliding = cache.sliding_layers
+        blocks = torch.div(positions, page_size, rounding_mode="floor")
+        new = [b for b in torch.unique(blocks).tolist() if b not in seat.spill]
+        if new:
+            count = len(new) * sliding.numel() * cache.num_kv_heads
+            try:
+                pages = cache.pool.allocate(count)
+            except PoolExhaustedError:
+                if self.prefix_blocks is None or not self.prefix_blocks.free_up(count):
+                    raise
+                pages = cache.pool.allocate(count)
+            for block, block_pages in zip(new, pages.view(len(new), sliding.numel(), cache.num_kv_heads), strict=True):
+                seat.spill[block] = block_pages
+        by_block = torch.stack([seat.spill[b] for b in blocks.tolist()], dim=1)  # [Ls, n, H]
+        slots = by_block * page_size + (positions % page_size).view(1, -1, 1)
+        cache.pool.positions.view(-1)[slots.reshape(-1).to(cache.device)] = (
+            positions.view(1, -1, 1).expand_as(slots).reshape(-1).to(device=cache.device, dtype=torch.int32)
+        )
+        return slots
 
     def _append_slots(self, rows: list[int], positions: torch.Tensor) -> torch.Tensor:
         """`PagedKVCache.append_slots`, dropping kept prefix blocks (least recently used first) when the free
@@ -369,9 +421,10 @@ class NativePool:
         plan = self._plan
         if plan is None:
             return
-        if self.prefix_blocks is not None:  # before any policy or window drops an entry of this step's blocks
-            for aligned in self.seats.values():
-                self._keep_full_blocks(aligned)
+        if self.prefix_blocks is not None:  # before any policy drops an entry of this step's blocks
+            for candidate in self.seats.values():
+                if candidate.aligned:
+                    self._keep_full_blocks(candidate)
         for request_id in [r for r, seat in self.seats.items() if self._completes_prefill(seat)]:
             self._run_policy(request_id, self._compress)
         decode_batch = {request_id: index for index, request_id in enumerate(self.decode_request_ids)}
@@ -379,50 +432,24 @@ class NativePool:
             seat = self.seats.get(request_id)
             if seat is not None and seat.compressed and seat.policy is not None and seat.policy.wants_decode_steps:
                 self._run_policy(request_id, lambda rid, i=index: self._evict(rid, i, plan))
-        if self.window_layers:
-            for request_id, seat in list(self.seats.items()):
-                try:
-                    self._drop_outside_windows(request_id, seat)
-                except PoolExhaustedError as exc:
-                    self._fail(request_id, str(exc))
 
     def _keep_full_blocks(self, seat: _Seat) -> None:
-        """Hand an aligned row's newly full blocks to `prefix_blocks`, under their vLLM block ids."""
+        """Hand an aligned row's newly full blocks to `prefix_blocks`, under their vLLM block ids: the row's own
+        pages in the global layers (shared), its blocks' spill pages in the sliding-window layers (their one
+        reference passes to the kept block)."""
         assert self.prefix_blocks is not None
-        full = min(seat.written // self.cache.page_size, len(seat.blocks))
-        if not seat.aligned or full <= seat.blocks_kept:
-            return
-        tables = self.cache.block_tables[:, seat.row]  # [L, H, pages]
-        for index in range(seat.blocks_kept, full):
-            self.prefix_blocks.keep(seat.blocks[index], tables[:, :, index])
-        seat.blocks_kept = full
-
-    def _drop_outside_windows(self, request_id: str, seat: _Seat) -> None:
-        """Free what sliding-window layers can no longer attend, a page's worth at a time.
-
-        The next query sits at position `written` and sees keys within `window` positions of it: nothing
-        before `written - window + 1`. A request whose policy has yet to compress keeps its prompt whole for
-        it; one whose policy evicts during decode (it tracks entries by index) is left to its policy.
-        """
-        policy = seat.policy
-        if policy is not None and (not seat.compressed or policy.wants_decode_steps):
-            return
         cache = self.cache
-        for window, layers in self.window_layers.items():
-            start = seat.written - window + 1
-            if start - seat.window_starts.get(window, 0) < cache.page_size:
-                continue
-            if self.prefix_blocks is not None and cache.pool.num_shared:
-                # Dropping entries copies each shared page it writes into: room for that, from cached prefixes.
-                pages = cache.block_tables[:, seat.row]
-                self.prefix_blocks.free_up(int((cache.pool.refcounts(pages[pages >= 0].to(torch.int64)) > 1).sum()))
-            positions, lengths = cache.entry_positions(request_id)
-            held = positions[layers]  # [L', H, N], -1 past each head's entries
-            entries = torch.arange(held.shape[-1])
-            keep = (held >= start) & (entries < lengths[layers].unsqueeze(-1))
-            cache.apply_keep_plan(request_id, KeepPlan.from_mask(keep), layers=layers)
-            seat.window_starts[window] = start
-            seat.aligned = False
+        full = min(seat.written // cache.page_size, len(seat.blocks))
+        tables = cache.block_tables[:, seat.row]  # [L, H, pages]
+        for index in range(seat.blocks_kept, full):
+            pages = tables[:, :, index].to(torch.int64)
+            spill = seat.spill.pop(index, None)
+            if spill is not None:
+                pages[cache.sliding_layers] = spill
+            self.prefix_blocks.keep(seat.blocks[index], pages)
+            if spill is not None:
+                cache.pool.free(spill.reshape(-1))
+        seat.blocks_kept = max(seat.blocks_kept, full)
 
     @staticmethod
     def _completes_prefill(seat: _Seat) -> bool:
@@ -468,8 +495,8 @@ class NativePool:
         assert capture is not None and capture.spec.reconstruction is not None
         if self.reconstruction_forward is None or self.tokenizer_dir is None:
             raise ValueError("the reconstruction pass needs the model runner, which has not bound this pool")
-        if self.window_layers:
-            raise ValueError("the reconstruction pass does not attend within sliding windows")
+        if self.cache.has_sliding_layers:
+            raise ValueError("the reconstruction pass does not attend within sliding windows on vLLM's runner")
         tokens = self.prompt_tokens[request_id][: seat.written]
         prompts = prompts_for_model(self.tokenizer_dir)
         self.reconstructing = True
@@ -519,16 +546,23 @@ class NativePool:
         decoding = [(request_id, seat) for request_id, seat in self.seats.items() if seat.written >= seat.prompt_len]
         if decoding:
             rows = torch.tensor([seat.row for _, seat in decoding], dtype=torch.int64)
-            # Per request: pages its next token allocates, a new page in each (layer, head) whose last is full
-            # (`PagedKVCache.pages_needed_to_append` for one row, vectorised over the batch: rows on this path
-            # have no local ring, and the pages they share with kept prefix blocks are full ones).
+            # Per request: pages its next token allocates, a new page in each (layer, head) whose last is full,
+            # unless the layer is a ring that holds its window already (`PagedKVCache.pages_needed_to_append` for
+            # one row, vectorised over the batch: the pages rows share with kept prefix blocks are full ones).
             lens = cache.seq_lens[:, rows].to(torch.int64)  # [L, B, H]
-            next_pages = (lens % cache.page_size == 0).sum(dim=(0, 2))
-            for (request_id, _), pages in zip(decoding, next_pages.tolist(), strict=True):
-                report.decode_pages[request_id] = int(pages)
+            grows = lens % cache.page_size == 0
+            if cache.has_sliding_layers:
+                sliding = cache.sliding_layers
+                grows[sliding] &= lens[sliding] < cache.layer_windows[sliding].view(-1, 1, 1)
+            next_pages = grows.sum(dim=(0, 2))
+            for (request_id, seat), pages in zip(decoding, next_pages.tolist(), strict=True):
+                # An aligned row starting a block also takes that block's spill pages.
+                starts_block = seat.aligned and cache.has_sliding_layers and seat.written % cache.page_size == 0
+                spill = cache.sliding_layers.numel() * cache.num_kv_heads if starts_block else 0
+                report.decode_pages[request_id] = int(pages) + spill
         for request_id, seat in self.seats.items():
             usage = cache.usage(request_id)
-            report.pages_held[request_id] = usage.pages
+            report.pages_held[request_id] = usage.pages + sum(pages.numel() for pages in seat.spill.values())
             if seat.written < seat.prompt_len:
                 continue
             kv = KVStats(

@@ -6,12 +6,14 @@ schedules only the rest of the prompt. vLLM's block manager is bookkeeping only 
 keys and values of those blocks must be here: for each vLLM block id, the one page per (layer, KV
 head) that holds its tokens, `page_size` (= vLLM's block size) of them.
 
-A block is kept when it is full in a row that is still *aligned*, i.e. whose page `b` in every
-(layer, KV head) holds exactly tokens `[b * page_size, (b + 1) * page_size)`: a request without a
-policy, whose sliding windows (if the model has any) have not dropped an entry yet. So every kept
-block is what a run without the cache computes for those tokens, and a request that reads it gets the
-outputs of a run without the cache. Keeping a block shares its pages (a reference each); a row that
-later slides a window copies a shared page before writing into it, so kept pages never change.
+A block is kept when it is full in an *aligned* row: a request without a policy, whose page `b` in
+every global (layer, KV head) holds exactly tokens `[b * page_size, (b + 1) * page_size)`. A
+sliding-window layer is a ring whose pages are soon overwritten, so an aligned row also writes each
+block's tokens in those layers to pages of the block's own (`NativePool`'s spill pages), which the kept
+block takes. So every kept block is what a run without the cache computes for those tokens, and a
+request that reads it gets the outputs of a run without the cache; its rings are rebuilt from the last
+window's blocks (`PagedKVCache.add_request_on_pages`). Keeping a block shares its pages (a reference
+each); a row that later writes into a shared page copies it first, so kept pages never change.
 Compressing requests neither keep nor read blocks: their policies read what the prefill computes, and
 compacting into kept pages would copy each of them.
 

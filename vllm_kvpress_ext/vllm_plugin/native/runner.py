@@ -67,6 +67,7 @@ class KVPressModelRunner(CPUModelRunner):
         ((num_kv_heads, head_size),) = shapes
         dtype = self.kv_cache_dtype
         page_size = self.cache_config.block_size
+        windows = [layer.impl.sliding_window for layer in layers]
         cache = PagedKVCache(
             len(layers),
             num_kv_heads,
@@ -76,18 +77,17 @@ class KVPressModelRunner(CPUModelRunner):
             max_requests=self.scheduler_config.max_num_seqs,
             dtype=dtype,
             device=self.device,
+            layer_windows=windows,  # a sliding-window layer is a ring of its window
         )
         impl = layers[0].impl
         additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
         rotary = native_rope(self.model_config.model)
-        windows = [layer.impl.sliding_window for layer in layers]
         pool = NativePool(
             cache,
             impl.num_heads,
             impl.scale,
             default_policy(additional),
             rotary,
-            windows,
             prefix_caching=bool(self.cache_config.enable_prefix_caching),
         )
         self.pool = pool
@@ -103,7 +103,7 @@ class KVPressModelRunner(CPUModelRunner):
             page_size,
             pages * cache.pool.bytes_per_page / 2**20,
             pages // (len(layers) * num_kv_heads) * page_size,
-            " in every layer; sliding-window layers hold only their window" if any(windows) else "",
+            " in every layer; sliding-window layers are rings of their window" if any(windows) else "",
         )
         for index, layer in enumerate(layers):
             layer.impl.pool = pool
