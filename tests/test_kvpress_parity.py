@@ -49,6 +49,31 @@ def test_overlap_counts_unequal_budgets_and_rejects_shape_mismatch() -> None:
     assert all(v != v for v in parity.aggregate_overlap([]).values())  # NaN: nothing to compare
 
 
+def test_overlap_over_chosen_layers_leaves_the_others_out() -> None:
+    """A model with sliding-window layers is compared on its global layers: a difference elsewhere is not
+    counted."""
+    ours = torch.zeros(3, 1, 8, dtype=torch.bool)
+    ours[:, :, :4] = True
+    ref = ours.clone()
+    ref[0] = ~ref[0]  # layer 0 (a ring here) disagrees everywhere
+    assert parity.aggregate_overlap([parity.overlap_stats(ours, ref)])["same_sets"] == pytest.approx(2 / 3)
+    chosen = parity.aggregate_overlap([parity.overlap_stats(ours, ref, layers=[1, 2])])
+    assert chosen == {"overlap": 1.0, "same_sets": 1.0, "kept_ours": 4.0, "kept_kvpress": 4.0}
+
+
+def test_a_model_with_sliding_window_layers_leaves_out_what_kvpress_cannot_run_there(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = parity.ParityConfig(model="m", policies=("snapkv", "expected_attention"))
+    changed = parity._sliding_window_config(config)
+    assert changed.policies == ("snapkv",) and not changed.kvpress_accuracy and changed.accuracy
+    out = capsys.readouterr().out
+    assert "left out on a model with sliding-window layers (kvpress 0.5.5 fails there): expected_attention" in out
+    assert "kvpress's answers are not measured" in out
+    with pytest.raises(ValueError, match="kvpress 0.5.5 runs none of expected_attention"):
+        parity._sliding_window_config(parity.ParityConfig(model="m", policies=("expected_attention",)))
+
+
 def test_worker_and_bench_share_the_mask_encoding() -> None:
     g = torch.Generator().manual_seed(0)
     kept = torch.rand(3, 2, 37, generator=g) > 0.5  # 222 bits: not a multiple of 8
