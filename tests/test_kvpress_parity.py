@@ -70,7 +70,7 @@ def test_a_model_with_sliding_window_layers_leaves_out_what_kvpress_cannot_run_t
     out = capsys.readouterr().out
     assert "left out on a model with sliding-window layers (kvpress 0.5.5 fails there): expected_attention" in out
     assert "kvpress's answers are not measured" in out
-    with pytest.raises(ValueError, match="kvpress 0.5.5 runs none of expected_attention"):
+    with pytest.raises(ValueError, match=r"kvpress 0\.5\.5 runs none of expected_attention"):
         parity._sliding_window_config(parity.ParityConfig(model="m", policies=("expected_attention",)))
 
 
@@ -101,6 +101,9 @@ def test_matched_budgets_follow_kvpress_rules() -> None:
     assert parity.item_policy("streaming_llm-0.25") == "streaming_llm"
     expected = parity.project_policy("expected_attention", 0.1, 1000)
     assert expected["tokens"] == 99 and expected["future_positions"] == 512 and expected["sink_tokens"] == 4
+    # KVzip: kvpress prunes int(N c) in all, so it keeps N (1 - c) rounded up; 1011 - int(758.25) = 253.
+    kvzip = parity.project_policy("kvzip", 0.25, 1011)
+    assert kvzip["tokens"] == 253 and kvzip["skip_header"] is True and kvzip["allocation"] == "global"
 
 
 FAKE_WORKER = """\

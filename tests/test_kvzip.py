@@ -71,11 +71,12 @@ def dense_reference(engine: LLMEngine, tokens: list[int], policy: KVzipPolicy) -
     prompts = prompts_for_model(str(engine.runner.model_dir))
     config = engine.config
     n, group = len(tokens), config.num_attention_heads // config.num_key_value_heads
+    first = len(prompts.context_header) if policy.skip_header else 0  # kvpress's start, after the header
     scores = torch.zeros(config.num_hidden_layers, config.num_key_value_heads, n, dtype=torch.float64)
-    for start in range(0, n, policy.chunk_size):
+    for start in range(first, n, policy.chunk_size):
         end = min(n, start + policy.chunk_size)
-        quote = tokens[max(0, start - policy.overlap_tokens) : start]
-        lead = list(prompts.repeat) if start == 0 else list(prompts.resume) + quote
+        quote = tokens[max(first, start - policy.overlap_tokens) : start]
+        lead = list(prompts.repeat) if start == first else list(prompts.resume) + quote
         chunk_input = lead + list(prompts.answer_header) + tokens[start:end]
         sequence = tokens + chunk_input
         context = DenseContext([len(sequence)])
@@ -130,12 +131,20 @@ def engine() -> LLMEngine:
 PROMPT = [int(t) for t in torch.randint(5, 200, (90,), generator=torch.Generator().manual_seed(3))]
 
 
-@pytest.mark.parametrize("chunk_size", [16, 37, 90, 500])
-def test_chunked_pass_matches_the_dense_forward(engine: LLMEngine, chunk_size: int) -> None:
-    policy = RecordingKVzip(ratio=0.5, chunk_size=chunk_size)
+@pytest.mark.parametrize(
+    ("chunk_size", "skip_header"), [(16, False), (37, False), (90, False), (500, False), (16, True)]
+)
+def test_chunked_pass_matches_the_dense_forward(engine: LLMEngine, chunk_size: int, skip_header: bool) -> None:
+    """With `skip_header` (kvpress's way) the pass starts after the chat template's context header: its entries
+    past the sinks score 0 (and only then)."""
+    # The bundled model's template opens with 2 tokens: no sinks, so that both are past them.
+    sinks = 0 if skip_header else 4
+    policy = RecordingKVzip(ratio=0.5, chunk_size=chunk_size, skip_header=skip_header, sink_tokens=sinks)
     recorded = engine_scores(engine, PROMPT, policy)
     reference = dense_reference(engine, PROMPT, policy)
     torch.testing.assert_close(recorded["scores"].double(), reference, rtol=1e-4, atol=1e-5)
+    header = len(prompts_for_model(str(MODEL)).context_header)
+    assert bool((recorded["scores"][:, :, :header] == 0).all()) == skip_header
     # The budget: L * H * round(0.5 * n) prompt entries in all (the one sampled token is never written).
     layers, heads = engine.config.num_hidden_layers, engine.config.num_key_value_heads
     assert int(recorded["held"].sum()) == layers * heads * round(0.5 * len(PROMPT))

@@ -1,6 +1,7 @@
 """`kvpress bench kvpress-parity`: this project against NVIDIA kvpress 0.5.5 on the same prompts and weights.
 
-For SnapKV, StreamingLLM, PyramidKV and AdaKV at matched settings (window, kernel, pooling, budget),
+For SnapKV, StreamingLLM, PyramidKV, AdaKV, Expected Attention and KVzip at matched settings (window,
+kernel, pooling, budget, KVzip's reconstruction after the chat-template header),
 both systems compress the same contexts of a real model and the bench reports, per policy and kept
 ratio, how far their kept (layer, KV head, position) sets agree, and each system's accuracy on the
 questions that follow.
@@ -20,9 +21,11 @@ right after compression.
 
 Matching the budgets: for a kept ratio r the bench asks kvpress for compression_ratio c = 1 - r, and
 gives this project what kvpress keeps: `tokens = max(1, int(n * (1 - c)))` for SnapKV, StreamingLLM
-and AdaKV (kvpress truncates where this project rounds, see `policies/base.py`), and PyramidKV
+and AdaKV (kvpress truncates where this project rounds, see `policies/base.py`), PyramidKV
 `ratio = 1 - c` with `schedule: window_inside` (kvpress's layer schedule, computed from the
-unrounded r n). Pooling is average pooling with the padding counted (`count_include_pad`), as
+unrounded r n), and KVzip `tokens = n - int(n c)` with `skip_header` (kvpress keeps `N - int(N c)` of a
+request's N entries, the same up to under one entry per (layer, KV head) on average).
+Pooling is average pooling with the padding counted (`count_include_pad`), as
 kvpress's SnapKV does. `--variants` adds rows with this project's other choices (the padding left
 out of the average; PyramidKV's default window_outside schedule), compared with the same kvpress sets.
 
@@ -58,7 +61,7 @@ if TYPE_CHECKING:  # torch and numpy load lazily: the command line's --help must
 DEFAULT_KVPRESS_PYTHON = "build/kvpress-venv/bin/python"
 KVPRESS_PYTHON_ENV = "KVPRESS_PARITY_PYTHON"
 WORKER = Path(__file__).with_name("kvpress_parity_worker.py")
-PARITY_POLICIES = ("snapkv", "streaming_llm", "pyramidkv", "adakv", "expected_attention")
+PARITY_POLICIES = ("snapkv", "streaming_llm", "pyramidkv", "adakv", "expected_attention", "kvzip")
 DEFAULT_TASKS = ("nl_passkey", "nl_niah_single", "nl_niah_multikey", "nl_niah_multivalue")
 
 #: The matched settings of each policy: kvpress's press fields -> the same value in this project's policy.
@@ -71,6 +74,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "pyramidkv": {"window_size": 8, "kernel_size": 7, "beta": 20},
     "adakv": {"window_size": 64, "kernel_size": 5, "alpha_safeguard": 0.2},
     "expected_attention": {"n_future_positions": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True},
+    "kvzip": {"n_sink": 4, "chunk_size": 2048},
 }
 
 #: Extra rows (`--variants`): this project's other choices, against the same kvpress sets.
@@ -183,6 +187,12 @@ def project_policy(name: str, ratio: float, n: int, overrides: dict[str, Any] | 
     spec: dict[str, Any]
     if name == "streaming_llm":
         spec = {"name": name, "tokens": kvpress_kept(n, ratio), "sink_tokens": s["n_sink"]}
+    elif name == "kvzip":
+        # kvpress prunes int(N c) of a request's N entries in all (keeping the rest, N (1 - c) rounded up) and
+        # reconstructs the context after its chat-template header only (`skip_header`).
+        compression_ratio = 1 - ratio
+        spec = {"name": name, "tokens": max(1, n - int(n * compression_ratio)), "sink_tokens": s["n_sink"]}
+        spec |= {"chunk_size": s["chunk_size"], "allocation": "global", "skip_header": True}
     elif name == "expected_attention":
         spec = {"name": name, "tokens": kvpress_kept(n, ratio), "future_positions": s["n_future_positions"]}
         spec |= {"sink_tokens": s["n_sink"], "use_covariance": s["use_covariance"], "use_vnorm": s["use_vnorm"]}
@@ -351,10 +361,11 @@ def run_parity(config: ParityConfig) -> list[ParityRow]:
 
 
 #: What kvpress 0.5.5 cannot do on a text Gemma 3 (sliding-window layers), found by running it: its
-#: ExpectedAttentionPress calls the model's RoPE without the layer type Gemma 3's needs (an AttributeError),
+#: KVzipPress refuses Gemma 3 by name, its ExpectedAttentionPress calls the model's RoPE without the layer
+#: type Gemma 3's needs (an AttributeError),
 #: and after compression transformers builds sliding-window masks wider than the compressed layers for the
 #: question (a shape error in SDPA), so kvpress answers no question there.
-KVPRESS_CANNOT_ON_SLIDING = ("expected_attention",)
+KVPRESS_CANNOT_ON_SLIDING = ("expected_attention", "kvzip")
 
 
 def _sliding_window_config(config: ParityConfig) -> ParityConfig:

@@ -6,9 +6,9 @@ library, torch, transformers and kvpress.
 
 Request (JSON): `model_dir` (an HF directory with the same fp32 weights the project runs), `stop_ids`,
 `accuracy` (whether to answer the questions), `prompts` (each `id`, `context_ids`, `question_ids`,
-`max_new_tokens`) and `runs` (each `id`, `press` in snapkv / streaming_llm / pyramidkv / adakv / full,
-`compression_ratio` and the press's settings: `window_size`, `kernel_size`, `n_sink`, `beta`,
-`alpha_safeguard`).
+`max_new_tokens`) and `runs` (each `id`, `press` in snapkv / streaming_llm / pyramidkv / adakv /
+expected_attention / kvzip / full, `compression_ratio` and the press's settings: `window_size`,
+`kernel_size`, `n_sink`, `beta`, `alpha_safeguard`, `chunk_size`, ...).
 
 Result (JSON): `versions`, and one item per (prompt, run): `prompt`, `run`, `answer` (null without
 `accuracy`), `seconds`, `shape` [L, H, n] and `kept`, the kept (layer, KV head, position) set as a
@@ -20,6 +20,7 @@ How the kept sets are read, without changing what the press does:
   with the press's own budget (`kvpress.utils.compute_n_kept`, or PyramidKV's `get_layer_budget`).
 - AdaKV keeps every entry in the cache and masks the pruned ones in attention; after its `compress`
   the pruned (batch, head, position) triples are on the attention module (`masked_key_indices`).
+- KVzip does the same, for every layer at once, in `compress_post` after its reconstruction passes.
 Protocol: the pipeline's own `_forward` (context prefilled under the press, then the question
 prefilled and greedy decoding), fed with the bench's token ids instead of its chat template. PyramidKV
 leaves layers of different lengths, and transformers' SDPA path then builds a question mask of the
@@ -45,7 +46,14 @@ def _pack(mask: Any) -> str:
 
 
 def _press(run: dict[str, Any]) -> Any:
-    from kvpress import AdaKVPress, ExpectedAttentionPress, PyramidKVPress, SnapKVPress, StreamingLLMPress
+    from kvpress import (
+        AdaKVPress,
+        ExpectedAttentionPress,
+        KVzipPress,
+        PyramidKVPress,
+        SnapKVPress,
+        StreamingLLMPress,
+    )
 
     kind, ratio = run["press"], float(run["compression_ratio"])
     if kind == "snapkv":
@@ -67,6 +75,8 @@ def _press(run: dict[str, Any]) -> Any:
             use_covariance=run["use_covariance"],
             use_vnorm=run["use_vnorm"],
         )
+    if kind == "kvzip":
+        return KVzipPress(compression_ratio=ratio, n_sink=run["n_sink"], chunk_size=run["chunk_size"])
     raise ValueError(f"unknown press {kind!r}")
 
 
@@ -75,6 +85,21 @@ def _record(press: Any, kind: str, kept: dict[int, Any]) -> None:
     import torch
     from kvpress.utils import compute_n_kept
 
+    if kind == "kvzip":
+        compress_post = press.compress_post
+
+        def compress_post_and_record(model: Any) -> None:
+            compress_post(model)
+            n = press.score_val.shape[-1]
+            for layer in model.model.layers:
+                module = layer.self_attn
+                mask = torch.ones(model.config.num_key_value_heads, n, dtype=torch.bool)
+                _, heads, positions = module.masked_key_indices
+                mask[heads.cpu(), positions.cpu()] = False
+                kept[module.layer_idx] = mask
+
+        press.compress_post = compress_post_and_record
+        return
     if kind == "adakv":
         compress = press.compress
 

@@ -54,27 +54,29 @@ _MARKER = "\u2063kvzip-context\u2063"
 
 @dataclass(frozen=True)
 class ReconstructionPrompts:
-    """Token ids of the two instructions and of what the chat template puts between a user turn and the answer."""
+    """Token ids of the two instructions, of what the chat template puts between a user turn and the answer, and
+    of what it puts before a user message's content (a default system prompt included)."""
 
     repeat: tuple[int, ...]
     resume: tuple[int, ...]
     answer_header: tuple[int, ...]
+    context_header: tuple[int, ...] = ()
 
 
 def reconstruction_prompts(tokenizer: Any) -> ReconstructionPrompts:
-    """The prompts for this tokenizer; the answer header is the chat template's text after a user message."""
-    header = "\n"
+    """The prompts for this tokenizer; the headers are the chat template's text around a user message."""
+    before, header = "", "\n"
     if getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(
             [{"role": "user", "content": _MARKER}], add_generation_prompt=True, tokenize=False
         )
         if _MARKER in rendered:
-            header = rendered.split(_MARKER, 1)[1]
+            before, header = rendered.split(_MARKER, 1)
 
     def ids(text: str) -> tuple[int, ...]:
         return tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
 
-    return ReconstructionPrompts(ids(REPEAT_INSTRUCTION), ids(RESUME_INSTRUCTION), ids(header))
+    return ReconstructionPrompts(ids(REPEAT_INSTRUCTION), ids(RESUME_INSTRUCTION), ids(header), ids(before))
 
 
 @functools.lru_cache(maxsize=8)
@@ -89,14 +91,17 @@ def prompts_for_model(model_dir: str) -> ReconstructionPrompts:
 def chunk_inputs(
     tokens: list[int], spec: ReconstructionSpec, prompts: ReconstructionPrompts
 ) -> list[tuple[int, int, list[int]]]:
-    """(start, end, input ids) of every chunk: the reconstruction of tokens[start:end] and its prompt."""
+    """(start, end, input ids) of every chunk: the reconstruction of tokens[start:end] and its prompt. With
+    `spec.skip_header`, it starts after as many tokens as the chat template's context header has, as kvpress's
+    `KVzipPress` does (whether or not the prompt opens with that header: kvpress does not check)."""
+    first = min(len(prompts.context_header), len(tokens)) if spec.skip_header else 0
     chunks = []
-    for start in range(0, len(tokens), spec.chunk_size):
+    for start in range(first, len(tokens), spec.chunk_size):
         end = min(start + spec.chunk_size, len(tokens))
-        if start == 0:
+        if start == first:
             prompt = list(prompts.repeat)
         else:
-            prompt = list(prompts.resume) + tokens[max(0, start - spec.overlap_tokens) : start]
+            prompt = list(prompts.resume) + tokens[max(first, start - spec.overlap_tokens) : start]
         chunks.append((start, end, prompt + list(prompts.answer_header) + tokens[start:end]))
     return chunks
 

@@ -22,12 +22,16 @@ class ReconstructionSpec:
     entry gets the largest attention it receives from the queries that reconstruct its chunk (softmax
     over the first `sink_tokens` entries, the chunk's own cached entries and the reconstruction's own
     causal keys), maxed over the query heads of its GQA group. A chunk after the first quotes the last
-    `overlap_tokens` tokens of the chunk before it, so the model knows where to resume.
+    `overlap_tokens` tokens of the chunk before it, so the model knows where to resume. With `skip_header`
+    (kvpress's `KVzipPress`), the prompt's first k tokens are left out of the pass, k the length of the chat
+    template's text before a user message (its header, there): only the sinks among them are kept for sure,
+    the rest score 0. Like kvpress, it does not check that the prompt opens with that header.
     """
 
     chunk_size: int = 2048
     sink_tokens: int = 4
     overlap_tokens: int = 8
+    skip_header: bool = False
 
 
 @dataclass(frozen=True)

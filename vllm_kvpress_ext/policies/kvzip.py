@@ -31,7 +31,10 @@ ratio-budgeted policies; the paper reports ratios 0.1 to 1), or `tokens`.
 Divergences:
 - Every cached entry is reconstructed and scored, the prompt's chat-template header included. kvpress
   repeats only the context after that header, whose entries past the sinks then score 0 and go first;
-  the authors' code keeps the system prompt as its sinks. Here the header competes on its own scores.
+  the authors' code keeps the system prompt as its sinks. Here the header competes on its own scores;
+  `skip_header=True` is kvpress's way, for parity (`kvpress bench kvpress-parity`): the reconstruction
+  starts after as many tokens as the template's text before a user message has (kvpress does not check
+  that the prompt opens with it, so on a plain-text prompt its first tokens go unscored).
 - Budget arithmetic follows this project (`policies/base.py`): `ratio` keeps L * H * round(ratio * n)
   entries in all; the references keep every score above the int(ratio * N)-th largest, so ties at the
   threshold can keep a few fewer. Ties here go to the lower (layer, head, entry) index.
@@ -82,6 +85,7 @@ class KVzipPolicy(KVPolicy):
     sink_tokens: int = 4
     overlap_tokens: int = 8
     allocation: str = "global"
+    skip_header: bool = False
 
     @property
     def budget(self) -> Budget:
@@ -98,7 +102,8 @@ class KVzipPolicy(KVPolicy):
         check_choice("allocation", self.allocation, ALLOCATIONS)
 
     def capture_spec(self) -> CaptureSpec:
-        return CaptureSpec(reconstruction=ReconstructionSpec(self.chunk_size, self.sink_tokens, self.overlap_tokens))
+        spec = ReconstructionSpec(self.chunk_size, self.sink_tokens, self.overlap_tokens, self.skip_header)
+        return CaptureSpec(reconstruction=spec)
 
     def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> torch.Tensor:
         capture = layer.capture

@@ -26,7 +26,7 @@ def register(bench_sub: Subparsers) -> None:
         help="kept-set overlap and accuracy against NVIDIA kvpress 0.5.5 (run from its own venv), same prompts",
         description="Runs NVIDIA kvpress 0.5.5 (in its own venv: `make kvpress-venv`) and this project on the same "
         "prompts and fp32 weights of a real model (default smollm2-135m), with SnapKV, StreamingLLM, PyramidKV, "
-        "AdaKV and Expected Attention at matched settings, and prints per policy and kept ratio the overlap of "
+        "AdaKV, Expected Attention and KVzip at matched settings, and prints per policy and kept ratio the overlap of "
         "the kept (layer, KV head, position) sets and both systems' accuracy (question-agnostic protocol). "
         "See docs/parity.md.",
     )
