@@ -204,6 +204,7 @@ def vertical_slash_attention(
 # Attention within a sliding window over a ring's and a chunk's keys: torch's SDPA under a mask on every device
 # (its query blocks are a window wide, so no kernel of its own is needed).
 sliding_window_attention = reference.sliding_window_attention
+ring_chunk_attention = reference.ring_chunk_attention
 
 
 def write_kv(

@@ -412,6 +412,41 @@ def sliding_window_attention(
     return out
 
 
+def ring_chunk_attention(
+    kv_pool: torch.Tensor,
+    position_pool: torch.Tensor,
+    ring_table: torch.Tensor,
+    start: int,
+    query: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    window: int,
+    scale: float,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """A sliding-window layer's prompt chunk at positions `start`.. over its ring and its own keys.
+
+    The ring (`ring_table [Hkv, P]`, a row's pages in one layer) holds entry e = the latest position before
+    `start` that is e modulo `window`; it is read here, so call this before the chunk is written into the ring
+    (the chunk's tokens overwrite entries its own first queries still see). The ring's positions are worked
+    out, not read: the chunk's slots already carry its own. query `[n, Hq, d]`, keys/values `[n, Hkv, d]`.
+    """
+    all_keys, all_values, key_positions = keys, values, query_positions
+    if start > 0:
+        held = min(start, window)
+        lens = torch.full(ring_table.shape[:1], held, dtype=torch.int32, device=ring_table.device)
+        ring_keys, ring_values, _, _ = gather_paged(kv_pool, position_pool, ring_table, lens)
+        entry = torch.arange(held, device=query_positions.device)
+        ring_positions = start - 1 - (start - 1 - entry) % window
+        all_keys = torch.cat([ring_keys.transpose(0, 1).to(keys.dtype), keys])
+        all_values = torch.cat([ring_values.transpose(0, 1).to(values.dtype), values])
+        key_positions = torch.cat([ring_positions.to(query_positions.dtype), query_positions])
+    return sliding_window_attention(
+        query, query_positions, all_keys, all_values, key_positions, window, scale, soft_cap=soft_cap
+    )
+
+
 def causal_attention_with_lse(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -29,7 +29,7 @@ from vllm_kvpress_ext.attention import (
     gather_paged,
     paged_decode_attention,
     paged_prefill_attention,
-    sliding_window_attention,
+    ring_chunk_attention,
     vertical_slash_attention,
 )
 from vllm_kvpress_ext.cache import PagedKVCache
@@ -67,42 +67,6 @@ class PrefillSegment:
     @property
     def length(self) -> int:
         return self.end - self.start
-
-
-def attend_sliding_chunk(
-    cache: PagedKVCache,
-    layer: int,
-    row: int,
-    start: int,
-    slots: torch.Tensor,
-    queries: torch.Tensor,
-    positions: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    window: int,
-    scale: float,
-    soft_cap: float | None = None,
-) -> torch.Tensor:
-    """A sliding-window layer's prompt chunk (positions `start`..): read the ring, write the chunk into it at
-    `slots [n, Hkv]`, attend over both. The ring is read first because the chunk's tokens overwrite entries its
-    own first queries still see. Shared by the embedded engine and the plugin's backend on vLLM's runner."""
-    all_keys, all_values, key_positions = keys, values, positions
-    if start > 0:
-        # The ring before this chunk: entry e holds the latest position before `start` that is e modulo the
-        # window. Its positions are worked out, not read: the chunk's slots already carry its own.
-        held = min(start, window)
-        table = cache.device_block_tables[layer, row]
-        lens = torch.full(table.shape[:1], held, dtype=torch.int32, device=table.device)
-        ring_keys, ring_values, _, _ = gather_paged(cache.pool.kv, cache.pool.positions, table, lens)
-        entry = torch.arange(held, device=positions.device)
-        ring_positions = start - 1 - (start - 1 - entry) % window
-        all_keys = torch.cat([ring_keys.transpose(0, 1).to(keys.dtype), keys])
-        all_values = torch.cat([ring_values.transpose(0, 1).to(values.dtype), values])
-        key_positions = torch.cat([ring_positions.to(positions.dtype), positions])
-    cache.write(slots, keys, values)
-    return sliding_window_attention(
-        queries, positions, all_keys, all_values, key_positions, window, scale, soft_cap=soft_cap
-    )
 
 
 class PrefillContext:
@@ -182,10 +146,15 @@ class PrefillContext:
         v: torch.Tensor,
         window: int,
     ) -> torch.Tensor:
+        """A sliding-window layer's chunk: attend over the ring and the chunk, then write the chunk into the ring."""
+        cache = self.cache
         positions = self.positions[seg.offset : seg.offset + seg.length]
-        return attend_sliding_chunk(
-            self.cache, layer_idx, seg.row, seg.start, slots.transpose(0, 1), q, positions, k, v, window, self.scale
+        table = cache.device_block_tables[layer_idx, seg.row]
+        out = ring_chunk_attention(
+            cache.pool.kv, cache.pool.positions, table, seg.start, q, positions, k, v, window, self.scale
         )
+        cache.write(slots.transpose(0, 1), k, v)
+        return out
 
     def _gated(
         self,

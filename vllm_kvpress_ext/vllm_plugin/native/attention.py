@@ -17,7 +17,7 @@ else:
   chunk the paged prefill attention over the row (`attention.paged_prefill_attention`);
 - a sliding-window layer (Gemma 2 and 3's local layers) holds a ring of exactly its window per (layer, KV
   head), token t at entry `t % w` (`PagedKVCache(layer_windows=...)`): a prompt chunk reads the ring before
-  writing over it and attends within the window (`attend_sliding_chunk`, shared with the embedded engine);
+  writing over it and attends within the window (`attention.ring_chunk_attention`, shared with the embedded engine);
   a decode's ring is exactly what its query sees, so the decode kernel reads it unmasked;
 - a layer with a logit soft cap (Gemma 2), which the kernels do not take, gathers each request's entries
   and attends with masks in torch: position q sees k when `k <= q`. GQA reads KV head
@@ -49,8 +49,8 @@ from vllm_kvpress_ext.attention import (
     gather_paged,
     paged_decode_attention,
     paged_prefill_attention,
+    ring_chunk_attention,
 )
-from vllm_kvpress_ext.engine.attention_context import attend_sliding_chunk
 from vllm_kvpress_ext.engine.reconstruction import ReconstructionContext
 from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool, PrefillSpan, StepPlan
 
@@ -240,20 +240,20 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
     ) -> None:
         """A sliding-window layer, whose rows are rings of `window` entries (token t at entry t % window).
 
-        A prompt chunk reads the ring, writes itself into it and attends over both within the window
-        (`attend_sliding_chunk`, as the embedded engine does). A decode's ring holds exactly the window its query
-        sees, so decodes need no mask: the paged decode kernel, or with a soft cap the masked torch path. No
-        policy compresses these layers, so nothing of them is captured.
+        A prompt chunk attends over the ring and itself within the window (`attention.ring_chunk_attention`, as
+        the embedded engine does), then writes itself into the ring. A decode's ring holds exactly the window
+        its query sees, so decodes need no mask: the paged decode kernel, or with a soft cap the masked torch
+        path. No policy compresses these layers, so nothing of them is captured.
         """
         assert self.pool is not None and self.sliding_window is not None
+        cache = self.pool.cache
         for span in plan.prefills:
             chunk = slice(span.begin, span.end)
-            out[chunk] = attend_sliding_chunk(
-                self.pool.cache,
-                self.layer_index,
-                span.row,
+            out[chunk] = ring_chunk_attention(
+                cache.pool.kv,
+                cache.pool.positions,
+                cache.device_block_tables[self.layer_index, span.row],
                 span.first_position,
-                plan.token_slots[self.layer_index, chunk],
                 queries[chunk],
                 plan.query_positions[chunk].to(queries.device),
                 keys[chunk],
@@ -262,6 +262,7 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
                 self.scale,
                 soft_cap=self.logits_soft_cap,
             ).to(out.dtype)
+            cache.write(plan.token_slots[self.layer_index, chunk], keys[chunk], values[chunk])  # after the ring's read
         if self.logits_soft_cap is not None:
             self._masked(plan, queries, out, prefills=False)
         else:
