@@ -37,8 +37,9 @@ A model with sliding-window layers (Gemma 3) is compared on its global layers on
 the sliding layers as rings of their window that no policy compresses; kvpress 0.5.5 skips them only for
 `Gemma3ForConditionalGeneration` (`BasePress.__call__`) and compresses a text Gemma 3's like any layer.
 For the same reason PyramidKV's schedule differs there by design (kvpress spreads it over every layer,
-this project over the global ones). kvpress answers no question on such a model and runs no Expected
-Attention there (`KVPRESS_CANNOT_ON_SLIDING`): those columns and rows are left out, with a line saying so.
+this project over the global ones). kvpress answers no question on such a model and runs neither Expected
+Attention nor KVzip there (`KVPRESS_CANNOT_ON_SLIDING`): those columns and rows are left out, with a line
+saying so.
 """
 
 from __future__ import annotations
@@ -360,11 +361,10 @@ def run_parity(config: ParityConfig) -> list[ParityRow]:
     return rows
 
 
-#: What kvpress 0.5.5 cannot do on a text Gemma 3 (sliding-window layers), found by running it: its
-#: KVzipPress refuses Gemma 3 by name, its ExpectedAttentionPress calls the model's RoPE without the layer
-#: type Gemma 3's needs (an AttributeError),
-#: and after compression transformers builds sliding-window masks wider than the compressed layers for the
-#: question (a shape error in SDPA), so kvpress answers no question there.
+#: What kvpress 0.5.5 cannot do on a text Gemma 3 (sliding-window layers), found by running it: its KVzipPress
+#: refuses Gemma 3 by name, its ExpectedAttentionPress calls the model's RoPE without the layer type Gemma 3's
+#: needs (an AttributeError), and after compression transformers builds sliding-window masks wider than the
+#: compressed layers for the question (a shape error in SDPA), so kvpress answers no question there.
 KVPRESS_CANNOT_ON_SLIDING = ("expected_attention", "kvzip")
 
 
