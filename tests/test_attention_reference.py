@@ -284,3 +284,60 @@ def test_chunk_over_a_plain_prefix_splits_into_prefix_and_causal_parts(
     reference.paged_prefill_attention_sdpa(*args, tables, ragged, 0.125)
     reference.paged_prefill_attention_sdpa(query, torch.arange(start, n_total) - 5, *args[2:], tables, lens, 0.125)
     assert calls == [1, 1]
+
+
+def _dense_window_reference(
+    query: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    window: int,
+    scale: float,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    """Every query over the whole sequence's keys `[m, Hkv, d]` (position = index) under HF's window mask, in
+    float64, the soft cap written out."""
+    group = query.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, 1).transpose(0, 1)  # [Hq, m, d]
+    v = values.double().repeat_interleave(group, 1).transpose(0, 1)
+    logits = query.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, n, m]
+    if soft_cap is not None:
+        logits = soft_cap * torch.tanh(logits / soft_cap)
+    distance = query_positions.view(-1, 1) - torch.arange(keys.shape[0]).view(1, -1)
+    allowed = (distance >= 0) & (distance < window)
+    weights = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return (weights @ v).transpose(0, 1).float()
+
+
+@pytest.mark.parametrize("soft_cap", [None, 2.0])
+@pytest.mark.parametrize(("start", "count"), [(0, 12), (5, 3), (5, 12), (19, 1), (19, 30)])
+def test_a_chunk_over_its_ring_equals_dense_windowed_attention(start: int, count: int, soft_cap: float | None) -> None:
+    """A ring of window 8 holding the tokens before `start` (written as the cache writes them), then a chunk
+    read against it before being written: HF's sliding-window attention over the whole sequence."""
+    window, heads, kv_heads, dim = 8, 4, 2, 16
+    generator = torch.Generator().manual_seed(start * 100 + count)
+    total = start + count
+    keys = torch.randn(total, kv_heads, dim, generator=generator)
+    values = torch.randn(total, kv_heads, dim, generator=generator)
+    query = torch.randn(count, heads, dim, generator=generator)
+    cache = PagedKVCache(1, kv_heads, dim, 64, page_size=4, dtype=torch.float32, layer_windows=[window])
+    row = cache.add_request("r")
+    for position in range(start):  # one token at a time: the ring wraps as it would during decode
+        slots = cache.append_slots([row], torch.tensor([[position]]))[0, 0].transpose(0, 1)  # [1, Hkv]
+        cache.write(slots, keys[position : position + 1], values[position : position + 1])
+    positions = torch.arange(start, total)
+    out = reference.ring_chunk_attention(
+        cache.pool.kv,
+        cache.pool.positions,
+        cache.block_tables[0, row],
+        start,
+        query,
+        positions,
+        keys[start:],
+        values[start:],
+        window,
+        0.25,
+        soft_cap=soft_cap,
+    )
+    expected = _dense_window_reference(query, positions, keys, values, window, 0.25, soft_cap)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
