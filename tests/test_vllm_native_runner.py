@@ -232,12 +232,13 @@ def test_vllms_sampling_features_work_under_compression(checkpoints: Checkpoints
     ("policy", "missing"),
     [("expected_attention", "the queries before RoPE"), ("gvote", "the hidden states' statistics")],
 )
-def test_a_policy_needing_the_llama_familys_rope_is_refused_elsewhere(
+def test_a_policy_needing_the_projects_rope_is_refused_elsewhere(
     checkpoints: Checkpoints, policy: str, missing: str
 ) -> None:
     """Expected Attention and GVote use the project's RoPE (and GVote the query rows of vLLM's QKV projection),
-    known for the Llama family only: on Gemma 3 they are refused by name, at start and per request."""
-    path, _ = checkpoints("gemma3")
+    known where the project parses the config (the Llama family, Gemma 3): on Gemma 2 they are refused by name,
+    at start and per request."""
+    path, _ = checkpoints("gemma2")
     with pytest.raises(ValueError, match=f"kv_policy '{policy}' needs {missing}"):
         native_llm(path, kv_policy=policy)
     llm = native_llm(path)

@@ -495,8 +495,6 @@ class NativePool:
         assert capture is not None and capture.spec.reconstruction is not None
         if self.reconstruction_forward is None or self.tokenizer_dir is None:
             raise ValueError("the reconstruction pass needs the model runner, which has not bound this pool")
-        if self.cache.has_sliding_layers:
-            raise ValueError("the reconstruction pass does not attend within sliding windows on vLLM's runner")
         tokens = self.prompt_tokens[request_id][: seat.written]
         prompts = prompts_for_model(self.tokenizer_dir)
         self.reconstructing = True

@@ -7,9 +7,10 @@ K-VEC, H2O, StreamingLLM), and for decode-time policies each step's attention (H
 knows the model's RoPE (a Llama-family config it parses itself: `native_rope`), the queries are turned
 back to before RoPE, which is what Expected Attention reads. The others need what only the project's own
 model code gives today, and are refused by name until the backend captures it: the keys before RoPE
-and admission during prefill for learned write gates (WG-KV), and, on a model outside the Llama family,
-the queries before RoPE (Expected Attention), the attention inputs with the query projection (GVote)
-and a reconstruction pass over plain attention (KVzip). For the Llama family the runner hooks each
+and admission during prefill for learned write gates (WG-KV), and, on a model whose config the project
+does not parse (all but the Llama family and Gemma 3), the queries before RoPE (Expected Attention), the
+attention inputs with the query projection (GVote) and a reconstruction pass over plain attention
+(KVzip). For the models it parses the runner hooks each
 layer's QKV projection (`query_projections`): its input is the normed hidden states GVote keeps
 statistics of, and its weights' query rows give GVote's synthetic queries; KVzip's pass runs vLLM's
 model with the embedded engine's reconstruction attention (`NativePool._score_by_reconstruction`).
@@ -72,17 +73,16 @@ def rope_known(model_dir: str) -> bool:
 
 def native_rope(model_dir: str | Path) -> RotaryEmbedding | None:
     """The model's RoPE as the project computes it, where the project parses the model's config (the Llama
-    family it implements, whose full-width RoPE is the one vLLM's implementations of it apply); else None."""
+    family and Gemma 3, whose full-width RoPE is the one vLLM's implementations of them apply in the layers a
+    policy compresses); else None."""
     from vllm_kvpress_ext.models.loader import load_config
 
     try:
         config = load_config(model_dir)
     except Exception:  # not a directory the project reads, or an architecture it does not implement
         return None
-    if config.local_rope_theta is not None:
-        # Gemma 3's sliding layers rotate with a base of their own, and this pool's policies see every layer
-        # with one RoPE: such a model is refused the policies that rotate, as one the project does not parse.
-        return None
+    # Gemma 3's sliding layers rotate with a base of their own (`local_rope_theta`), but they are rings no policy
+    # sees (`engine/compression.py`): the policies' RoPE is the global layers'.
     return RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
