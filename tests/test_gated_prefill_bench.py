@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from vllm_kvpress_ext.attention import ops
 from vllm_kvpress_ext.bench.gated_prefill import ROWS, GatedPrefillConfig, run_gated_prefill_bench
 from vllm_kvpress_ext.bench.models import bench_model_dir, write_untrained_gates
 from vllm_kvpress_ext.cli import main
-from vllm_kvpress_ext.engine import attention_context
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +24,14 @@ def test_only_the_gated_row_runs_the_vertical_slash_attention(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     calls: list[int] = []
-    original = attention_context.vertical_slash_attention
+    original = ops.vertical_slash_attention
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(args[0].shape[0])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(attention_context, "vertical_slash_attention", counted)
+    # A gated chunk reaches it through `gated_chunk_attention`, in the same module.
+    monkeypatch.setattr(ops, "vertical_slash_attention", counted)
     config = GatedPrefillConfig(model=str(model_dir), context_lens=(256,), repeats=1, max_batched_tokens=128, tau=0.99)
     result = run_gated_prefill_bench(config)
     rows = {r["row"]: r for r in result["prefill"]}

@@ -11,8 +11,8 @@ import torch
 from model_utils import write_suite_model
 
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
+from vllm_kvpress_ext.engine.admission import PromptAdmission
 from vllm_kvpress_ext.engine.layerwise import prefill_reservation
-from vllm_kvpress_ext.engine.model_runner import ModelRunner
 from vllm_kvpress_ext.engine.request import RequestStatus
 from vllm_kvpress_ext.models import load_config
 from vllm_kvpress_ext.models.write_gate import WriteGates
@@ -81,7 +81,7 @@ def test_chunkwise_admission_gives_exactly_the_prefill_completion_cache(
     tokens = prompt(chunk)
     with monkeypatch.context() as patch:
         # The prefill-completion path: every chunk written whole, admission applied once by `start_ring`.
-        patch.setattr(ModelRunner, "_drop_unadmitted", lambda self, request: None)
+        patch.setattr(PromptAdmission, "drop_unadmitted", lambda self, cache, request_id: None)
         whole = run(model_dir, gates, chunk, tokens)
     chunked = run(model_dir, gates, chunk, tokens)
     assert chunked["state"].keys() == whole["state"].keys()

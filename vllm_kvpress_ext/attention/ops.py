@@ -60,6 +60,7 @@ __all__ = [
     "causal_attention",
     "causal_attention_with_lse",
     "copy_slots",
+    "gated_chunk_attention",
     "gather_paged",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -199,6 +200,47 @@ def vertical_slash_attention(
     if env_flag(PREFILL_ORACLE_ENV):
         return reference.vertical_slash_attention(query, keys, values, admitted, window, scale, query_start)
     return vertical_slash_attention_blocks(query, keys, values, admitted, window, scale, query_start)
+
+
+def gated_chunk_attention(
+    kv_pool: torch.Tensor,
+    position_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    admitted: torch.Tensor,
+    window: int,
+    scale: float,
+    query_start: int,
+) -> torch.Tensor | None:
+    """A write-gated prompt chunk (WG-KV) at positions `query_start`.. under the vertical-slash mask.
+
+    `admitted [Hkv, end]` flags every prompt token up to the chunk's end; query `[n, Hq, d]`, the chunk's
+    keys/values `[n, Hkv, d]`. A first chunk attends over its own keys. A later one reads the row
+    (`block_table [Hkv, P]`, `seq_lens [Hkv]`), already written with the chunk, where earlier chunks left each
+    head only its admitted entries and the last window (`PagedKVCache.drop_unadmitted`). Returns None where
+    the mask is causal anyway (the prompt so far fits in the window, or every token so far is admitted):
+    the caller's causal path gives the same result faster.
+    """
+    end = query_start + query.shape[0]
+    if end <= window or bool(admitted.all()):
+        return None
+    if query_start == 0:
+        return vertical_slash_attention(query, keys, values, admitted, window, scale)
+    held_keys, held_values, positions, valid = gather_paged(kv_pool, position_pool, block_table, seq_lens)
+    # Back to one row per position: the entries earlier chunks dropped are exactly the ones this chunk's
+    # mask hides, so the zeros standing in for them are never attended to, and the result is bit for bit
+    # what the whole prefix gives.
+    heads, _, dim = held_keys.shape
+    dense_keys = held_keys.new_zeros(end, heads, dim)
+    dense_values = held_values.new_zeros(end, heads, dim)
+    head_index = torch.arange(heads, device=held_keys.device).view(-1, 1).expand_as(positions)[valid]
+    position_index = positions[valid].to(torch.int64)
+    dense_keys[position_index, head_index] = held_keys[valid]
+    dense_values[position_index, head_index] = held_values[valid]
+    return vertical_slash_attention(query, dense_keys, dense_values, admitted, window, scale, query_start=query_start)
 
 
 # Attention within a sliding window over a ring's and a chunk's keys: torch's SDPA under a mask on every device

@@ -1,7 +1,7 @@
 """`kvpress bench gated-prefill`: the prefill time of WG-KV's gated attention path against the causal one.
 
 WG-KV's prefill attends under the vertical-slash mask (a query sees the last `W_local` keys and the
-admitted older ones), which `engine/attention_context.py` computes with `vertical_slash_attention`:
+admitted older ones), which both runners compute with `vertical_slash_attention` (`attention.gated_chunk_attention`):
 on a GPU the block-sparse Triton kernel, on a CPU its block-sparse torch form (`attention/block_sparse.py`:
 per block of queries, the admitted keys before its band and the band itself). The ordinary prefill of
 a first chunk is torch's fused causal SDPA, which also skips the blocks above the diagonal.

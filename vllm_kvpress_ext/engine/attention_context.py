@@ -26,13 +26,13 @@ import torch
 from vllm_kvpress_ext.attention import (
     causal_attention,
     causal_attention_with_lse,
-    gather_paged,
+    gated_chunk_attention,
     paged_decode_attention,
     paged_prefill_attention,
     ring_chunk_attention,
-    vertical_slash_attention,
 )
 from vllm_kvpress_ext.cache import PagedKVCache
+from vllm_kvpress_ext.engine.admission import PromptAdmission
 from vllm_kvpress_ext.policies.base import Admission
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 
@@ -59,10 +59,8 @@ class PrefillSegment:
     offset: int
     slots: torch.Tensor | None  # [L, 1, H, n] from `append_slots`; None when `layerwise` allocates per layer
     capture: PrefillCapture | None = None
-    admission: Admission | None = None
-    admitted: list[list[torch.Tensor]] | None = None  # the request's flags so far, per layer [H, n] chunks
+    admission: PromptAdmission | None = None  # a write-gated request's flags so far (WG-KV)
     layerwise: LayerwisePrefill | None = None
-    gate_values: list[list[torch.Tensor]] | None = None  # the request's gate values, when its policy ranks by them
 
     @property
     def length(self) -> int:
@@ -171,41 +169,25 @@ class PrefillContext:
         Returns False (the caller runs plain causal attention) when the mask is causal anyway: the whole
         prompt so far fits in the local window, or every token so far is admitted.
         """
-        assert seg.admission is not None and seg.admitted is not None
-        window = seg.admission.window
-        if seg.gate_values is not None:
-            values = seg.admission.values(layer_idx, k_pre_rope, k)  # type: ignore[attr-defined]
-            seg.gate_values[layer_idx].append(values.transpose(0, 1))
-            flags = values >= seg.admission.tau  # type: ignore[attr-defined]
-        else:
-            flags = seg.admission.flags(layer_idx, k_pre_rope, k)
-        seg.admitted[layer_idx].append(flags.transpose(0, 1))
-        admitted = torch.cat(seg.admitted[layer_idx], dim=-1)  # [H, end]: prompt entries are still in order
-        if seg.end <= window or bool(admitted.all()):
-            return False
-        if seg.start == 0:
-            out.copy_(vertical_slash_attention(q, k, v, admitted, window, self.scale))
-            return True
+        assert seg.admission is not None
+        admitted = seg.admission.gate(layer_idx, k_pre_rope, k)
         cache = self.cache
-        keys, values, positions, valid = gather_paged(
+        attended = gated_chunk_attention(
             cache.pool.kv,
             cache.pool.positions,
             cache.device_block_tables[layer_idx, seg.row],
             cache.device_seq_lens[layer_idx, seg.row],
-        )  # [H, N, d]: earlier chunks left each head only its admitted entries and the last window
-        # Back to one row per position: the entries earlier chunks dropped are exactly the ones this
-        # chunk's mask hides, so the zeros standing in for them are never attended to, and the result
-        # is bit for bit what the whole prefix gives.
-        heads, _, dim = keys.shape
-        dense_keys = keys.new_zeros(seg.end, heads, dim)
-        dense_values = values.new_zeros(seg.end, heads, dim)
-        head_index = torch.arange(heads, device=keys.device).view(-1, 1).expand_as(positions)[valid]
-        position_index = positions[valid].to(torch.int64)
-        dense_keys[position_index, head_index] = keys[valid]
-        dense_values[position_index, head_index] = values[valid]
-        out.copy_(
-            vertical_slash_attention(q, dense_keys, dense_values, admitted, window, self.scale, query_start=seg.start)
+            q,
+            k,
+            v,
+            admitted,
+            seg.admission.window,
+            self.scale,
+            seg.start,
         )
+        if attended is None:
+            return False
+        out.copy_(attended)
         return True
 
 

@@ -17,7 +17,6 @@ state is undefined, and the driver must fail the batch).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch
 
 from vllm_kvpress_ext.cache import PagedKVCache, PagePool, RequestCapacityError
 from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PoolExhaustedError
+from vllm_kvpress_ext.engine.admission import PromptAdmission, bind_admission
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
 from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_decode, layer_prefill
 from vllm_kvpress_ext.engine.host_allocator import tune_host_allocator
@@ -196,7 +196,7 @@ class ModelRunner:
         request = Request(request_id, token_ids, params, compress_after=compress_after, policy=policy)
         # The last sampled token is never written to the cache: prompt + new tokens - 1 entries at most.
         new_tokens = params.max_tokens if max_new_tokens is None else max_new_tokens
-        request.admission = self._admission_within_pool(policy, min(len(token_ids) + new_tokens - 1, max_model_len))
+        request.admission = self.admission_for(policy, min(len(token_ids) + new_tokens - 1, max_model_len))
         pool_pages = self.cache.pool.num_pages
         peak = self.cache.pages_for_prompt(request.prefill_target)
         if peak > pool_pages:
@@ -205,50 +205,9 @@ class ModelRunner:
             )
         return request
 
-    def _admission_within_pool(self, policy: KVPolicy | None, max_entries: int) -> Admission | None:
-        admission = self.admission_for(policy, max_entries)
-        if admission is None:
-            return None
-        ring_pages = self.config.num_hidden_layers * self.config.num_key_value_heads * admission.window
-        ring_pages //= self.cache.page_size
-        if ring_pages > self.cache.pool.num_pages:
-            raise RequestRejectedError(
-                f"the local window ({admission.window} tokens) needs {ring_pages} KV pages but the whole pool has "
-                f"{self.cache.pool.num_pages}"
-            )
-        return admission
-
     def admission_for(self, policy: KVPolicy | None, max_entries: int | None = None) -> Admission | None:
-        """The policy's write gate bound to this model (checked against it), or None.
-
-        With `max_entries` (the most entries the request can ever write), the ring never spans more
-        than that, rounded up to whole pages: a longer one would evict nothing more and only cost
-        pages, so a request whose ring outlasts it holds what `full` holds.
-        """
-        if policy is not None and policy.admits_during_prefill and self.cache.has_sliding_layers:
-            raise RequestRejectedError(
-                f"{policy.name}: a write gate's local ring is not supported on a model with sliding-window layers, "
-                "whose own ring holds their window"
-            )
-        admission = policy.admission(self.model_dir, self.device, self.gate_store) if policy is not None else None
-        if admission is None:
-            return None
-        if max_entries is not None:
-            page = self.cache.page_size
-            longest = -(-max_entries // page) * page
-            if admission.window > longest and dataclasses.is_dataclass(admission):
-                admission = dataclasses.replace(admission, window=longest)
-        gates = getattr(admission, "gates", None)
-        if gates is not None:
-            gates.check_model(
-                self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim, "the write gates"
-            )
-        if admission.window < 1 or admission.window % self.cache.page_size:
-            raise ValueError(
-                f"the local window ({admission.window} tokens) must be a positive multiple of the page size "
-                f"({self.cache.page_size}): the ring is made of whole pages"
-            )
-        return admission
+        """The policy's write gate bound to this model and pool (`engine/admission.py`), or None."""
+        return bind_admission(policy, self.cache, self.model_dir, self.device, self.gate_store, max_entries)
 
     def add(self, request: Request) -> None:
         """Give the request a cache row; it starts (or restarts) its prefill from token 0."""
@@ -343,8 +302,7 @@ class ModelRunner:
         self.release(request)
         request.policy_state = None
         request.capture = None
-        request.admitted = None
-        request.gate_values = None
+        request.prompt_admission = None
 
     def preempt(self, request: Request) -> None:
         """Free the request's pages and mark it waiting to be recomputed (its output tokens stay)."""
@@ -414,8 +372,9 @@ class ModelRunner:
         The full prompt, or the policy's declared peak when the whole prefill is one layer-wise chunk,
         or, for a write-gated request whose chunks are at most `chunk_tokens`, its chunked prefill peak
         (`layerwise.prefill_reservation`); the layer-wise prefill and the chunk-boundary WG-KV admission
-        limit (`_drop_unadmitted`) hold the request to the same figure. On a model with sliding-window layers
-        (which hold at most their window, and never compress layer by layer) it is the prompt as the cache holds it.
+        limit (`PromptAdmission.drop_unadmitted`) hold the request to the same figure. On a model with
+        sliding-window layers (which hold at most their window, and never compress layer by layer) it is the
+        prompt as the cache holds it.
         """
         if self.cache.has_sliding_layers:
             return self.cache.pages_for_prompt(request.prefill_target)
@@ -472,9 +431,8 @@ class ModelRunner:
             if compression is not None:
                 layerwise[req.request_id] = compression
             if req.admission is not None and chunk.start == 0:
-                req.admitted = [[] for _ in range(self.config.num_hidden_layers)]
-                ranked = req.policy is not None and req.policy.wants_gate_values and hasattr(req.admission, "values")
-                req.gate_values = [[] for _ in range(self.config.num_hidden_layers)] if ranked else None
+                assert req.policy is not None
+                req.prompt_admission = PromptAdmission(req.admission, req.policy, self.config.num_hidden_layers)
             segments.append(
                 PrefillSegment(
                     req.row,
@@ -483,10 +441,8 @@ class ModelRunner:
                     len(token_ids),
                     slots,
                     capture,
-                    req.admission,
-                    req.admitted,
+                    req.prompt_admission,
                     compression,
-                    req.gate_values,
                 )
             )
             running.append(chunk)
@@ -507,8 +463,8 @@ class ModelRunner:
                     raise compression.error
                 if chunk.end == req.prefill_target:
                     self.complete_prefill(req, compression)
-                elif req.admission is not None:
-                    self._drop_unadmitted(req)
+                elif req.prompt_admission is not None:
+                    req.prompt_admission.drop_unadmitted(self.cache, req.request_id)
             except Exception as exc:
                 failed.append(RequestFailure(req, exc))
                 continue
@@ -654,7 +610,9 @@ class ModelRunner:
             request.policy_state = state
             gated = request.admission is not None
             if gated:
-                self._start_ring(request)
+                assert request.prompt_admission is not None
+                request.prompt_admission.start_ring(self.cache, request.request_id)
+                request.prompt_admission = None
             compress_prefill(
                 self.cache,
                 request.request_id,
@@ -674,41 +632,6 @@ class ModelRunner:
             request.kv.kept_at_compression = kept_entries(self.cache, request.request_id)
         if self.prefix_store is not None and request.cached_tokens == 0:
             self.prefix_store.store(request)
-
-    def _drop_unadmitted(self, request: Request) -> None:
-        """Admission during a chunked prefill: what the gates did not admit leaves the cache with its chunk.
-
-        After each chunk but the last, every head keeps only its admitted entries and the last W
-        tokens (which the next chunk's band still reaches), so the prefill peak is about the admitted
-        tokens plus one chunk and the window rather than the whole prompt. The next chunk's attention
-        sees exactly the keys the whole prefix would show it, and `start_ring` ends with the cache the
-        whole prompt would give.
-        """
-        assert request.admission is not None and request.admitted is not None and request.policy is not None
-        device = request.admitted[0][0].device
-        admitted = torch.stack([torch.cat(chunks, dim=-1) for chunks in request.admitted]).cpu()  # [L, H, n]
-        values = None
-        if request.gate_values is not None:
-            values = torch.stack([torch.cat(chunks, dim=-1) for chunks in request.gate_values]).cpu()
-        window = request.admission.window
-        limited = request.policy.limit_prefill_admission(admitted, values, admitted.shape[-1] - window)
-        if limited is not admitted:
-            if limited.shape != admitted.shape or bool((limited & ~admitted).any()):
-                raise ValueError("limit_prefill_admission may only drop admitted entries")
-            # Later chunks' masks and `start_ring` must not see a dropped entry as admitted.
-            admitted = limited
-            request.admitted = [[flags.to(device)] for flags in admitted]
-            if values is not None:
-                request.gate_values = [[layer.to(device)] for layer in values]
-        self.cache.drop_unadmitted(request.request_id, window, admitted)
-
-    def _start_ring(self, request: Request) -> None:
-        """Admission at prefill completion: last W tokens into the ring, older ones kept only if admitted."""
-        assert request.admission is not None and request.admitted is not None
-        admitted = torch.stack([torch.cat(chunks, dim=-1) for chunks in request.admitted]).cpu()  # [L, H, n]
-        self.cache.start_ring(request.request_id, request.admission.window, admitted)
-        request.admitted = None
-        request.gate_values = None
 
     def _on_decode_step(self, request: Request, batch_index: int, context: DecodeContext) -> None:
         """Let the request's policy evict after a decode step (e.g. H2O, bounded StreamingLLM)."""

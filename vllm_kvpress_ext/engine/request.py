@@ -117,8 +117,7 @@ class Request:
     policy_state: Any = None
     capture: Any = None  # PrefillCapture while a compressing policy's prefill runs
     admission: Any = None  # the policy's `Admission` (WG-KV write gate) bound to the model, if any
-    admitted: list[list[torch.Tensor]] | None = None  # per layer, admission flags [H, n] of each prefill chunk
-    gate_values: list[list[torch.Tensor]] | None = None  # per layer, gate values [H, n], when the policy ranks by them
+    prompt_admission: Any = None  # `PromptAdmission`: what the gates said of the prompt, while it is prefilled
     first_token_time: float | None = None
     error: str | None = None  # why the runner failed this request alone (finish_reason "error")
     prefix_key: str | None = None  # the cached compressed prefix this request's row was forked from

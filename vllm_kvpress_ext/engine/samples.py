@@ -45,8 +45,7 @@ def start_as_fork(parent: Request, sample: Request, row: int) -> None:
     sample.compressed_at = parent.compressed_at
     sample.policy_state = copy.deepcopy(parent.policy_state)
     sample.admission = parent.admission
-    sample.admitted = parent.admitted
-    sample.gate_values = parent.gate_values
+    sample.prompt_admission = parent.prompt_admission
     sample.prompt_logprobs = list(parent.prompt_logprobs)
     # The prompt's figures are the parent's; the compression work was the parent's alone.
     sample.kv = dataclasses.replace(
