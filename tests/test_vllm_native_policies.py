@@ -23,13 +23,13 @@ import torch
 from model_utils import write_suite_gemma3, write_suite_model
 from vllm import LLM as VllmLLM
 from vllm import SamplingParams as VllmSamplingParams
-from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm_utils import in_process_engine, in_process_worker
 
 from vllm_kvpress_ext.engine import LLM, KeptEntries, SamplingParams
 from vllm_kvpress_ext.hub import catalog
-from vllm_kvpress_ext.models import load_model
+from vllm_kvpress_ext.models import load_config, load_model
+from vllm_kvpress_ext.models.write_gate import WriteGates, default_gate_path, shipped_gates
 from vllm_kvpress_ext.models.writer import save_model
 from vllm_kvpress_ext.policies.registry import create_policy, policy_names
 from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
@@ -45,18 +45,32 @@ NEW_TOKENS = 6
 SERVED = [
     n for n in policy_names() if create_policy(n).compresses and native_refusal(create_policy(n), True, True) is None
 ]
-REFUSED = [n for n in policy_names() if native_refusal(create_policy(n), True, True) is not None]
 # Budgets that keep a part of a 96-token prompt (the registry's defaults, where they would keep it all).
 SPECS: dict[str, Any] = {
     "snapkv": {"name": "snapkv", "ratio": 0.25},
     "adakv": {"name": "adakv", "ratio": 0.25},
     "streaming_llm": {"name": "streaming_llm", "ratio": 0.3},
+    # The gates beside the checkpoint (`write_gates`) admit about half the keys at tau 0.5.
+    "wgkv": {"name": "wgkv", "tau": 0.5},
 }
+GATE_WINDOW = 16
+
+
+def write_gates(model: Path, seed: int = 7) -> Path:
+    """Random write gates for `model`, spread widely around 0.5, where both engines look by default: beside it."""
+    config = load_config(model)
+    torch.manual_seed(seed)
+    gates = WriteGates(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, init_bias=0.0)
+    with torch.no_grad():
+        gates.w2.normal_(0.0, 3.0)
+    return gates.save(default_gate_path(model), {"local_window": GATE_WINDOW})
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_suite_model(tmp_path_factory.mktemp("native-policies"), hidden=64, std=0.3)
+    path = write_suite_model(tmp_path_factory.mktemp("native-policies"), hidden=64, std=0.3)
+    write_gates(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +112,12 @@ def native_pool(llm: VllmLLM) -> Any:
     return in_process_worker(llm).model_runner.pool
 
 
-def assert_same_kept(embedded: LLM, native: VllmLLM, name: str, batch: list[list[int]]) -> None:
-    """`batch` on both engines under `name`'s policy: the same kept entries, tokens and figures, no page leaked."""
-    spec = SPECS.get(name, name)
+def assert_same_kept(
+    embedded: LLM, native: VllmLLM, name: str, batch: list[list[int]], spec: str | dict[str, Any] | None = None
+) -> None:
+    """`batch` on both engines under `name`'s policy (`spec`, by default its entry in `SPECS`): the same kept
+    entries, tokens and figures, no page leaked."""
+    spec = spec if spec is not None else SPECS.get(name, name)
     ours = embedded.generate(
         batch, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_kept=True), policy=spec
     )
@@ -134,11 +151,11 @@ def test_each_policy_keeps_on_vllms_runner_what_it_keeps_on_the_embedded_engine(
     assert_same_kept(embedded, native, name, prompts())
 
 
-@pytest.mark.parametrize("name", ["snapkv", "h2o", "gvote", "kvzip"])
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "gvote", "kvzip", "wgkv"])
 def test_a_prompt_in_chunks_keeps_the_same_entries(name: str, model: Path) -> None:
     """Steps of 32 tokens: the 96-token prompt prefills in three chunks on both engines, the capture (the
     window's queries; H2O's every query with its log-sum-exp; GVote's hidden-state statistics, from the QKV
-    projection's input) gathered across them."""
+    projection's input) gathered across them, and WG-KV's unadmitted entries dropped after each chunk."""
     embedded = LLM(model, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE, max_num_batched_tokens=32)
     native = native_llm(model, max_num_batched_tokens=32)
     try:
@@ -149,9 +166,27 @@ def test_a_prompt_in_chunks_keeps_the_same_entries(name: str, model: Path) -> No
         gc.collect()
 
 
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_wgkv_under_a_cap_keeps_the_same_entries(chunk: int | None, model: Path) -> None:
+    """WG-KV composed with eviction (a cap of 8 global entries per KV head): the highest-gated admitted entries
+    kept between chunks, the SnapKV-like cut at prefill completion, and decode-time evictions from each step's
+    attention over the local ring and the global region; the same on both engines."""
+    spec = {"name": "wgkv", "tau": 0.5, "cap": 8, "local_window": GATE_WINDOW}
+    chunking = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    embedded = LLM(model, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE, **chunking)
+    native = native_llm(model, max_num_batched_tokens=chunk)
+    try:
+        for prompt in prompts():
+            assert_same_kept(embedded, native, "wgkv", [prompt], spec)
+    finally:
+        del native
+        gc.collect()
+
+
 # Gemma 3 (sliding-window layers): the project parses its config, so it knows the RoPE of the global layers,
-# the only ones a policy sees.
-SERVED_ON_GEMMA3 = SERVED
+# the only ones a policy sees. A write gate's local ring is refused there by both engines: its sliding layers'
+# rings already hold their window.
+SERVED_ON_GEMMA3 = [n for n in SERVED if not create_policy(n).admits_during_prefill]
 
 
 def test_every_served_policy_keeps_the_embedded_engines_entries_on_gemma3(tmp_path: Path) -> None:
@@ -185,6 +220,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (directory / name).is_file():
             shutil.copy(directory / name, out / name)
+    shutil.copy(shipped_gates()["smollm2-135m"], default_gate_path(out))  # the catalog model's trained gates
     return out
 
 
@@ -231,20 +267,3 @@ def test_structured_output_is_valid_json_under_snapkv_on_smollm2(smollm2: Path) 
     finally:
         del llm
         gc.collect()
-
-
-@pytest.mark.parametrize("name", REFUSED)
-def test_a_policy_vllms_runner_cannot_serve_yet_is_refused_by_name(name: str, native: VllmLLM, model: Path) -> None:
-    params = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": name})
-    with pytest.raises(VLLMValidationError, match=rf"kv_policy '{name}' needs .* \(kv_runner 'project'\)"):
-        native.generate([{"prompt_token_ids": prompts()[0]}], params, use_tqdm=False)
-
-
-def test_a_default_policy_vllms_runner_cannot_serve_is_refused_at_start(model: Path) -> None:
-    with pytest.raises(ValueError, match="kv_policy 'wgkv' needs write-time admission gates"):
-        VllmLLM(
-            str(model),
-            dtype="float32",
-            skip_tokenizer_init=True,
-            additional_config={"kv_runner": "vllm", "kv_policy": "wgkv"},
-        )

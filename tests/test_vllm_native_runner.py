@@ -230,14 +230,18 @@ def test_vllms_sampling_features_work_under_compression(checkpoints: Checkpoints
 
 @pytest.mark.parametrize(
     ("policy", "missing"),
-    [("expected_attention", "the queries before RoPE"), ("gvote", "the hidden states' statistics")],
+    [
+        ("expected_attention", "the queries before RoPE"),
+        ("gvote", "the hidden states' statistics"),
+        ("wgkv", "write-time admission gates"),
+    ],
 )
 def test_a_policy_needing_the_projects_rope_is_refused_elsewhere(
     checkpoints: Checkpoints, policy: str, missing: str
 ) -> None:
     """Expected Attention and GVote use the project's RoPE (and GVote the query rows of vLLM's QKV projection),
-    known where the project parses the config (the Llama family, Gemma 3): on Gemma 2 they are refused by name,
-    at start and per request."""
+    WG-KV the keys before RoPE off that projection's output, all known where the project parses the config (the
+    Llama family, Gemma 3): on Gemma 2 they are refused by name, at start and per request."""
     path, _ = checkpoints("gemma2")
     with pytest.raises(ValueError, match=f"kv_policy '{policy}' needs {missing}"):
         native_llm(path, kv_policy=policy)
@@ -249,6 +253,20 @@ def test_a_policy_needing_the_projects_rope_is_refused_elsewhere(
     finally:
         del llm
         gc.collect()
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [("llama", "no write gates for this model"), ("gemma3", "not supported on a model with sliding-window layers")],
+)
+def test_a_default_write_gate_that_cannot_run_stops_the_engine_at_start(
+    checkpoints: Checkpoints, name: str, reason: str
+) -> None:
+    """WG-KV as the server's policy, on a model with no gates beside it, or with sliding-window layers (whose own
+    rings hold their window): every request would fail, so the engine does not start, and says why."""
+    path, _ = checkpoints(name)
+    with pytest.raises(Exception, match=reason):
+        native_llm(path, kv_policy="wgkv")
 
 
 def test_a_bad_runner_name_is_refused(checkpoints: Checkpoints) -> None:

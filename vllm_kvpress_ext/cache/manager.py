@@ -304,9 +304,23 @@ class PagedKVCache:
         """Pages an `append_slots(rows, ...)` of `num_tokens` tokens per row would allocate."""
         rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
         counts = self._append_counts(rows, num_tokens)
+        return int(self._growth(rows, counts).sum()) + self._tail_cells(rows, counts)[0].numel()
+
+    def pages_to_append(self, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """New pages `[B]` an append of `num_tokens` tokens to each row allocates, shared pages aside.
+
+        A (layer, KV head) takes a page when its last one is full: for a local ring's row only when the
+        token its ring drops is promoted, for a sliding-window layer only until it holds its window. Rows
+        that share their last page with another (a fork) also copy it first: `pages_needed_to_append`
+        counts those copies for a batch.
+        """
+        rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        return self._growth(rows, self._append_counts(rows, num_tokens)).sum(dim=(0, 2))
+
+    def _growth(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Pages `[L, B, H]` each (layer, row, head) adds to hold `counts` more global entries."""
         lens = self.seq_lens[:, rows].to(torch.int64)
-        growth = int((_ceil_div(lens + counts, self.page_size) - _ceil_div(lens, self.page_size)).sum())
-        return growth + self._tail_cells(rows, counts)[0].numel()
+        return _ceil_div(lens + counts, self.page_size) - _ceil_div(lens, self.page_size)
 
     def _append_counts(self, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Entries each (l, b, h) adds to its *global* region: `num_tokens`, or for ring rows the promotions."""

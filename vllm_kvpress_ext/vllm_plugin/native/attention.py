@@ -15,6 +15,9 @@ else:
   the C++ kernel or torch on a CPU, Triton on CUDA);
 - a prompt's first chunk is causal attention over its own keys (`attention.causal_attention`), a later
   chunk the paged prefill attention over the row (`attention.paged_prefill_attention`);
+- a write-gated request (WG-KV) gates each chunk's keys (before RoPE, read off the QKV projection:
+  `StepPlan.keys_pre_rope`) and attends under the vertical-slash mask (`attention.gated_chunk_attention`);
+  its decodes read its local ring beside its global entries, and set each new ring entry's admission flag;
 - a sliding-window layer (Gemma 2 and 3's local layers) holds a ring of exactly its window per (layer, KV
   head), token t at entry `t % w` (`PagedKVCache(layer_windows=...)`): a prompt chunk reads the ring before
   writing over it and attends within the window (`attention.ring_chunk_attention`, shared with the embedded engine);
@@ -46,6 +49,7 @@ from vllm.v1.attention.backend import (
 from vllm_kvpress_ext.attention import (
     causal_attention,
     causal_attention_with_lse,
+    gated_chunk_attention,
     gather_paged,
     paged_decode_attention,
     paged_prefill_attention,
@@ -188,12 +192,16 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             self._masked(plan, queries, out)
             return output
         cache, layer_index = self.pool.cache, self.layer_index
+        self._admit_decodes(plan, key)
         self._decode(plan, queries, out)
         for span in plan.prefills:
             chunk = slice(span.begin, span.end)
             want_lse = span.capture is not None and span.capture.spec.query_lse
             lse: torch.Tensor | None = None
-            if span.first_position == 0 and want_lse:
+            gated = self._gated(span, plan, queries[chunk], key[chunk], value[chunk])
+            if gated is not None:
+                attended = gated
+            elif span.first_position == 0 and want_lse:
                 attended, lse = causal_attention_with_lse(
                     queries[chunk][None], key[chunk][None], value[chunk][None], self.scale
                 )
@@ -218,7 +226,7 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
         return output
 
     def _decode(self, plan: StepPlan, queries: torch.Tensor, out: torch.Tensor) -> None:
-        """The step's decodes, batched, over their rows (the project's paged decode kernel)."""
+        """The step's decodes, batched, over their rows (the project's paged decode kernel), local rings included."""
         if not plan.decode_tokens.numel():
             return
         assert self.pool is not None
@@ -232,8 +240,53 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             cache.device_seq_lens[layer_index],
             plan.decode_rows,
             self.scale,
+            cache.device_ring_tables[layer_index] if plan.rings else None,
+            cache.ring_lens().to(cache.device) if plan.rings else None,
             probs_out=plan.decode_probs,
         ).to(out.dtype)
+
+    def _keys_pre_rope(self, plan: StepPlan) -> torch.Tensor:
+        keys = plan.keys_pre_rope[self.layer_index] if plan.keys_pre_rope is not None else None
+        if keys is None:
+            raise RuntimeError("a write gate needs the keys before RoPE; this layer's QKV projection reported none")
+        return keys
+
+    def _admit_decodes(self, plan: StepPlan, keys: torch.Tensor) -> None:
+        """Write-gated decodes (WG-KV): the flags of each new ring entry, from its key before and after RoPE, so
+        that the ring promotes it to the global region when it is overwritten only if admitted."""
+        if not plan.decode_gates:
+            return
+        assert self.pool is not None
+        keys_pre_rope = self._keys_pre_rope(plan)
+        for tokens, rows, gate in plan.decode_gates:
+            index = tokens.to(keys.device)
+            flags = gate.flags(self.layer_index, keys_pre_rope[index], keys[index])
+            self.pool.cache.admit(self.layer_index, rows, flags)
+
+    def _gated(
+        self, span: PrefillSpan, plan: StepPlan, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor | None:
+        """A write-gated prompt chunk (WG-KV): its flags recorded, its attention under the vertical-slash mask
+        (`attention.gated_chunk_attention`, as the embedded engine); None without a gate or where the mask is
+        causal anyway."""
+        if span.admission is None:
+            return None
+        assert self.pool is not None
+        cache = self.pool.cache
+        admitted = span.admission.gate(self.layer_index, self._keys_pre_rope(plan)[span.begin : span.end], keys)
+        return gated_chunk_attention(
+            cache.pool.kv,
+            cache.pool.positions,
+            cache.device_block_tables[self.layer_index, span.row],
+            cache.device_seq_lens[self.layer_index, span.row],
+            queries,
+            keys,
+            values,
+            admitted,
+            span.admission.window,
+            self.scale,
+            span.first_position,
+        )
 
     def _ring(
         self, plan: StepPlan, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor

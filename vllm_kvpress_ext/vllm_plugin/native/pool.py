@@ -25,7 +25,9 @@ vLLM's scheduler starts and preempts requests by this pool rather than by its ow
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,12 +36,15 @@ from vllm_kvpress_ext.api.policy_spec import policy_label
 from vllm_kvpress_ext.api.usage import kv_figures
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
+from vllm_kvpress_ext.engine.admission import PromptAdmission, bind_admission
 from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_decode
 from vllm_kvpress_ext.engine.kept import KeptEntries, kept_entries
 from vllm_kvpress_ext.engine.reconstruction import ChunkForward, prompts_for_model, score_prompt
 from vllm_kvpress_ext.engine.request import KVStats
 from vllm_kvpress_ext.models.rope import RotaryEmbedding
+from vllm_kvpress_ext.models.write_gate import GateStore
 from vllm_kvpress_ext.policies import KVPolicy
+from vllm_kvpress_ext.policies.base import Admission
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import PrefixBlocks
 from vllm_kvpress_ext.vllm_plugin.native.support import QueryProjection, native_refusal
@@ -53,9 +58,11 @@ class PrefillSpan:
 
     begin: int
     end: int
+    request_id: str
     row: int
     first_position: int
     capture: PrefillCapture | None = None  # what the request's policy records of its prompt
+    admission: PromptAdmission | None = None  # a write-gated request's flags so far (WG-KV)
 
 
 @dataclass
@@ -81,6 +88,13 @@ class StepPlan:
     # `[L, T, H]`: a second slot of each token in the sliding-window layers (-1: none), in pages of its block
     # kept for vLLM's prefix caching (`_Seat.spill`); None when no token has one.
     spill_slots: torch.Tensor | None = None
+    # Write-gated decodes (WG-KV), per bound gate: (their token indices, their rows, the gate); each layer sets the
+    # flags of their new ring entries. `rings`: whether any decode's row has a local ring.
+    decode_gates: list[tuple[torch.Tensor, torch.Tensor, Admission]] = field(default_factory=list)
+    rings: bool = False
+    # Per layer, this step's keys before RoPE `[T, Hkv, d]` (read off the QKV projection's output as the layers
+    # run), when a write gate reads them this step; None when none does.
+    keys_pre_rope: list[torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -89,6 +103,8 @@ class _Seat:
     prompt_len: int
     policy: KVPolicy | None = None
     capture: PrefillCapture | None = None
+    gate: Admission | None = None  # the policy's write gate bound to the model (WG-KV): a local ring from compression
+    admission: PromptAdmission | None = None  # what the gate said of the prompt, until the ring starts
     state: dict[str, Any] = field(default_factory=dict)  # the policy's, from compression on
     written: int = 0  # tokens whose K/V are in the pool (the next token goes to this position)
     compressed: bool = False
@@ -134,6 +150,11 @@ class NativePool:
         self.reconstructing = False
         # Per layer, the query projection (`support.query_projections`), where the runner found and hooked them.
         self.query_projections: list[QueryProjection] | None = None
+        # Where write gates are found (beside the model, or shipped for a catalog GGUF file), the requests' length
+        # limit (a ring never spans more), and the gate files loaded so far (set by the runner).
+        self.model_path: Path | None = None
+        self.max_model_len: int | None = None
+        self.gate_store = GateStore()
         self.num_q_heads = num_q_heads
         self.scale = scale
         self.default_policy = default_policy
@@ -221,16 +242,36 @@ class NativePool:
         capture = None
         if policy is not None and not policy.capture_spec().empty:
             capture = PrefillCapture(policy.capture_spec(), self.cache.num_layers, self.rotary)
+        try:
+            gate = self._bind_gate(policy, prompt_len, params)
+        except Exception as exc:  # no gates for this model, gates of another model, a ring that cannot fit
+            self.cache.free_request(request_id)
+            self.failed[request_id] = str(exc)
+            return
         self.seats[request_id] = _Seat(
             row=row,
             prompt_len=prompt_len,
             policy=policy,
             capture=capture,
+            gate=gate,
+            admission=PromptAdmission(gate, policy, self.cache.num_layers) if gate and policy else None,
             written=computed,
             blocks=blocks,
             aligned=policy is None and self.prefix_blocks is not None and self.rings_keep_blocks,
             blocks_kept=hits,
         )
+
+    def _bind_gate(self, policy: KVPolicy | None, prompt_len: int, params: Any) -> Admission | None:
+        """The request's write gate bound to the model and the pool (`engine/admission.py`), or None: its ring
+        spans at most what the request can write, as in the embedded engine."""
+        if policy is None or not policy.admits_during_prefill:
+            return None
+        if self.model_path is None:
+            raise ValueError("write gates need the model's path, which the runner has not given this pool")
+        limit = self.max_model_len or prompt_len + 1
+        max_tokens = getattr(params, "max_tokens", None)
+        most = min(prompt_len + (max_tokens if max_tokens is not None else limit) - 1, limit)
+        return bind_admission(policy, self.cache, self.model_path, self.cache.device, self.gate_store, most)
 
     def release(self, request_id: str) -> None:
         seat = self.seats.pop(request_id, None)
@@ -302,7 +343,7 @@ class NativePool:
                     continue
             seat.written = seq_lens[index]
             capture = seat.capture if not seat.compressed else None
-            prefills.append(PrefillSpan(begin, end, seat.row, first, capture))
+            prefills.append(PrefillSpan(begin, end, request_id, seat.row, first, capture, seat.admission))
         self._plan_decodes(decodes, token_slots, written, failed_tokens)
         for request_id, token, position in decodes:
             seat = self.seats.get(request_id)
@@ -319,6 +360,8 @@ class NativePool:
         decode_tokens = torch.tensor([token for r, token, _ in decodes if r in self.seats], dtype=torch.int64)
         decode_rows = torch.tensor([self.seats[r].row for r in self.decode_request_ids], dtype=torch.int64)
         wants_probs = any(self._wants_attention(request_id) for request_id in self.decode_request_ids)
+        decode_gates = self._decode_gates(decode_tokens)
+        gated = bool(decode_gates) or any(span.admission is not None for span in prefills)
         self._plan = StepPlan(
             num_tokens=num_tokens,
             token_slots=token_slots,
@@ -330,8 +373,23 @@ class NativePool:
             failed_tokens=failed_tokens,
             decode_probs=[] if wants_probs else None,
             spill_slots=spill_slots,
+            decode_gates=decode_gates,
+            rings=bool((cache.ring_window[decode_rows] > 0).any()) if decode_rows.numel() else False,
+            keys_pre_rope=[None] * cache.num_layers if gated else None,
         )
         return self._plan
+
+    def _decode_gates(self, decode_tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, Admission]]:
+        """The step's write-gated decodes (`decode_request_ids`, tokens at `decode_tokens`), grouped by gate so
+        that each gate runs once per layer."""
+        groups: dict[int, tuple[list[int], list[int], Admission]] = {}
+        for index, request_id in enumerate(self.decode_request_ids):
+            seat = self.seats[request_id]
+            if seat.gate is not None and seat.compressed:
+                group = groups.setdefault(id(seat.gate), ([], [], seat.gate))
+                group[0].append(int(decode_tokens[index]))
+                group[1].append(seat.row)
+        return [(torch.tensor(tokens), torch.tensor(rows), gate) for tokens, rows, gate in groups.values()]
 
     def _spill_slots(self, seat: _Seat, positions: torch.Tensor) -> torch.Tensor:
         """Slots `[Ls, n, H]` of an aligned row's tokens at `positions` in its blocks' own pages in the
@@ -375,6 +433,14 @@ class NativePool:
         for span in plan.prefills:
             if span.capture is not None and span.capture.spec.hidden_stats:
                 span.capture.record_hidden(layer, hidden[span.begin : span.end])
+
+    def record_keys(self, layer: int, qkv: torch.Tensor, split: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """A layer's QKV projection output this step (`[T, ...]`, batch order): its keys before RoPE, kept for the
+        step's write gates (`StepPlan.keys_pre_rope`) when any reads them."""
+        plan = self._plan
+        if plan is None or plan.keys_pre_rope is None or self.reconstructing:
+            return
+        plan.keys_pre_rope[layer] = split(qkv[: plan.num_tokens])
 
     def _wants_attention(self, request_id: str) -> bool:
         policy = self.seats[request_id].policy
@@ -427,6 +493,11 @@ class NativePool:
                     self._keep_full_blocks(candidate)
         for request_id in [r for r, seat in self.seats.items() if self._completes_prefill(seat)]:
             self._run_policy(request_id, self._compress)
+        for span in plan.prefills:  # a write-gated chunk that did not end its prompt: its unadmitted entries go
+            seat = self.seats.get(span.request_id)
+            if seat is not None and seat.admission is not None and not seat.compressed:
+                admission = seat.admission
+                self._run_policy(span.request_id, lambda rid, a=admission: a.drop_unadmitted(self.cache, rid))
         decode_batch = {request_id: index for index, request_id in enumerate(self.decode_request_ids)}
         for request_id, index in decode_batch.items():
             seat = self.seats.get(request_id)
@@ -471,6 +542,9 @@ class NativePool:
         if seat.capture is not None and seat.capture.spec.reconstruction is not None:
             self._score_by_reconstruction(request_id, seat)
         seat.state = {}
+        if seat.admission is not None:  # the last window into the local ring, older entries only if admitted
+            seat.admission.start_ring(self.cache, request_id)
+            seat.admission = None
         compress_prefill(
             self.cache,
             request_id,
@@ -483,6 +557,7 @@ class NativePool:
             state=seat.state,
             rotary=self.rotary,
             query_projections=self.query_projections,
+            gated=seat.gate is not None,
         )
         seat.compressed, seat.capture, seat.aligned = True, None, False
         if self.kept_at_compression is not None:
@@ -544,15 +619,9 @@ class NativePool:
         decoding = [(request_id, seat) for request_id, seat in self.seats.items() if seat.written >= seat.prompt_len]
         if decoding:
             rows = torch.tensor([seat.row for _, seat in decoding], dtype=torch.int64)
-            # Per request: pages its next token allocates, a new page in each (layer, head) whose last is full,
-            # unless the layer is a ring that holds its window already (`PagedKVCache.pages_needed_to_append` for
-            # one row, vectorised over the batch: the pages rows share with kept prefix blocks are full ones).
-            lens = cache.seq_lens[:, rows].to(torch.int64)  # [L, B, H]
-            grows = lens % cache.page_size == 0
-            if cache.has_sliding_layers:
-                sliding = cache.sliding_layers
-                grows[sliding] &= lens[sliding] < cache.layer_windows[sliding].view(-1, 1, 1)
-            next_pages = grows.sum(dim=(0, 2))
+            # Per request: the pages its next token allocates (the pages rows share with kept prefix blocks are
+            # full ones, so no copy-on-write adds to it).
+            next_pages = cache.pages_to_append(rows, 1)
             for (request_id, seat), pages in zip(decoding, next_pages.tolist(), strict=True):
                 # An aligned row starting a block also takes that block's spill pages.
                 starts_block = seat.aligned and cache.has_sliding_layers and seat.written % cache.page_size == 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -27,14 +28,16 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PagePool
+from vllm_kvpress_ext.engine.admission import bind_admission
 from vllm_kvpress_ext.engine.reconstruction import ReconstructionContext
+from vllm_kvpress_ext.vllm_plugin.gguf_model import gguf_source
 from vllm_kvpress_ext.vllm_plugin.native.attention import (
     KVPressAttentionImpl,
     KVPressAttentionMetadata,
     KVPressAttentionMetadataBuilder,
 )
 from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool
-from vllm_kvpress_ext.vllm_plugin.native.support import native_rope, query_projections
+from vllm_kvpress_ext.vllm_plugin.native.support import layer_projections, native_rope
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
 logger = logging.getLogger("vllm.kvpress.runner")
@@ -91,9 +94,16 @@ class KVPressModelRunner(CPUModelRunner):
             prefix_caching=bool(self.cache_config.enable_prefix_caching),
         )
         self.pool = pool
-        self._hook_query_projections(pool, len(layers))
+        self._hook_projections(pool, len(layers))
         pool.reconstruction_forward = self._reconstruction_forward
         pool.tokenizer_dir = str(self.model_config.tokenizer or self.model_config.model)
+        # Where WG-KV looks for the model's write gates: beside the model, or a GGUF file's shipped ones.
+        pool.model_path = gguf_source(self.model_config.model) or Path(self.model_config.model)
+        pool.max_model_len = int(self.model_config.max_model_len)
+        if pool.default_policy is not None and pool.default_policy.admits_during_prefill:
+            # A default write gate that cannot run here (no gates for this model, gates of another, a model with
+            # sliding-window layers) would fail every request: `vllm serve` stops at start with the reason.
+            bind_admission(pool.default_policy, cache, pool.model_path, self.device, pool.gate_store)
         self._attention_layer_names = names
         pages = cache.pool.num_pages
         logger.info(
@@ -118,16 +128,24 @@ class KVPressModelRunner(CPUModelRunner):
         bind_kv_cache(placeholders, context, self.kv_caches, kv_cache_groups=kv_cache_config.kv_cache_groups)
         return placeholders
 
-    def _hook_query_projections(self, pool: NativePool, num_layers: int) -> None:
+    def _hook_projections(self, pool: NativePool, num_layers: int) -> None:
         """Where the model is laid out as vLLM's Llama family and the project knows its RoPE: each layer's QKV
-        projection reports its input (the normed hidden states) to the pool, and its query rows serve policies
-        that project synthetic hidden states (GVote)."""
-        projections = query_projections(self.model, num_layers) if pool.rotary is not None else None
+        projection reports its input (the normed hidden states) and its output (whose keys, before RoPE, the
+        write gates read) to the pool, and its query rows serve policies that project synthetic hidden states
+        (GVote)."""
+        projections = layer_projections(self.model, num_layers) if pool.rotary is not None else None
         if projections is None:
             return
-        for layer, (module, _) in enumerate(projections):
-            module.register_forward_pre_hook(lambda _module, args, layer=layer: pool.record_hidden(layer, args[0]))
-        pool.query_projections = [project for _, project in projections]
+        for layer, projection in enumerate(projections):
+            projection.module.register_forward_pre_hook(
+                lambda _module, args, layer=layer: pool.record_hidden(layer, args[0])
+            )
+            projection.module.register_forward_hook(
+                lambda _module, _args, output, layer=layer, split=projection.keys: pool.record_keys(
+                    layer, output[0] if isinstance(output, tuple) else output, split
+                )
+            )
+        pool.query_projections = [projection.queries for projection in projections]
 
     def _reconstruction_forward(self, context: ReconstructionContext, ids: list[int], positions: torch.Tensor) -> None:
         """One chunk of KVzip's reconstruction pass through vLLM's model: every layer's attention is the context's

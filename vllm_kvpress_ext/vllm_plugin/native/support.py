@@ -1,19 +1,20 @@
-"""Which policies run on vLLM's own model runner today, and why the others do not yet.
+"""Which policies run on vLLM's own model runner, and why the others do not there.
 
-On vLLM's runner the attention backend sees each layer's queries, keys and values after RoPE, and
-nothing else of the forward pass. A policy runs there when what it asks the pass to capture is within
-that: the observation window's queries and their log-sum-exps (SnapKV, PyramidKV, AdaKV, LAVa, XKV,
-K-VEC, H2O, StreamingLLM), and for decode-time policies each step's attention (H2O). Where the project
-knows the model's RoPE (a Llama-family config it parses itself: `native_rope`), the queries are turned
-back to before RoPE, which is what Expected Attention reads. The others need what only the project's own
-model code gives today, and are refused by name until the backend captures it: the keys before RoPE
-and admission during prefill for learned write gates (WG-KV), and, on a model whose config the project
-does not parse (all but the Llama family and Gemma 3), the queries before RoPE (Expected Attention), the
-attention inputs with the query projection (GVote) and a reconstruction pass over plain attention
-(KVzip). For the models it parses the runner hooks each
-layer's QKV projection (`query_projections`): its input is the normed hidden states GVote keeps
-statistics of, and its weights' query rows give GVote's synthetic queries; KVzip's pass runs vLLM's
-model with the embedded engine's reconstruction attention (`NativePool._score_by_reconstruction`).
+On vLLM's runner the attention backend sees each layer's queries, keys and values after RoPE. A policy
+runs there when what it asks the pass to capture is within that: the observation window's queries and
+their log-sum-exps (SnapKV, PyramidKV, AdaKV, LAVa, XKV, K-VEC, H2O, StreamingLLM), and for decode-time
+policies each step's attention (H2O). Where the project parses the model's config (the Llama family and
+Gemma 3) it knows the model's RoPE (`native_rope`) and finds each layer's fused QKV projection in vLLM's
+model (`layer_projections`), and the runner hooks it:
+
+- the captured queries are turned back to before RoPE, which is what Expected Attention reads;
+- the projection's input is the normed hidden states GVote keeps statistics of, and its weights' query
+  rows give GVote's synthetic queries;
+- its output holds each key before RoPE, which WG-KV's write gates read;
+- KVzip's pass runs vLLM's model with the embedded engine's reconstruction attention
+  (`NativePool._score_by_reconstruction`).
+
+On a model whose config the project does not parse, those four are refused by name (`native_refusal`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +32,22 @@ from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.policies import KVPolicy
 
 QueryProjection = Callable[[torch.Tensor], torch.Tensor]
+KeySplit = Callable[[torch.Tensor], torch.Tensor]
 
 
-def query_projections(model: torch.nn.Module, num_layers: int) -> list[tuple[torch.nn.Module, QueryProjection]] | None:
-    """Per layer, vLLM's fused QKV projection module and the query projection it holds (normed hidden states
-    `[S, D]` -> queries before RoPE `[S, Hq, d]`, with the layer's query norm where it has one, as Qwen3);
-    None where the model is not laid out as vLLM's Llama-family implementations are."""
+@dataclass(frozen=True)
+class LayerProjections:
+    """One layer's fused QKV projection in vLLM's model, and what the plugin reads through it."""
+
+    module: torch.nn.Module
+    queries: QueryProjection  # normed hidden states `[S, D]` -> queries before RoPE `[S, Hq, d]`
+    keys: KeySplit  # the module's output `[S, (Hq + 2 Hkv) d]` -> keys before RoPE `[S, Hkv, d]`
+
+
+def layer_projections(model: torch.nn.Module, num_layers: int) -> list[LayerProjections] | None:
+    """Per layer, vLLM's fused QKV projection, the query projection it holds (with the layer's query norm where
+    it has one, as Qwen3) and the split of its output into the keys before RoPE (with the key norm); None where
+    the model is not laid out as vLLM's Llama-family implementations are."""
     found: dict[int, Any] = {}
     for name, module in model.named_modules():
         match = re.search(r"layers\.(\d+)\.self_attn$", name)
@@ -43,7 +55,10 @@ def query_projections(model: torch.nn.Module, num_layers: int) -> list[tuple[tor
             found[int(match.group(1))] = module
     if sorted(found) != list(range(num_layers)):
         return None
-    return [(found[layer].qkv_proj, _query_projection(found[layer])) for layer in range(num_layers)]
+    return [
+        LayerProjections(found[layer].qkv_proj, _query_projection(found[layer]), _key_split(found[layer]))
+        for layer in range(num_layers)
+    ]
 
 
 def _query_projection(attention: Any) -> QueryProjection:
@@ -62,6 +77,20 @@ def _query_projection(attention: Any) -> QueryProjection:
         return queries
 
     return project
+
+
+def _key_split(attention: Any) -> KeySplit:
+    heads, kv_heads, head_dim = int(attention.num_heads), int(attention.num_kv_heads), int(attention.head_dim)
+    begin, end = heads * head_dim, (heads + kv_heads) * head_dim
+    norm = getattr(attention, "k_norm", None)
+
+    def split(qkv: torch.Tensor) -> torch.Tensor:
+        keys = qkv[:, begin:end].reshape(-1, kv_heads, head_dim)
+        if norm is not None:
+            keys = norm.forward_native(keys.reshape(-1, head_dim)).view(-1, kv_heads, head_dim)
+        return keys
+
+    return split
 
 
 @functools.cache
@@ -89,8 +118,8 @@ def native_rope(model_dir: str | Path) -> RotaryEmbedding | None:
 def native_refusal(policy: KVPolicy | None, rope_known: bool = False, hidden_known: bool = False) -> str | None:
     """Why `policy` cannot run on vLLM's runner yet (None: it runs). `rope_known`: the project knows the
     model's RoPE (`native_rope`), so queries captured after it can be turned back to before it.
-    `hidden_known`: the runner records each layer's attention input and knows its query projection
-    (`query_projections`)."""
+    `hidden_known`: the runner records each layer's attention input and the keys its QKV projection gives
+    before RoPE, and knows its query projection (`layer_projections`)."""
     if policy is None:
         return None
     spec = policy.capture_spec()
@@ -103,7 +132,8 @@ def native_refusal(policy: KVPolicy | None, rope_known: bool = False, hidden_kno
             # The pass runs vLLM's model over the repeat prompt; its attention over the pool is the project's plain
             # softmax (no window, no soft cap), which the Llama family uses.
             ("a reconstruction pass over the prompt", spec.reconstruction is not None and not rope_known),
-            ("write-time admission gates", type(policy).admission is not KVPolicy.admission),
+            # The gates read each key before RoPE, which the runner reads off the hooked QKV projection's output.
+            ("write-time admission gates", type(policy).admission is not KVPolicy.admission and not hidden_known),
         )
         if needed
     ]
