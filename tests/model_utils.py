@@ -290,3 +290,77 @@ def check_kept(finished: FinishedRequest, prompt_len: int, decoded: int, prompt_
     assert kv.tokens_full == layers * heads * (prompt_len + decoded)
     if prompt_kept is not None:
         assert prompt_total == layers * heads * prompt_kept
+
+
+def write_phi3_twin(llama: Path, path: Path) -> Path:
+    """The Llama checkpoint at `llama` (no biases, RoPE without scaling) as the Phi-3 checkpoint that computes the
+    same function: Phi-3 is the Llama architecture with its query/key/value and gate/up projections fused, which
+    is how its checkpoints store them. The tokenizer and any write gates come along."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Phi3Config
+
+    from vllm_kvpress_ext.models.write_gate import default_gate_path
+
+    raw = json.loads((llama / "config.json").read_text())
+    if raw.get("attention_bias") or raw.get("mlp_bias") or raw.get("rope_scaling"):
+        raise ValueError("only a Llama without biases or RoPE scaling has a Phi-3 twin")
+    path.mkdir(parents=True, exist_ok=True)
+    config = Phi3Config(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw["num_key_value_heads"],
+        max_position_embeddings=raw["max_position_embeddings"],
+        original_max_position_embeddings=raw["max_position_embeddings"],
+        rms_norm_eps=raw["rms_norm_eps"],
+        rope_theta=raw["rope_theta"],
+        tie_word_embeddings=raw["tie_word_embeddings"],
+        hidden_act=raw["hidden_act"],
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    config.architectures = ["Phi3ForCausalLM"]
+    config.to_json_file(path / "config.json")
+    weights = load_file(llama / "model.safetensors")
+    fused: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight")):
+            continue
+        if name.endswith("self_attn.q_proj.weight"):
+            prefix = name.removesuffix("q_proj.weight")
+            parts = [weights[prefix + f"{p}_proj.weight"] for p in "qkv"]
+            fused[prefix + "qkv_proj.weight"] = torch.cat(parts)
+        elif name.endswith("mlp.gate_proj.weight"):
+            prefix = name.removesuffix("gate_proj.weight")
+            fused[prefix + "gate_up_proj.weight"] = torch.cat([tensor, weights[prefix + "up_proj.weight"]])
+        else:
+            fused[name] = tensor
+    save_file({k: v.contiguous() for k, v in fused.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    for file in llama.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(file, path / file.name)
+    if default_gate_path(llama).is_file():
+        shutil.copy(default_gate_path(llama), default_gate_path(path))
+    return path
+
+
+def write_random_gates(model: Path, window: int = 16, seed: int = 7) -> Path:
+    """Random WG-KV write gates for `model`, spread widely around 0.5 (about half the keys admitted at tau 0.5),
+    where every engine looks by default: beside the model."""
+    import json
+
+    from vllm_kvpress_ext.models.write_gate import WriteGates, default_gate_path
+
+    raw = json.loads((model / "config.json").read_text())
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    torch.manual_seed(seed)
+    gates = WriteGates(raw["num_hidden_layers"], raw["num_key_value_heads"], head_dim, init_bias=0.0)
+    with torch.no_grad():
+        gates.w2.normal_(0.0, 3.0)
+    return gates.save(default_gate_path(model), {"local_window": window})

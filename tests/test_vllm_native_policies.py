@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from model_utils import write_suite_gemma3, write_suite_model
+from model_utils import write_phi3_twin, write_random_gates, write_suite_gemma3, write_suite_model
 from vllm import LLM as VllmLLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.sampling_params import StructuredOutputsParams
@@ -28,13 +28,13 @@ from vllm_utils import in_process_engine, in_process_worker
 
 from vllm_kvpress_ext.engine import LLM, KeptEntries, SamplingParams
 from vllm_kvpress_ext.hub import catalog
-from vllm_kvpress_ext.models import load_config, load_model
-from vllm_kvpress_ext.models.write_gate import WriteGates, default_gate_path, shipped_gates
+from vllm_kvpress_ext.models import load_model
+from vllm_kvpress_ext.models.write_gate import default_gate_path, shipped_gates
 from vllm_kvpress_ext.models.writer import save_model
 from vllm_kvpress_ext.policies.registry import create_policy, policy_names
 from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
 from vllm_kvpress_ext.vllm_plugin.gguf_model import prepare_gguf_model
-from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal
+from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal, native_rope, projections_known
 
 # vLLM's engine core in this process, so the tests can read its scheduler and worker.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures(in_process_engine.__name__)]
@@ -50,26 +50,16 @@ SPECS: dict[str, Any] = {
     "snapkv": {"name": "snapkv", "ratio": 0.25},
     "adakv": {"name": "adakv", "ratio": 0.25},
     "streaming_llm": {"name": "streaming_llm", "ratio": 0.3},
-    # The gates beside the checkpoint (`write_gates`) admit about half the keys at tau 0.5.
+    # The gates beside the checkpoint (`write_random_gates`) admit about half the keys at tau 0.5.
     "wgkv": {"name": "wgkv", "tau": 0.5},
 }
-GATE_WINDOW = 16
-
-
-def write_gates(model: Path, seed: int = 7) -> Path:
-    """Random write gates for `model`, spread widely around 0.5, where both engines look by default: beside it."""
-    config = load_config(model)
-    torch.manual_seed(seed)
-    gates = WriteGates(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, init_bias=0.0)
-    with torch.no_grad():
-        gates.w2.normal_(0.0, 3.0)
-    return gates.save(default_gate_path(model), {"local_window": GATE_WINDOW})
+GATE_WINDOW = 16  # the gates' local window (`write_random_gates`)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = write_suite_model(tmp_path_factory.mktemp("native-policies"), hidden=64, std=0.3)
-    write_gates(path)
+    write_random_gates(path, GATE_WINDOW)
     return path
 
 
@@ -178,6 +168,24 @@ def test_wgkv_under_a_cap_keeps_the_same_entries(chunk: int | None, model: Path)
     try:
         for prompt in prompts():
             assert_same_kept(embedded, native, "wgkv", [prompt], spec)
+    finally:
+        del native
+        gc.collect()
+
+
+def test_phi3_keeps_what_the_embedded_engine_keeps_for_its_llama_twin(
+    model: Path, embedded: LLM, tmp_path: Path
+) -> None:
+    """Phi-3, whose attention the project's model code does not run: the runner reads its RoPE from its config
+    (`ROPE_ARCHITECTURES`) and hooks its fused QKV projection. Written as the Llama checkpoint's Phi-3 twin (the
+    same function, its projections fused as Phi-3 stores them), it keeps under every policy exactly what the
+    embedded engine keeps for the Llama, with the same tokens and figures."""
+    phi3 = write_phi3_twin(model, tmp_path / "phi3")
+    assert native_rope(phi3) is not None and projections_known(str(phi3))
+    native = native_llm(phi3)
+    try:
+        for name in SERVED:
+            assert_same_kept(embedded, native, name, prompts())
     finally:
         del native
         gc.collect()

@@ -15,10 +15,13 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from model_utils import write_random_gates
 from vllm import LLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm_utils import assert_no_page_leaked, in_process_engine, in_process_worker
+
+from vllm_kvpress_ext.vllm_plugin.native.support import native_rope
 
 # vLLM's engine core in this process, so the tests can read its scheduler and worker.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures(in_process_engine.__name__)]
@@ -267,6 +270,104 @@ def test_a_default_write_gate_that_cannot_run_stops_the_engine_at_start(
     path, _ = checkpoints(name)
     with pytest.raises(Exception, match=reason):
         native_llm(path, kv_policy="wgkv")
+
+
+@pytest.mark.parametrize(
+    ("name", "served", "refused"),
+    [
+        # GVote's votes keep all of this near-uniform model's prompt; the Phi-3 twin of a sharper one keeps what the
+        # embedded engine keeps, GVote included (test_vllm_native_policies.py).
+        ("phi3", ["expected_attention", "kvzip", "wgkv"], []),
+        (
+            "olmo2",
+            ["expected_attention", "kvzip"],
+            [("gvote", "the hidden states' statistics"), ("wgkv", "write-time admission gates")],
+        ),
+    ],
+)
+def test_policies_needing_the_rope_run_where_the_config_gives_it(
+    checkpoints: Checkpoints,
+    name: str,
+    served: list[str | dict[str, Any]],
+    refused: list[tuple[str, str]],
+    tmp_path: Path,
+) -> None:
+    """Phi-3 and OLMo-2, which the project's model code does not implement, rotate with the RoPE their config
+    describes (`ROPE_ARCHITECTURES`): Expected Attention and KVzip run on both. Phi-3 runs on vLLM's Llama
+    implementation, whose fused QKV projection the runner hooks, so WG-KV (and GVote) run there too; OLMo-2 runs
+    on vLLM's Transformers backend, without that projection, and refuses them by name."""
+    path = with_suite_vocabulary(checkpoints(name)[0], tmp_path / name)  # KVzip's pass writes its prompt with it
+    write_random_gates(path)
+    llm = native_llm(path)
+    try:
+        pool = in_process_worker(llm).model_runner.pool
+        for spec in served:
+            policy = spec if isinstance(spec, str) else spec["name"]
+            params = VllmSamplingParams(
+                max_tokens=NEW_TOKENS,
+                temperature=0.0,
+                ignore_eos=True,
+                extra_args={"kv_policy": spec if isinstance(spec, str) else json.dumps(spec)},
+            )
+            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            long = outputs[-1]  # 197 tokens: every policy's default keeps less than all of it
+            assert len(long.outputs[0].token_ids) == NEW_TOKENS, policy
+            figures = long.kv_transfer_params["kvpress"]
+            assert figures["policy"] == policy and figures["kv_tokens_kept"] < figures["kv_tokens_full"], policy
+            assert_no_page_leaked(pool)
+        for policy, missing in refused:
+            params = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": policy})
+            with pytest.raises(VLLMValidationError, match=f"kv_policy '{policy}' needs {missing}"):
+                llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    finally:
+        del llm
+        gc.collect()
+
+
+def with_suite_vocabulary(checkpoint: Path, path: Path) -> Path:
+    """`checkpoint` with the synthetic suite's tokenizer, its embeddings (and output rows) grown to that vocabulary
+    with rows of the same scale. Done on the saved tensors: transformers cannot build some architectures (OLMo-2)
+    again in a process where vLLM has loaded one."""
+    from safetensors.torch import load_file, save_file
+
+    from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY, save_tokenizer
+
+    path.mkdir(parents=True)
+    config = json.loads((checkpoint / "config.json").read_text())
+    vocab = len(VOCABULARY)
+    weights = load_file(checkpoint / "model.safetensors")
+    generator = torch.Generator().manual_seed(3)
+    for name, tensor in weights.items():
+        if tensor.shape[0] == config["vocab_size"] and name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            extra = torch.randn(vocab - tensor.shape[0], *tensor.shape[1:], generator=generator) * tensor.std()
+            weights[name] = torch.cat([tensor, extra.to(tensor.dtype)])
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
+    save_tokenizer(path)
+    return path
+
+
+def test_phi3s_rope_read_from_its_config_is_the_one_vllm_applies(checkpoints: Checkpoints) -> None:
+    """The RoPE the project builds from Phi-3's config (`native_rope`) equals the cos/sin table of every layer's
+    rotary embedding in vLLM's implementation, which rotates full-width in the "rotate_half" layout."""
+    path, _ = checkpoints("phi3")
+    rope = native_rope(path)
+    assert rope is not None
+    llm = native_llm(path)
+    try:
+        model = in_process_worker(llm).model_runner.model
+        rotaries = [m.rotary_emb for n, m in model.named_modules() if n.endswith("self_attn")]
+        assert len(rotaries) == COMMON["num_hidden_layers"]
+        for rotary in rotaries:
+            assert rotary.is_neox_style and rotary.rotary_dim == rotary.head_size
+            table = rotary.cos_sin_cache.float()  # [positions, rotary_dim]: cos of each pair, then sin
+            cos, sin = rope.cos_sin(torch.arange(table.shape[0]))
+            half = rotary.rotary_dim // 2
+            torch.testing.assert_close(cos[:, :half].float(), table[:, :half], rtol=0, atol=1e-5)
+            torch.testing.assert_close(sin[:, :half].float(), table[:, half:], rtol=0, atol=1e-5)
+    finally:
+        del llm
+        gc.collect()
 
 
 def test_a_bad_runner_name_is_refused(checkpoints: Checkpoints) -> None:

@@ -65,11 +65,12 @@ def in_process_worker(llm: Any) -> Any:
 
 
 def assert_no_page_leaked(pool: Any) -> None:
-    """Every page of a native pool is free, or has exactly as many holders as seated requests' rows (and their
-    blocks' spill pages) and kept prefix blocks list it."""
+    """Every page of a native pool is free, or has exactly as many holders as seated requests' rows (their local
+    rings, and their blocks' spill pages) and kept prefix blocks list it."""
     cache = pool.cache
     listed = [cache.block_tables[:, seat.row].reshape(-1) for seat in pool.seats.values()]
     listed += [pages.reshape(-1) for seat in pool.seats.values() for pages in seat.spill.values()]
+    listed += [cache.ring_tables[:, seat.row].reshape(-1) for seat in pool.seats.values()]  # WG-KV's local rings
     if pool.prefix_blocks is not None:
         listed += [pages.reshape(-1) for pages in pool.prefix_blocks.kept.values()]
     pages = torch.cat(listed).to(torch.int64) if listed else torch.empty(0, dtype=torch.int64)

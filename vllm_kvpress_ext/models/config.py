@@ -281,6 +281,17 @@ class ModelConfig:
         )
 
 
+def rope_of_hf_config(raw: Mapping[str, Any], source: str) -> tuple[int, float, RopeScaling]:
+    """(head_dim, theta, scaling) of a `config.json` whose RoPE is the Llama family's: full width, in the
+    "rotate_half" layout, of a type the project computes; for models whose attention the project's model code
+    does not run but whose RoPE a policy needs. Raises ModelConfigError otherwise."""
+    heads = _int(raw, "num_attention_heads", source)
+    head_dim = int(raw.get("head_dim") or _int(raw, "hidden_size", source) // heads)
+    max_pos = int(raw.get("max_position_embeddings") or 2048)
+    theta, scaling = _parse_rope(raw, max_pos, source)
+    return head_dim, theta, scaling
+
+
 def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
     """Normalise an HF `eos_token_id` (int, list of ints or null) to a tuple."""
     if value is None:

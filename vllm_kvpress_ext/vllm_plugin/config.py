@@ -151,12 +151,13 @@ def apply_native_config(vllm_config: Any) -> None:
         )
     additional = vllm_config.additional_config or {}
     if "kv_policy" in additional:
-        from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal, rope_known
+        from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal, projections_known, rope_known
         from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
         check_policy_spec(additional["kv_policy"])
-        known = model is not None and rope_known(str(model.model))
-        refusal = native_refusal(default_policy(additional), known, hidden_known=known)
+        rope = model is not None and rope_known(str(model.model))
+        hooked = model is not None and projections_known(str(model.model))
+        refusal = native_refusal(default_policy(additional), rope, hidden_known=hooked)
         if refusal is not None:
             raise UnsupportedConfigError(refusal)
     vllm_config.parallel_config.worker_cls = NATIVE_WORKER_CLS

@@ -44,7 +44,9 @@ def _neutralise_accelerator_cache_calls() -> None:
 _neutralise_accelerator_cache_calls()
 
 
-def validate_kvpress_request(params: Any, runner: str = "project", rope_known: bool = False) -> None:
+def validate_kvpress_request(
+    params: Any, runner: str = "project", rope_known: bool = False, projections_known: bool = False
+) -> None:
     """Refuse, as HTTP 400, a bad per-request policy or a sampling feature the worker lacks. On vLLM's own
     runner (`runner="vllm"`) vLLM's sampler serves every sampling feature, and a policy that needs what that
     runner does not capture yet is refused by name (`native/support.py`)."""
@@ -63,8 +65,7 @@ def validate_kvpress_request(params: Any, runner: str = "project", rope_known: b
     if runner == "vllm":
         from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal
 
-        # The Llama family, whose RoPE the project knows, is laid out so that the runner finds its projections.
-        refusal = native_refusal(policy, rope_known, hidden_known=rope_known)
+        refusal = native_refusal(policy, rope_known, hidden_known=projections_known)
         if refusal is not None:
             raise VLLMValidationError(refusal, parameter="kv_policy")
 
@@ -110,21 +111,24 @@ class KVPressCpuPlatform(Platform):
     # Which runner this process's engine uses (config.RUNNER_KEY): set when the config is checked, read
     # by `validate_request` in the same (API) process.
     runner: str = "project"
-    # On vLLM's runner: whether the project knows the model's RoPE (policies that read queries before it).
+    # On vLLM's runner: whether the project knows the model's RoPE (policies that read queries before it), and
+    # whether the runner hooks its QKV projections (policies that read hidden states or keys before RoPE).
     rope_known: bool = False
+    projections_known: bool = False
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
         cls.runner = settle_runner(vllm_config)
         if cls.runner == "vllm" and vllm_config.model_config is not None:
-            from vllm_kvpress_ext.vllm_plugin.native.support import rope_known
+            from vllm_kvpress_ext.vllm_plugin.native.support import projections_known, rope_known
 
             cls.rope_known = rope_known(str(vllm_config.model_config.model))
+            cls.projections_known = projections_known(str(vllm_config.model_config.model))
         apply_kvpress_config(vllm_config)
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
-        validate_kvpress_request(params, cls.runner, cls.rope_known)
+        validate_kvpress_request(params, cls.runner, cls.rope_known, cls.projections_known)
 
     @classmethod
     def get_attn_backend_cls(

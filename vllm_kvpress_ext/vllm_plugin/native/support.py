@@ -14,12 +14,16 @@ model (`layer_projections`), and the runner hooks it:
 - KVzip's pass runs vLLM's model with the embedded engine's reconstruction attention
   (`NativePool._score_by_reconstruction`).
 
-On a model whose config the project does not parse, those four are refused by name (`native_refusal`).
+Outside those, for a few architectures whose vLLM implementation applies the same full-width RoPE as their
+config describes (`ROPE_ARCHITECTURES`: Phi-3, OLMo-2), the project reads that RoPE from the config, and where
+vLLM lays the model out as its Llama family (Phi-3) hooks the projection too. On any other model those four
+are refused by name (`native_refusal`).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +55,7 @@ def layer_projections(model: torch.nn.Module, num_layers: int) -> list[LayerProj
     found: dict[int, Any] = {}
     for name, module in model.named_modules():
         match = re.search(r"layers\.(\d+)\.self_attn$", name)
-        if match is not None and hasattr(module, "qkv_proj"):
+        if match is not None and _llama_layout(module):
             found[int(match.group(1))] = module
     if sorted(found) != list(range(num_layers)):
         return None
@@ -59,6 +63,16 @@ def layer_projections(model: torch.nn.Module, num_layers: int) -> list[LayerProj
         LayerProjections(found[layer].qkv_proj, _query_projection(found[layer]), _key_split(found[layer]))
         for layer in range(num_layers)
     ]
+
+
+def _llama_layout(attention: Any) -> bool:
+    """vLLM's Llama-family attention: a fused `qkv_proj` holding queries, keys and values in that order, the head
+    counts and size it splits them by, and query/key norms (if any) per head. Not, for one, vLLM's Transformers
+    backend, which fuses HF's projections into a `qkv_proj` but keeps HF's attention (OLMo-2: norms over all heads)."""
+    if not all(hasattr(attention, name) for name in ("qkv_proj", "num_heads", "num_kv_heads", "head_dim")):
+        return False
+    norms = [getattr(attention, name, None) for name in ("q_norm", "k_norm")]
+    return all(norm is None or norm.weight.numel() == attention.head_dim for norm in norms)
 
 
 def _query_projection(attention: Any) -> QueryProjection:
@@ -93,6 +107,14 @@ def _key_split(attention: Any) -> KeySplit:
     return split
 
 
+# Architectures the project's own model code does not implement, whose vLLM implementation rotates queries and keys
+# with the full-width "rotate_half" RoPE their config describes (as the Llama family's), each with whether vLLM lays
+# it out as its Llama family (a fused `qkv_proj`, a query norm per head or none), whose projection the runner hooks.
+# Phi-3 runs on vLLM's Llama implementation; OLMo-2 on vLLM's Transformers backend, HF's own modules (its query norm
+# spans all heads).
+ROPE_ARCHITECTURES: dict[str, bool] = {"Phi3ForCausalLM": True, "Olmo2ForCausalLM": False}
+
+
 @functools.cache
 def rope_known(model_dir: str) -> bool:
     """Whether the project knows the model's RoPE (`native_rope`), asked once per model and process: the
@@ -100,19 +122,50 @@ def rope_known(model_dir: str) -> bool:
     return native_rope(model_dir) is not None
 
 
+@functools.cache
+def projections_known(model_dir: str) -> bool:
+    """Whether the runner finds and hooks the model's QKV projections (`layer_projections`) and knows its RoPE:
+    a model the project parses (the Llama family, Gemma 3) or one of `ROPE_ARCHITECTURES` laid out as they are."""
+    if not rope_known(model_dir):
+        return False
+    from vllm_kvpress_ext.models.loader import load_config
+
+    try:
+        load_config(model_dir)
+        return True
+    except Exception:
+        return ROPE_ARCHITECTURES.get(_architecture(model_dir) or "", False)
+
+
 def native_rope(model_dir: str | Path) -> RotaryEmbedding | None:
     """The model's RoPE as the project computes it, where the project parses the model's config (the Llama
     family and Gemma 3, whose full-width RoPE is the one vLLM's implementations of them apply in the layers a
-    policy compresses); else None."""
+    policy compresses) or reads its RoPE (`ROPE_ARCHITECTURES`); else None."""
+    from vllm_kvpress_ext.models.config import rope_of_hf_config
     from vllm_kvpress_ext.models.loader import load_config
 
     try:
         config = load_config(model_dir)
     except Exception:  # not a directory the project reads, or an architecture it does not implement
-        return None
+        if _architecture(model_dir) not in ROPE_ARCHITECTURES:
+            return None
+        try:
+            raw = json.loads((Path(model_dir) / "config.json").read_text())
+            head_dim, theta, scaling = rope_of_hf_config(raw, str(model_dir))
+        except Exception:  # a RoPE of another kind (partial, long-context variants): not the one computed here
+            return None
+        return RotaryEmbedding(head_dim, theta, scaling)
     # Gemma 3's sliding layers rotate with a base of their own (`local_rope_theta`), but they are rings no policy
     # sees (`engine/compression.py`): the policies' RoPE is the global layers'.
     return RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+
+def _architecture(model_dir: str | Path) -> str | None:
+    try:
+        architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None]
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(architectures[0]) if architectures[0] else None
 
 
 def native_refusal(policy: KVPolicy | None, rope_known: bool = False, hidden_known: bool = False) -> str | None:
