@@ -97,6 +97,8 @@ def test_vllm_serve_bench_runs_stock_vllm_beside_the_plugin_on_the_same_load(
         assert command[command.index("--max-model-len") + 1] == str(2048 + 128 + 32 + 64)
     native = server_command("vllm-native", "full", "/m", 8000, config)
     assert json.loads(native[native.index("--additional-config") + 1])["kv_runner"] == "vllm"
+    own = server_command("vllm", "full", "/m", 8000, config)
+    assert json.loads(own[own.index("--additional-config") + 1])["kv_runner"] == "project"
     with pytest.raises(ValueError, match="cannot run policy"):
         server_command("stock", "snapkv", "/m", 8000, config)
     load = bench_command("http://x", "/m", Path("/tmp/r.json"), config)

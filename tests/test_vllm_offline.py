@@ -51,7 +51,8 @@ def make_llm(num_pages: int, max_num_seqs: int = 16, **kwargs: Any) -> LLM:
         dtype="float32",
         max_model_len=1024,
         max_num_seqs=max_num_seqs,
-        additional_config={"kv_policy": "snapkv", "kv_num_pages": num_pages},
+        # The plugin's own runner, whose sampler is the embedded engine's (vLLM's runner: test_vllm_native_*.py).
+        additional_config={"kv_policy": "snapkv", "kv_num_pages": num_pages, "kv_runner": "project"},
         **kwargs,
     )
 

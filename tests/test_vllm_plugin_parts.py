@@ -403,6 +403,7 @@ def test_the_cuda_platform_wires_vllms_cuda_platform_to_the_plugin(monkeypatch: 
     platform = resolve_obj_by_qualname(activation.CUDA_PLATFORM)
     assert issubclass(platform, CudaPlatform) and platform().is_cuda()
     config = VllmConfig()
+    config.additional_config = {}  # as the CUDA platform gets it: not yet settled by this machine's CPU platform
     config.parallel_config.worker_cls = "auto"
     config.cache_config.enable_prefix_caching = True
     platform.check_and_update_config(config)
@@ -456,14 +457,18 @@ def test_a_context_field_the_plugin_does_not_serve_is_a_400_not_ignored(field: s
     assert "not yet by the vLLM plugin" in str(refused.value)
 
 
-def test_the_runner_is_vllms_for_an_architecture_the_plugins_own_runner_does_not_run() -> None:
-    assert chosen_runner({}, ["LlamaForCausalLM"]) == "project"
+def test_the_runner_is_vllms_unless_asked_or_on_a_gpu_for_an_architecture_the_own_runner_runs() -> None:
+    assert chosen_runner({}, ["LlamaForCausalLM"]) == "vllm"
     assert chosen_runner({}, ["Gemma3ForCausalLM"]) == "vllm"
-    assert chosen_runner({}, None) == "project"  # not known yet: as before
-    assert chosen_runner({"kv_runner": "vllm"}, ["LlamaForCausalLM"]) == "vllm"
+    assert chosen_runner({}, None) == "vllm"
+    # On a GPU vLLM's runner does not run yet: the plugin's own runner serves what it can.
+    assert chosen_runner({}, ["LlamaForCausalLM"], on_gpu=True) == "project"
+    assert chosen_runner({}, None, on_gpu=True) == "project"  # not known yet
+    assert chosen_runner({}, ["Gemma3ForCausalLM"], on_gpu=True) == "vllm"  # refused there at start, with the reason
+    assert chosen_runner({"kv_runner": "project"}, ["LlamaForCausalLM"]) == "project"
     assert chosen_runner({"kv_runner": "project"}, ["Gemma3ForCausalLM"]) == "project"  # asked for: it says why not
     with pytest.raises(UnsupportedConfigError, match="kv_runner must be one of"):
         chosen_runner({"kv_runner": "mine"}, ["LlamaForCausalLM"])
     # Settled once and written down, so that every process built from the config agrees.
-    config = SimpleNamespace(model_config=SimpleNamespace(architectures=["Gemma3ForCausalLM"]), additional_config=None)
+    config = SimpleNamespace(model_config=SimpleNamespace(architectures=["LlamaForCausalLM"]), additional_config=None)
     assert settle_runner(config) == "vllm" and config.additional_config == {"kv_runner": "vllm"}

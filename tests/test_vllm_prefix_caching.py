@@ -1,4 +1,6 @@
-"""The vLLM plugin's prefix caching (`--enable-prefix-caching` given explicitly), vLLM really installed.
+"""The vLLM plugin's compressed prefix store (`--enable-prefix-caching` given explicitly, on the plugin's own
+runner, `kv_runner: project`), vLLM really installed. (On vLLM's runner, the default, prefix caching is vLLM's
+own over the pool's kept blocks: test_vllm_native_runner.py.)
 
 Each turn of a conversation attaches to what the previous turn left, as `kvpress serve
 --prefix-matching auto` does: the plugin's scheduler tells vLLM the attached tokens are computed
@@ -43,7 +45,7 @@ def make_llm(**kwargs: Any) -> LLM:
         dtype="float32",
         max_model_len=1024,
         max_num_seqs=4,
-        additional_config={"kv_policy": "snapkv", "kv_num_pages": POOL},
+        additional_config={"kv_policy": "snapkv", "kv_num_pages": POOL, "kv_runner": "project"},
         **kwargs,
     )
 
@@ -182,7 +184,7 @@ def test_vllm_serve_with_prefix_caching_attaches_each_turn(tmp_path: Path) -> No
         "--max-num-seqs",
         "4",
         "--additional-config",
-        json.dumps({"kv_num_pages": POOL}),
+        json.dumps({"kv_num_pages": POOL, "kv_runner": "project"}),  # the compressed store: the own runner's
     ]
     args += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     messages = conversation("snapkv", seed=21)
@@ -209,7 +211,7 @@ def test_unused_entries_make_room_before_anything_waits_or_fails() -> None:
         max_model_len=1024,
         max_num_seqs=4,
         enable_prefix_caching=True,
-        additional_config={"kv_policy": "full", "kv_num_pages": pool},
+        additional_config={"kv_policy": "full", "kv_num_pages": pool, "kv_runner": "project"},
     )
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     store = worker.runner.prefix_store

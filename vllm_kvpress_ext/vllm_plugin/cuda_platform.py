@@ -28,7 +28,7 @@ class KVPressCudaPlatform(_CudaBase):
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
         super().check_and_update_config(vllm_config)
-        if settle_runner(vllm_config) == "vllm":
+        if settle_runner(vllm_config, on_gpu=True) == "vllm":
             raise UnsupportedConfigError(
                 "vllm-kvpress-ext: vLLM's own model runner (kv_runner 'vllm') runs on the CPU platform only so far; "
                 "on a GPU the plugin's own runner serves Llama, Mistral, Qwen2 and Qwen3 models"

@@ -17,10 +17,11 @@ On vLLM's own model runner (`kv_runner: vllm`) vLLM's loader reads the weights, 
 file: `prepare_gguf_weights` writes the file's weights, dequantised to the served dtype, as
 `model.safetensors` in the same directory, once per dtype.
 
-The architectures the plugin's own runner serves by default (Llama, Mistral, Qwen2, Qwen3) go through this
-project's loader, config and weights alike, as that runner loads them. Any other architecture whose GGUF
-files transformers reads (Gemma 2 and 3, Phi-3, ...) is converted by transformers: its config, its weights
-dequantised, and its tokenizer. Such a model runs on vLLM's runner (`config.chosen_runner`). (The embedded
+The architectures the plugin's own runner serves (Llama, Mistral, Qwen2, Qwen3) go through this project's
+loader, config and weights alike, as that runner loads them (and, for vLLM's runner, as written from them).
+Any other architecture whose GGUF files transformers reads (Gemma 2 and 3, Phi-3, ...) is converted by
+transformers: its config, its weights dequantised, and its tokenizer. Such a model runs on vLLM's runner
+(`config.chosen_runner`). (The embedded
 engine reads Gemma 3 files with this project's loader; for vLLM the file's config must be the
 `gemma3_text` one transformers writes, which vLLM's Gemma 3 code reads.)
 """
@@ -62,7 +63,7 @@ def gguf_source(model_dir: str | os.PathLike[str]) -> Path | None:
     return path
 
 
-# The GGUF architectures whose vLLM config the project writes itself (those its own runner serves by default);
+# The GGUF architectures whose vLLM config the project writes itself (those its own runner serves);
 # any other file's config, tokenizer and weights come from transformers' GGUF reader.
 _PROJECT_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -214,10 +215,13 @@ def adapt_engine_args(engine_args: Any) -> None:
         return
     tokenizer = engine_args.tokenizer if engine_args.tokenizer not in (None, model) else None
     directory = prepare_gguf_model(model, tokenizer)
+    from vllm.platforms import current_platform
+
     from vllm_kvpress_ext.vllm_plugin.config import chosen_runner
 
     architectures = json.loads((directory / "config.json").read_text())["architectures"]
-    if chosen_runner(getattr(engine_args, "additional_config", None) or {}, architectures) == "vllm":
+    additional = getattr(engine_args, "additional_config", None) or {}
+    if chosen_runner(additional, architectures, on_gpu=current_platform.is_cuda()) == "vllm":
         prepare_gguf_weights(directory, getattr(engine_args, "dtype", "auto"))
     engine_args.model = str(directory)
     engine_args.tokenizer = tokenizer or str(directory)

@@ -1,9 +1,9 @@
 """`KVPressCpuPlatform`: vLLM's platform for the plugin on the CPU.
 
 vLLM's CUDA wheel has no usable CPU path (`vllm._C` does not load on a CPU torch), so on a CPU-only
-host the plugin brings the device side. By default its worker runs the project's model, page pool and
-policies; with `kv_runner: vllm`, vLLM's own model runner runs vLLM's model code over the project's
-pool, attention backend and policies (`native/`). The accelerator hooks vLLM calls at shutdown raise
+host the plugin brings the device side. By default (`kv_runner: vllm`) vLLM's own model runner runs vLLM's
+model code over the project's pool, attention backend and policies (`native/`); with `kv_runner: project`
+the plugin's worker runs the project's model, page pool and policies. The accelerator hooks vLLM calls at shutdown raise
 on a CPU-only torch; they are made no-ops here, where nothing could have been cached on an accelerator.
 """
 

@@ -21,7 +21,7 @@ def register(bench_sub: Subparsers) -> None:
     bv.add_argument(
         "--servers",
         default="vllm,kvpress",
-        help="any of vllm (the plugin), vllm-native (the plugin on vLLM's own model runner), "
+        help="any of vllm (the plugin on its own runner), vllm-native (the plugin on vLLM's own model runner), "
         "kvpress, stock (vLLM without this project, from --stock-vllm; full only) (default: vllm,kvpress)",
     )
     bv.add_argument("--policies", default="full,snapkv,gvote", help="default: full,snapkv,gvote")
