@@ -167,7 +167,7 @@ class DenseContext:
 
 
 def write_suite_model(
-    path: Path, *, hidden: int = 32, seed: int = 1, std: float = 0.3, max_positions: int = 512
+    path: Path, *, hidden: int = 32, seed: int = 1, std: float = 0.3, max_positions: int = 512, num_layers: int = 2
 ) -> Path:
     """A random-weight GQA Llama over the synthetic suite's vocabulary, with its tokenizer, in `path`."""
     from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
@@ -178,7 +178,7 @@ def write_suite_model(
         vocab_size=len(VOCABULARY),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        num_layers=2,
+        num_layers=num_layers,
         num_heads=4,
         num_kv_heads=2,
         max_position_embeddings=max_positions,

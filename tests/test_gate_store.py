@@ -33,7 +33,8 @@ def constant_gates(path: Path, model_dir: Path, value_logit: float) -> Path:
 
 
 def kept_and_full(engine: LLMEngine, gates: Path) -> tuple[int, int]:
-    prompt = [random.Random(0).randrange(10, 400) for _ in range(40)]
+    rng = random.Random(0)
+    prompt = [rng.randrange(10, 400) for _ in range(40)]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     rid = engine.add_request(prompt, params, policy={"name": "wgkv", "gates": str(gates)})
     while engine.has_unfinished_requests():

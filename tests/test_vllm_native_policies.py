@@ -32,6 +32,7 @@ from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.write_gate import default_gate_path, shipped_gates
 from vllm_kvpress_ext.models.writer import save_model
 from vllm_kvpress_ext.policies.registry import create_policy, policy_names
+from vllm_kvpress_ext.policies.xkv import XKVProfile
 from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
 from vllm_kvpress_ext.vllm_plugin.gguf_model import prepare_gguf_model
 from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal, native_rope, projections_known
@@ -90,7 +91,9 @@ def native(model: Path) -> Iterator[VllmLLM]:
 
 
 def prompts() -> list[list[int]]:
-    return [[random.Random(seed).randrange(10, len(VOCABULARY)) for _ in range(96)] for seed in (0, 1)]
+    """Two 96-token prompts of random suite tokens."""
+    rngs = [random.Random(seed) for seed in (0, 1)]
+    return [[rng.randrange(10, len(VOCABULARY)) for _ in range(96)] for rng in rngs]
 
 
 def held_sets(kept: KeptEntries) -> list[list[set[int]]]:
@@ -139,6 +142,52 @@ def test_each_policy_keeps_on_vllms_runner_what_it_keeps_on_the_embedded_engine(
     name: str, embedded: LLM, native: VllmLLM
 ) -> None:
     assert_same_kept(embedded, native, name, prompts())
+
+
+def test_layerwise_policies_peak_where_the_embedded_engine_peaks(tmp_path: Path) -> None:
+    """The layer-wise forms of LAVa (cascading) and XKV (with a saved profile) compress each layer right after
+    its attention on both engines when a prompt is one chunk: a layer's pages are allocated as the pass reaches
+    it. Both engines keep the same entries, and the request's high-water mark is the embedded engine's, below
+    the whole prompt in every layer; the scheduler reserves the policy's declared peak
+    (`PoolReport.compresses_layerwise`)."""
+    model = write_suite_model(tmp_path / "four-layers", hidden=64, std=0.3, num_layers=4)
+    profile = XKVProfile([0.1, 0.5, 0.2, 0.3], window=8).save(tmp_path / "xkv.yaml")
+    specs = [{"name": "lava", "cascading": True}, {"name": "xkv", "profile": str(profile)}]
+    embedded = LLM(model, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE)
+    batch = [
+        torch.randint(10, len(VOCABULARY), (96,), generator=torch.Generator().manual_seed(s)).tolist() for s in (0, 1)
+    ]
+    whole_prompt = 4 * 2 * -(-len(batch[0]) // PAGE_SIZE)
+    for spec in specs:
+        # XKV's profile is a server file: the operator's default policy names it.
+        native = VllmLLM(
+            str(model),
+            dtype="float32",
+            max_model_len=512,
+            max_num_seqs=4,
+            block_size=PAGE_SIZE,
+            skip_tokenizer_init=True,
+            additional_config={"kv_runner": "vllm", "kv_num_pages": 2048, "kv_policy": spec},
+        )
+        try:
+            pool = native_pool(native)
+            pool.kept_at_compression = {}
+            greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_kept=True)
+            ours = embedded.generate(batch, greedy, policy=spec)
+            params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+            theirs = native.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+            kept = list(pool.kept_at_compression.values())
+            page_bytes = pool.cache.pool.bytes_per_page
+            for mine, output, vllm_kept in zip(ours, theirs, kept, strict=True):
+                assert mine.kv.kept_at_compression is not None
+                assert held_sets(vllm_kept) == held_sets(mine.kv.kept_at_compression), spec
+                assert list(output.outputs[0].token_ids) == mine.output_token_ids, spec
+                peak = output.kv_transfer_params["kvpress"]["kv_bytes_peak"]
+                assert peak == mine.kv.kv_bytes_peak < whole_prompt * page_bytes, spec
+            assert pool.report().compresses_layerwise
+        finally:
+            del native
+            gc.collect()
 
 
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "gvote", "kvzip", "wgkv"])

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
-from vllm_kvpress_ext.cache import KeepPlan
-from vllm_kvpress_ext.engine.request import Request
+from vllm_kvpress_ext.cache import KeepPlan, PagedKVCache
 from vllm_kvpress_ext.policies import KVPolicy
-from vllm_kvpress_ext.policies.base import LayerKeep, RequestPrefill, full_prompt_pages
-
-if TYPE_CHECKING:
-    from vllm_kvpress_ext.engine.model_runner import ModelRunner
+from vllm_kvpress_ext.policies.base import LayerKeep, LayerPrefill, RequestPrefill, full_prompt_pages
 
 
 def _ceil_div(x: int, d: int) -> int:
@@ -77,48 +75,56 @@ class LayerwiseCompression:
     request get no pages (`slots` returns None; nothing is written for them and their attention output
     is discarded), and the runner fails this request alone once the pass is over, freeing its pages.
     Other requests never see a page they were promised taken.
+
+    Shared by the embedded engine's runner and the plugin on vLLM's runner (`vllm_plugin/native/`): each
+    gives the request's cache row and how it shows a policy one layer (`layer_prefill`). The policy's
+    state is `state`; `seconds` is the time the policy took.
     """
 
-    def __init__(self, runner: ModelRunner, request: Request, start: int, end: int) -> None:
-        assert request.policy is not None and request.row is not None
-        self.runner = runner
-        self.request = request
-        self.policy: KVPolicy = request.policy
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        policy: KVPolicy,
+        request_id: Hashable,
+        row: int,
+        start: int,
+        end: int,
+        num_q_heads: int,
+        layer_prefill: Callable[[int], LayerPrefill],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.cache = cache
+        self.policy = policy
+        self.request_id = request_id
+        self.row = row
+        self.layer_prefill = layer_prefill
+        self.clock = clock
         self.positions = torch.arange(start, end)
         self.state: dict[str, Any] = {}
-        request.policy_state = self.state
-        config = runner.config
         self.summary = RequestPrefill(
-            request_id=request.request_id,
-            num_layers=config.num_hidden_layers,
-            num_kv_heads=config.num_key_value_heads,
-            num_q_heads=config.num_attention_heads,
+            request_id=str(request_id),
+            num_layers=cache.num_layers,
+            num_kv_heads=cache.num_kv_heads,
+            num_q_heads=num_q_heads,
             length=end,
         )
         self.results: list[Any] = []
         # Per layer, which prompt entries it still holds ([H, n]; None while it holds them all): how the
         # policy's masks over prompt entries map onto the layer's current (compacted) entries.
-        self.kept_masks: list[torch.Tensor | None] = [None] * config.num_hidden_layers
+        self.kept_masks: list[torch.Tensor | None] = [None] * cache.num_layers
         self.seconds = 0.0
         self.error: Exception | None = None
         self.start, self.end = start, end
         self.reserved = prefill_reservation(
-            self.policy,
-            end,
-            start == 0,
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            runner.cache.page_size,
-            request.admission is not None,
+            policy, end, start == 0, cache.num_layers, cache.num_kv_heads, cache.page_size
         )
 
     def slots(self, layer: int) -> torch.Tensor | None:
         """This chunk's slots in `layer`, or None once this request failed or would pass its reservation."""
         if self.error is not None:
             return None
-        cache = self.runner.cache
-        request_id = self.request.request_id
-        held = int(cache.pages_per_head(request_id).sum())
+        cache = self.cache
+        held = int(cache.pages_per_head(self.request_id).sum())
         ps, heads = cache.page_size, cache.num_kv_heads
         # Layer `layer` holds the earlier chunks' `start` entries per head and grows to `end`.
         new_pages = heads * (_ceil_div(self.end, ps) - _ceil_div(self.start, ps))
@@ -128,22 +134,21 @@ class LayerwiseCompression:
                 f"reserved for this prefill ({type(self.policy).__name__}.prefill_peak_pages is too low)"
             )
             return None
-        assert self.request.row is not None
-        return cache.append_layer_slots(layer, self.request.row, self.positions)
+        return cache.append_layer_slots(layer, self.row, self.positions)
 
     def compress(self, layer: int) -> None:
         if self.error is not None:
             return
-        start = self.runner.clock()
+        start = self.clock()
         try:
-            prefill = self.runner.layer_prefill(self.request, layer)
+            prefill = self.layer_prefill(layer)
             self.results.append(self.policy.on_layer_prefilled(prefill, self.state))
             keep = self.policy.plan_layer(self.summary, layer, self.results, self.state)
             if keep is not None:
                 self._apply(keep, layer)
         except Exception as exc:
             self.error = exc
-        self.seconds += self.runner.clock() - start
+        self.seconds += self.clock() - start
 
     def _apply(self, keep: LayerKeep, layer: int) -> None:
         """Compact the layers of `keep`; its masks are over prompt entries, the cache wants current entries."""
@@ -173,9 +178,4 @@ class LayerwiseCompression:
                 relative.append(current)
             self.kept_masks[m] = mask
         plan = KeepPlan.from_mask(torch.stack(relative))
-        self.runner.cache.apply_keep_plan(self.request.request_id, plan, layers=list(keep.layers))
-
-    def finish(self) -> None:
-        """Prefill is over and every layer compressed: drop the captures, account the time."""
-        self.request.capture = None
-        self.request.kv.compression_seconds += self.seconds
+        self.cache.apply_keep_plan(self.request_id, plan, layers=list(keep.layers))

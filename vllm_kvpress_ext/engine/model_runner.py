@@ -17,6 +17,7 @@ state is undefined, and the driver must fail the batch).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -421,7 +422,19 @@ class ModelRunner:
                 # A prompt tail after compression (`runs_tail_as_chunk`) captures nothing: the policy is done.
                 capture = None if req.status is RequestStatus.RUNNING else self._capture_for(req)
                 if self._compresses_layerwise(req, chunk):
-                    compression = LayerwiseCompression(self, req, chunk.start, chunk.end)
+                    assert req.policy is not None
+                    compression = LayerwiseCompression(
+                        self.cache,
+                        req.policy,
+                        req.request_id,
+                        req.row,
+                        chunk.start,
+                        chunk.end,
+                        self.config.num_attention_heads,
+                        functools.partial(self.layer_prefill, req),
+                        self.clock,
+                    )
+                    req.policy_state = compression.state
                     slots = None  # allocated layer by layer inside the forward pass
                 else:
                     slots = self.cache.append_slots([req.row], torch.arange(chunk.start, chunk.end).view(1, -1))
@@ -599,8 +612,9 @@ class ModelRunner:
         request.status = RequestStatus.RUNNING
         request.compressed_at = request.num_processed
         policy = request.policy
-        if layerwise is not None:
-            layerwise.finish()
+        if layerwise is not None:  # every layer was compressed in the pass: drop the captures, count the time
+            request.capture = None
+            request.kv.compression_seconds += layerwise.seconds
         elif policy is not None:
             self.update_kv_stats(request)  # the uncompressed peak
             start = self.clock()

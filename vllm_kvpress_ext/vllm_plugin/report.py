@@ -32,8 +32,8 @@ class PoolReport:
     failed: dict[str, str] = field(default_factory=dict)
     num_layers: int = 0  # layers x KV heads = pages_per_token_block; 0 where a report does not say
     num_kv_heads: int = 0
-    # Whether a policy that compresses layer by layer does so during a whole-prompt prefill here (the plugin's
-    # own runner); where it does not (vLLM's runner compresses after the pass), the full prompt is reserved.
+    # Whether a policy that compresses layer by layer does so during a whole-prompt prefill here; where it does
+    # not (a model with sliding-window layers), the full prompt is reserved.
     compresses_layerwise: bool = True
     # The worker's compressed prefix store (prefix caching on): its model key (the namespace of every entry),
     # every stored key, the entries stored since the last report (no rows or policy state: what matching

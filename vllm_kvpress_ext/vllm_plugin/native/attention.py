@@ -158,6 +158,11 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
         if plan.written is not None:
             slots, keys, values = slots[plan.written], keys[plan.written], values[plan.written]
         self.pool.cache.write(slots, keys, values)
+        for span in plan.prefills:  # a prompt compressed layer by layer: this layer's pages, allocated now
+            layer_slots = span.layerwise.slots(self.layer_index) if span.layerwise is not None else None
+            if layer_slots is not None:
+                chunk = slice(span.begin, span.end)
+                self.pool.cache.write(layer_slots.transpose(0, 1), key[chunk], value[chunk])
 
     def forward(
         self,
@@ -196,6 +201,11 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
         self._decode(plan, queries, out)
         for span in plan.prefills:
             chunk = slice(span.begin, span.end)
+            if span.layerwise is not None and span.layerwise.error is not None:
+                # The request failed its layer-wise prefill (it fails after the pass) and this layer holds no
+                # chunk: an output over the chunk's own keys only keeps the batch's pass going.
+                out[chunk] = causal_attention(queries[chunk][None], key[chunk][None], value[chunk][None], self.scale)[0]
+                continue
             want_lse = span.capture is not None and span.capture.spec.query_lse
             lse: torch.Tensor | None = None
             gated = self._gated(span, plan, queries[chunk], key[chunk], value[chunk])
@@ -223,6 +233,8 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
                 lse = lse_out[0] if lse_out else None
             out[chunk] = attended.to(out.dtype)
             self._record(span, plan, queries[chunk], lse)
+            if span.layerwise is not None:
+                span.layerwise.compress(self.layer_index)
         return output
 
     def _decode(self, plan: StepPlan, queries: torch.Tensor, out: torch.Tensor) -> None:
@@ -355,6 +367,8 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
                 decode_probs.append(probs)
             if prefill is not None:
                 self._record(prefill, plan, queries[begin:end], None)
+                if prefill.layerwise is not None:
+                    prefill.layerwise.compress(self.layer_index)
         if plan.decode_probs is not None:
             plan.decode_probs.append(_padded_batch(decode_probs, self.num_kv_heads))
 

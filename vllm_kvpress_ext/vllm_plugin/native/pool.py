@@ -37,8 +37,9 @@ from vllm_kvpress_ext.api.usage import kv_figures
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.admission import PromptAdmission, bind_admission
-from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_decode
+from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_decode, layer_prefill
 from vllm_kvpress_ext.engine.kept import KeptEntries, kept_entries
+from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression
 from vllm_kvpress_ext.engine.reconstruction import ChunkForward, prompts_for_model, score_prompt
 from vllm_kvpress_ext.engine.request import KVStats
 from vllm_kvpress_ext.models.rope import RotaryEmbedding
@@ -63,6 +64,9 @@ class PrefillSpan:
     first_position: int
     capture: PrefillCapture | None = None  # what the request's policy records of its prompt
     admission: PromptAdmission | None = None  # a write-gated request's flags so far (WG-KV)
+    # The chunk that completes a prompt whose policy compresses layer by layer (XKV, LAVa): its slots come one
+    # layer at a time, as the pass reaches each, and each layer is compacted right after its attention.
+    layerwise: LayerwiseCompression | None = None
 
 
 @dataclass
@@ -325,14 +329,18 @@ class NativePool:
             if end - begin == 1 and first > 0:
                 decodes.append((request_id, begin, first))
                 continue
-            try:
-                slots = self._append_slots([seat.row], query_positions[begin:end].view(1, -1))  # [L, 1, H, n]
-            except PoolExhaustedError as exc:
-                self._fail(request_id, str(exc))
+            layerwise = self._layerwise(request_id, seat, first, seq_lens[index])
+            if layerwise is not None:  # written layer by layer (`do_kv_cache_update`), not here
                 written[begin:end] = False
-                failed_tokens.append((begin, end))
-                continue
-            token_slots[:, begin:end] = slots[:, 0].transpose(1, 2)
+            else:
+                try:
+                    slots = self._append_slots([seat.row], query_positions[begin:end].view(1, -1))  # [L, 1, H, n]
+                except PoolExhaustedError as exc:
+                    self._fail(request_id, str(exc))
+                    written[begin:end] = False
+                    failed_tokens.append((begin, end))
+                    continue
+                token_slots[:, begin:end] = slots[:, 0].transpose(1, 2)
             if seat.aligned and spill_slots is not None:
                 try:
                     spill_slots[cache.sliding_layers, begin:end] = self._spill_slots(seat, query_positions[begin:end])
@@ -343,7 +351,7 @@ class NativePool:
                     continue
             seat.written = seq_lens[index]
             capture = seat.capture if not seat.compressed else None
-            prefills.append(PrefillSpan(begin, end, request_id, seat.row, first, capture, seat.admission))
+            prefills.append(PrefillSpan(begin, end, request_id, seat.row, first, capture, seat.admission, layerwise))
         self._plan_decodes(decodes, token_slots, written, failed_tokens)
         for request_id, token, position in decodes:
             seat = self.seats.get(request_id)
@@ -378,6 +386,29 @@ class NativePool:
             keys_pre_rope=[None] * cache.num_layers if gated else None,
         )
         return self._plan
+
+    def _layerwise(self, request_id: str, seat: _Seat, first: int, end: int) -> LayerwiseCompression | None:
+        """Layer-wise compression (`engine/layerwise.py`, as the embedded engine runs it) of the chunk `[first, end)`
+        if it completes a prompt whose policy compresses layer by layer: the prefill then holds the policy's
+        declared peak, which the scheduler reserved for a prompt in one chunk, rather than the whole prompt in
+        every layer. Not with a write gate, nor on a model with sliding-window layers (as in the embedded engine)."""
+        policy = seat.policy
+        if (
+            policy is None
+            or not policy.compresses_layerwise
+            or seat.compressed
+            or end != seat.prompt_len
+            or seat.gate is not None
+            or self.cache.has_sliding_layers
+        ):
+            return None
+        capture, projections = seat.capture, self.query_projections
+
+        def shown(layer: int) -> Any:
+            project = projections[layer] if projections is not None else None
+            return layer_prefill(self.cache, request_id, layer, capture, None, self.scale, False, self.rotary, project)
+
+        return LayerwiseCompression(self.cache, policy, request_id, seat.row, first, end, self.num_q_heads, shown)
 
     def _decode_gates(self, decode_tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, Admission]]:
         """The step's write-gated decodes (`decode_request_ids`, tokens at `decode_tokens`), grouped by gate so
@@ -491,8 +522,13 @@ class NativePool:
             for candidate in self.seats.values():
                 if candidate.aligned:
                     self._keep_full_blocks(candidate)
+        layerwise = {span.request_id: span.layerwise for span in plan.prefills if span.layerwise is not None}
         for request_id in [r for r, seat in self.seats.items() if self._completes_prefill(seat)]:
-            self._run_policy(request_id, self._compress)
+            compression = layerwise.get(request_id)
+            if compression is not None:
+                self._run_policy(request_id, lambda rid, c=compression: self._finish_layerwise(rid, c))
+            else:
+                self._run_policy(request_id, self._compress)
         for span in plan.prefills:  # a write-gated chunk that did not end its prompt: its unadmitted entries go
             seat = self.seats.get(span.request_id)
             if seat is not None and seat.admission is not None and not seat.compressed:
@@ -559,6 +595,18 @@ class NativePool:
             query_projections=self.query_projections,
             gated=seat.gate is not None,
         )
+        self._compressed(request_id, seat)
+
+    def _finish_layerwise(self, request_id: str, compression: LayerwiseCompression) -> None:
+        """The prompt's last chunk compressed every layer during the pass; a failure there fails the request."""
+        if compression.error is not None:
+            raise compression.error
+        seat = self.seats[request_id]
+        seat.state = compression.state
+        seat.compression_seconds += compression.seconds
+        self._compressed(request_id, seat)
+
+    def _compressed(self, request_id: str, seat: _Seat) -> None:
         seat.compressed, seat.capture, seat.aligned = True, None, False
         if self.kept_at_compression is not None:
             self.kept_at_compression[request_id] = kept_entries(self.cache, request_id)
@@ -611,7 +659,7 @@ class NativePool:
             failed=dict(self.failed),
             num_layers=cache.num_layers,
             num_kv_heads=cache.num_kv_heads,
-            compresses_layerwise=False,
+            compresses_layerwise=not cache.has_sliding_layers,  # `_layerwise`
         )
         if self.prefix_blocks is not None:
             report.prefix_evictable = self.prefix_blocks.evictable_pages()
