@@ -50,7 +50,7 @@ AVX2_TESTS := tests/test_cpu_paths.py tests/test_linear.py tests/test_models.py 
 	tests/test_attention_reference.py tests/test_block_sparse_attention.py tests/test_kernels.py \
 	tests/test_capture.py tests/test_expected_attention.py tests/test_kvzip.py tests/test_wgkv.py \
 	tests/test_wgkv_chunked.py tests/test_policies_baselines.py tests/test_policies_gvote_xkv.py \
-	tests/test_policies_kvec_lava.py tests/test_vllm_offline.py
+	tests/test_policies_kvec_lava.py tests/test_vllm_offline.py tests/test_vllm_native_policies.py
 # Every GPU kernel compiled for Hopper (Triton, at the shapes and dtypes the engine launches) and the CUDA
 # extension for sm_80 and sm_90 (nvcc), with their registers, spills and shared memory checked; no GPU
 # needed, about 3 minutes on 2 cores (docs/gpu.md). .ci/run runs it.
