@@ -5,18 +5,21 @@ layers, GQA) runs prompts several windows long. With the full cache the engine's
 transformers', whether the prompt runs as one chunk or as chunks shorter than the window. Under every
 policy, right after compression and when the request finishes, each sliding layer holds exactly the
 last `window` positions, every global entry is a position the request wrote, and every page comes back.
+WG-KV's local ring and admission apply to the global layers only.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from model_utils import hf_greedy, randomised, write_suite_gemma3
+from model_utils import hf_greedy, randomised, write_random_gates, write_suite_gemma3
 from transformers import MistralConfig, MistralForCausalLM, PreTrainedModel
 
-from vllm_kvpress_ext.engine import LLM, KeptEntries, LLMEngine, RequestRejectedError, SamplingParams
+from vllm_kvpress_ext.engine import LLM, KeptEntries, LLMEngine, SamplingParams
+from vllm_kvpress_ext.models.write_gate import WriteGates
 from vllm_kvpress_ext.policies.registry import create_policy, policy_names
 from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
 
@@ -26,13 +29,15 @@ LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full
 SLIDING = [i for i, kind in enumerate(LAYER_TYPES) if kind == "sliding_attention"]
 GLOBAL = [i for i, kind in enumerate(LAYER_TYPES) if kind == "full_attention"]
 NEW_TOKENS = 6
-# Write gates need a ring of their own, which a model with sliding layers does not get (refused, tested below).
-POLICIES = [name for name in policy_names() if not create_policy(name).admits_during_prefill]
+POLICIES = [name for name in policy_names()]
+GATE_WINDOW = 8  # WG-KV's local ring (a multiple of the page size)
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, Path]:
-    return write_suite_gemma3(tmp_path_factory.mktemp("gemma3"), window=WINDOW, layer_types=tuple(LAYER_TYPES))
+    model, path = write_suite_gemma3(tmp_path_factory.mktemp("gemma3"), window=WINDOW, layer_types=tuple(LAYER_TYPES))
+    write_random_gates(path, GATE_WINDOW)  # WG-KV's gates, beside the model, where they are found by default
+    return model, path
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -94,11 +99,62 @@ def test_every_policy_leaves_sliding_layers_their_window(gemma: tuple[PreTrained
     assert llm.engine.cache.pool.num_used == 0
 
 
-def test_a_write_gate_is_refused_with_the_reason(gemma: tuple[PreTrainedModel, Path]) -> None:
+@pytest.mark.parametrize("chunk", [2048, 16])
+def test_wgkv_rings_the_global_layers_and_leaves_the_sliding_ones_their_window(
+    gemma: tuple[PreTrainedModel, Path], chunk: int
+) -> None:
+    """WG-KV (random gates, about half the keys admitted): a global layer holds the last `GATE_WINDOW` positions
+    in its local ring and only admitted older ones, fewer than the prompt; a sliding layer holds its window and
+    no local ring, with the prompt whole or in chunks shorter than the window."""
     _, path = gemma
-    engine = LLMEngine(path, dtype=torch.float32, num_pages=256, page_size=PAGE_SIZE)
-    with pytest.raises(RequestRejectedError, match="sliding-window layers"):
-        engine.add_request(prompt(20, 4), SamplingParams(max_tokens=2), policy=create_policy("wgkv"))
+    llm = LLM(path, dtype=torch.float32, num_pages=1024, page_size=PAGE_SIZE, max_num_batched_tokens=chunk)
+    batch = [prompt(64, 2), prompt(50, 3)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_kept=True)
+    outputs = llm.generate(batch, params, policy={"name": "wgkv", "tau": 0.5})
+    for ids, out in zip(batch, outputs, strict=True):
+        assert out.error is None and len(out.output_token_ids) == NEW_TOKENS
+        kept = out.kv.kept_at_compression
+        assert kept is not None
+        assert_sliding_layers_hold_their_window(kept, len(ids))
+        assert bool((kept.ring_positions[SLIDING] == -1).all())
+        recent = list(range(len(ids) - GATE_WINDOW, len(ids)))
+        for layer in GLOBAL:
+            for head in range(kept.lengths.shape[1]):
+                assert sorted(kept.ring_positions[layer, head].tolist()) == recent
+                older = kept.positions[layer, head, : int(kept.lengths[layer, head])].tolist()
+                assert all(0 <= p < len(ids) - GATE_WINDOW for p in older)
+        admitted = int(kept.lengths[GLOBAL].sum())
+        assert 0 < admitted < len(GLOBAL) * 2 * (len(ids) - GATE_WINDOW)  # the gates admit some, not all
+        written = len(ids) + NEW_TOKENS - 1
+        assert out.kv.kept is not None
+        assert_sliding_layers_hold_their_window(out.kv.kept, written)
+        assert_global_entries_in_range(out.kv.kept, written)
+    assert llm.engine.cache.pool.num_used == 0
+
+
+def test_wgkv_with_every_gate_open_is_exactly_full_attention(
+    gemma: tuple[PreTrainedModel, Path], tmp_path: Path
+) -> None:
+    """Gates that admit every key: the global layers' vertical-slash mask is causal and the ring promotes every
+    token, so WG-KV gives transformers' greedy tokens on a model with sliding-window layers too."""
+    model, path = gemma
+    config = json.loads((path / "config.json").read_text())
+    gates = WriteGates(config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"])
+    with torch.no_grad():
+        gates.w2.zero_()
+        gates.b2.fill_(10.0)  # g = sigmoid(10) > tau for every key
+    gate_file = gates.save(tmp_path / "open.wgkv.safetensors", {"local_window": GATE_WINDOW})
+    engine = LLMEngine(path, dtype=torch.float32, num_pages=512, page_size=PAGE_SIZE, max_num_batched_tokens=16)
+    ids = prompt(45, 4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request(ids, params, request_id="open", policy={"name": "wgkv", "gates": str(gate_file)})
+    output: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                output = out.output_token_ids
+    assert output == hf_greedy(model, ids, 12)
+    assert engine.cache.pool.num_used == 0
 
 
 def test_a_model_whose_every_layer_slides_runs_every_policy_as_full(tmp_path: Path) -> None:
@@ -119,7 +175,7 @@ def test_a_model_whose_every_layer_slides_runs_every_policy_as_full(tmp_path: Pa
     expected = hf_greedy(model, ids, 10)
     llm = LLM(tmp_path, dtype=torch.float32, num_pages=256, page_size=PAGE_SIZE)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, return_kept=True)
-    for policy in ("full", "snapkv", "h2o"):
+    for policy in ("full", "snapkv", "h2o", "wgkv"):  # a write gate needs no gates here: no global layer
         (out,) = llm.generate([ids], params, policy=policy)
         assert out.output_token_ids == expected, policy
         assert out.kv.kept is not None and out.kv.kept.per_layer == [2 * WINDOW] * 2

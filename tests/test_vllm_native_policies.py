@@ -241,9 +241,8 @@ def test_phi3_keeps_what_the_embedded_engine_keeps_for_its_llama_twin(
 
 
 # Gemma 3 (sliding-window layers): the project parses its config, so it knows the RoPE of the global layers,
-# the only ones a policy sees. A write gate's local ring is refused there by both engines: its sliding layers'
-# rings already hold their window.
-SERVED_ON_GEMMA3 = [n for n in SERVED if not create_policy(n).admits_during_prefill]
+# the only ones a policy sees, and the only ones where a write gate keeps a local ring.
+SERVED_ON_GEMMA3 = SERVED
 
 
 def test_every_served_policy_keeps_the_embedded_engines_entries_on_gemma3(tmp_path: Path) -> None:
@@ -251,6 +250,7 @@ def test_every_served_policy_keeps_the_embedded_engines_entries_on_gemma3(tmp_pa
     the prompt's last 8 positions, and each policy keeps the same entries of the global layers, alone or with a
     prompt in chunks of 32 (a chunk reads the ring the previous one left)."""
     _, gemma3 = write_suite_gemma3(tmp_path / "gemma3")
+    write_random_gates(gemma3, GATE_WINDOW)
     for chunk in (None, 32):
         chunking = {} if chunk is None else {"max_num_batched_tokens": chunk}
         embedded = LLM(gemma3, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE, **chunking)

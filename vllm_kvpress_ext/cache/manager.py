@@ -362,8 +362,6 @@ class PagedKVCache:
             raise ValueError("requests with a local ring append one token per step")
         if torch.unique(rows).numel() != rows.numel():
             raise ValueError("a request row appears twice in one append")
-        if self.has_sliding_layers and bool(is_ring.any()):
-            raise ValueError("a local ring and sliding-window layers cannot share a request")
         layers, batch, heads = self.num_layers, rows.numel(), self.num_kv_heads
         counts = self._append_counts(rows, num_tokens)
         overwritten = self._ring_overwrites(rows, positions)
@@ -392,6 +390,7 @@ class PagedKVCache:
             )
             ring_slots = ring_pages.to(torch.int64) * ps + (ring_slot % ps).view(1, -1, 1, 1)  # [L, Br, H, 1]
             promote = counts[:, ring_b].bool()  # [L, Br, H]
+            promote[self.sliding_layers] = False  # a sliding layer's own ring holds its window: no local ring there
             if bool(promote.any()):
                 src = ring_slots[..., 0][promote].to(self.device)
                 dst = slots[:, ring_b, :, 0][promote].to(self.device)
@@ -809,26 +808,28 @@ class PagedKVCache:
         last min(n, W) tokens. Those move into the ring (token t at ring slot t % W) with their flags;
         older tokens stay in the global region only if admitted. From then on each decode token
         enters the ring, and the token it overwrites is promoted to the global region only if its
-        flag is set (lazy promotion).
+        flag is set (lazy promotion). On a model with sliding-window layers only the global layers get a
+        local ring: a sliding layer's own ring already holds its window, and its flags are ignored.
         """
         row = self.row_of(request_id)
         ps = self.page_size
         if window <= 0 or window % ps:
             raise ValueError(f"ring window must be a positive multiple of page_size {ps}, got {window}")
-        if self.has_sliding_layers:
-            raise ValueError("a local ring and sliding-window layers cannot share a request")
         if int(self.ring_window[row]):
             raise ValueError(f"request {request_id!r} already has a ring")
-        positions, lens = self.entry_positions(request_id)  # [L, H, N], [L, H]
+        ringed = self.global_layers
+        all_positions, all_lens = self.entry_positions(request_id)  # [L, H, N], [L, H]
+        positions, lens = all_positions[ringed], all_lens[ringed]
         n = int(positions.max()) + 1 if positions.numel() else 0
         if admitted.shape != (self.num_layers, self.num_kv_heads, n) or admitted.dtype != torch.bool:
             raise InvalidPlanError(
                 f"admitted must be bool [L, H, n] = {(self.num_layers, self.num_kv_heads, n)}, "
                 f"got {admitted.dtype} {tuple(admitted.shape)}"
             )
+        admitted = admitted.cpu()[ringed]
         in_ring = min(n, window)
         # The ring's tokens are each head's last `in_ring` entries: positions n - in_ring .. n - 1.
-        tail = lens.unsqueeze(-1) - in_ring + torch.arange(in_ring)  # [L, H, m] entry indices
+        tail = lens.unsqueeze(-1) - in_ring + torch.arange(in_ring)  # [Lg, H, m] entry indices
         if bool((tail < 0).any()) or not bool(
             (positions.gather(-1, tail.clamp(min=0)) == torch.arange(n - in_ring, n)).all()
         ):
@@ -838,25 +839,24 @@ class PagedKVCache:
         ring_pages_per_head = window // ps
         valid = positions >= 0
         older = valid & (positions < n - in_ring)
-        keep = older & admitted.cpu().gather(-1, positions.clamp(min=0))
+        keep = older & admitted.gather(-1, positions.clamp(min=0))
         pages_after_compaction = int(_ceil_div(keep.sum(-1), ps).sum())
-        pages_needed = self.num_layers * self.num_kv_heads * ring_pages_per_head
+        layers, heads = ringed.numel(), self.num_kv_heads
+        pages_needed = layers * heads * ring_pages_per_head
         available = self.pool.num_free + int(_ceil_div(lens, ps).sum()) - pages_after_compaction
         if pages_needed > available:
             raise PoolExhaustedError(pages_needed, available)
 
         # Read the ring's tokens before compaction can overwrite them.
-        layers, heads = self.num_layers, self.num_kv_heads
         e = torch.arange(n - in_ring, n)  # the ring's positions
-        l_idx = torch.arange(layers).view(-1, 1, 1).expand(layers, heads, in_ring)
+        l_idx = ringed.view(-1, 1, 1).expand(layers, heads, in_ring)
         h_idx = torch.arange(heads).view(1, -1, 1).expand(layers, heads, in_ring)
-        e_idx = e.view(1, 1, -1).expand(layers, heads, in_ring)
         src = self._slot(l_idx, torch.full_like(l_idx, row), h_idx, tail).reshape(-1).to(self.device)
         src_page, src_off = torch.div(src, ps, rounding_mode="floor"), src % ps
         ring_kv = self.pool.kv[src_page, :, src_off].clone()
         ring_pos = self.pool.positions[src_page, src_off].clone()
 
-        self._compact(torch.tensor([row]), keep.unsqueeze(1))
+        self._compact(torch.tensor([row]), keep.unsqueeze(1), ringed)
 
         if self.ring_tables.shape[-1] < ring_pages_per_head:
             pad = ring_pages_per_head - self.ring_tables.shape[-1]
@@ -864,16 +864,18 @@ class PagedKVCache:
             self.ring_flags = torch.nn.functional.pad(self.ring_flags, (0, pad * ps), value=False)
             self.device_ring_tables = self.ring_tables.to(self.device) if self._mirror else self.ring_tables
         pages = self.pool.allocate(pages_needed).to(torch.int32).view(layers, heads, ring_pages_per_head)
-        self.ring_tables[:, row, :, :ring_pages_per_head] = pages
+        self.ring_tables[ringed, row, :, :ring_pages_per_head] = pages
         if self._mirror:
-            self.device_ring_tables[:, row, :, :ring_pages_per_head] = pages.to(self.device)
-        ring_slot = e_idx % window  # [L, H, m]
-        dst_page = pages.to(torch.int64)[l_idx, h_idx, torch.div(ring_slot, ps, rounding_mode="floor")]
+            self.device_ring_tables[ringed, row, :, :ring_pages_per_head] = pages.to(self.device)
+        ring_slot = e.view(1, 1, -1).expand(layers, heads, in_ring) % window  # [Lg, H, m]
+        local_l = torch.arange(layers).view(-1, 1, 1).expand(layers, heads, in_ring)
+        dst_page = pages.to(torch.int64)[local_l, h_idx, torch.div(ring_slot, ps, rounding_mode="floor")]
         dst = (dst_page * ps + ring_slot % ps).reshape(-1).to(self.device)
         ops.write_kv(self.pool.kv, dst, ring_kv[:, 0], ring_kv[:, 1], self.pool.positions, ring_pos)
-        row_flags = self.ring_flags[:, row]  # view [L, H, W]
-        row_flags.zero_()
-        row_flags[..., e % window] = admitted[..., n - in_ring :].cpu()
+        self.ring_flags[:, row] = False
+        self.ring_flags[ringed.view(-1, 1, 1), row, torch.arange(heads).view(1, -1, 1), (e % window).view(1, 1, -1)] = (
+            admitted[..., n - in_ring :]
+        )
         self.ring_window[row] = window
         self.ring_count[row] = n
         self._note_peak(torch.tensor([row]))
@@ -895,11 +897,13 @@ class PagedKVCache:
             raise InvalidPlanError(
                 f"admitted covers {n} positions, but the request holds position {int(positions.max())}"
             )
+        ringed = self.global_layers  # a sliding layer's own ring holds just its window
+        positions = positions[ringed]
         valid = positions >= 0
-        keep = valid & ((positions >= n - window) | admitted.cpu().gather(-1, positions.clamp(min=0)))
+        keep = valid & ((positions >= n - window) | admitted.cpu()[ringed].gather(-1, positions.clamp(min=0)))
         if bool((keep == valid).all()):
             return 0
-        return self.apply_keep_plan(request_id, KeepPlan.from_mask(keep))
+        return self.apply_keep_plan(request_id, KeepPlan.from_mask(keep), layers=ringed.tolist())
 
     def ring_lens(self, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         """Valid ring entries per row: min(tokens seen, W); valid ring slots are [0, ring_len)."""
@@ -952,7 +956,8 @@ class PagedKVCache:
         return positions.masked_fill(~valid, -1), lens
 
     def ring_positions(self, request_id: Hashable) -> torch.Tensor:
-        """Positions of the valid local-ring entries of a request, `[L, H, ring_len]` (ring_len 0 without a ring).
+        """Positions of the valid local-ring entries of a request, `[L, H, ring_len]` (ring_len 0 without a ring;
+        -1 throughout a layer without one, a sliding-window layer).
 
         Ring slots are not kept in position order (token t sits at slot t % W); the order here is slot order.
         """
@@ -961,8 +966,9 @@ class PagedKVCache:
         e = torch.arange(n)
         tables = self.ring_tables[:, row].to(torch.int64)  # [L, H, Pr]
         pages = tables.gather(-1, torch.div(e, self.page_size, rounding_mode="floor").expand(*tables.shape[:2], n))
-        slots = pages * self.page_size + e % self.page_size
-        return self.pool.positions.view(-1)[slots.to(self.device)].cpu().to(torch.int64)
+        slots = (pages * self.page_size + e % self.page_size).clamp(min=0)
+        positions = self.pool.positions.view(-1)[slots.to(self.device)].cpu().to(torch.int64)
+        return positions.masked_fill(pages < 0, -1)  # a sliding-window layer has no local ring
 
     # ------------------------------------------------------------------ accounting
 
@@ -972,7 +978,8 @@ class PagedKVCache:
         ring_pages = int((self.ring_tables[:, row] >= 0).sum())
         pages = int(_ceil_div(lens, self.page_size).sum()) + ring_pages
         ring_tokens = int(self.ring_lens([row])[0])
-        tokens = int(lens.sum()) + ring_tokens * self.num_layers * self.num_kv_heads
+        ringed = int((self.ring_tables[:, row, 0, :1] >= 0).sum())  # layers with a local ring (not sliding ones)
+        tokens = int(lens.sum()) + ring_tokens * ringed * self.num_kv_heads
         held = torch.cat([self.block_tables[:, row].reshape(-1), self.ring_tables[:, row].reshape(-1)])
         share = float((1.0 / self.pool.refcounts(held[held >= 0]).double()).sum())
         return CacheUsage(

@@ -40,11 +40,8 @@ def bind_admission(
     that, rounded up to whole pages: a longer one would evict nothing more and only cost pages, so a
     request whose ring outlasts it holds what `full` holds.
     """
-    if policy is not None and policy.admits_during_prefill and cache.has_sliding_layers:
-        raise RequestRejectedError(
-            f"{policy.name}: a write gate's local ring is not supported on a model with sliding-window layers, "
-            "whose own ring holds their window"
-        )
+    if cache.global_layers.numel() == 0:  # every layer slides: no layer is a policy's, the rings bound the cache
+        return None
     admission = policy.admission(model_path, device, gate_store) if policy is not None else None
     if admission is None:
         return None
@@ -61,7 +58,8 @@ def bind_admission(
             f"the local window ({admission.window} tokens) must be a positive multiple of the page size "
             f"({page}): the ring is made of whole pages"
         )
-    ring_pages = cache.num_layers * cache.num_kv_heads * admission.window // page
+    # The local ring is in the global layers only: a sliding-window layer's own ring holds its window.
+    ring_pages = cache.global_layers.numel() * cache.num_kv_heads * admission.window // page
     if ring_pages > cache.pool.num_pages:
         raise RequestRejectedError(
             f"the local window ({admission.window} tokens) needs {ring_pages} KV pages but the whole pool has "
@@ -98,8 +96,12 @@ class PromptAdmission:
         self.admitted[layer].append(flags.transpose(0, 1))
         return torch.cat(self.admitted[layer], dim=-1)
 
-    def _stacked(self, chunks: list[list[torch.Tensor]]) -> torch.Tensor:
-        return torch.stack([torch.cat(layer, dim=-1) for layer in chunks]).cpu()  # [L, H, n]
+    @staticmethod
+    def _stacked(chunks: list[list[torch.Tensor]]) -> torch.Tensor:
+        """`[L, H, n]` from per-layer chunks. A sliding-window layer is never gated (its own ring holds its
+        window): it stands as all ones, every entry kept."""
+        present = torch.cat(next(layer for layer in chunks if layer), dim=-1)
+        return torch.stack([torch.cat(layer, dim=-1) if layer else torch.ones_like(present) for layer in chunks]).cpu()
 
     def drop_unadmitted(self, cache: PagedKVCache, request_id: Any) -> None:
         """Admission during a chunked prefill: what the gates did not admit leaves the cache with its chunk.
@@ -110,7 +112,7 @@ class PromptAdmission:
         the keys the whole prefix would show it, and `start_ring` ends with the cache the whole prompt
         would give. The policy may drop more admitted entries here (`limit_prefill_admission`).
         """
-        device = self.admitted[0][0].device
+        device = next(layer for layer in self.admitted if layer)[0].device  # a gated (global) layer's
         admitted = self._stacked(self.admitted)
         values = self._stacked(self.gate_values) if self.gate_values is not None else None
         limited = self.policy.limit_prefill_admission(admitted, values, admitted.shape[-1] - self.window)

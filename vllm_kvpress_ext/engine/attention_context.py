@@ -212,6 +212,7 @@ class DecodeContext:
         self.slots = slots  # [L, B, H, 1]
         self.scale = scale
         self.has_ring = bool((cache.ring_window[rows] > 0).any())
+        self.windows = cache.layer_windows.tolist()
         self._host_probs: dict[int, torch.Tensor] = {}
 
     def host_probs(self, layer_idx: int) -> torch.Tensor:
@@ -236,11 +237,13 @@ class DecodeContext:
     ) -> torch.Tensor:
         cache = self.cache
         cache.write(self.slots[layer_idx, :, :, 0], k, v)
-        for index, admission in self.admissions:
+        # A sliding-window layer has no local ring (its own ring holds its window): nothing to admit or read there.
+        ringed = self.has_ring and not self.windows[layer_idx]
+        for index, admission in self.admissions if ringed else ():
             local = index.to(k.device)
             cache.admit(layer_idx, self.rows[index], admission.flags(layer_idx, k_pre_rope[local], k[local]))
-        ring_tables = cache.device_ring_tables[layer_idx] if self.has_ring else None
-        ring_lens = cache.ring_lens().to(cache.device) if self.has_ring else None
+        ring_tables = cache.device_ring_tables[layer_idx] if ringed else None
+        ring_lens = cache.ring_lens().to(cache.device) if ringed else None
         return paged_decode_attention(
             q,
             cache.pool.kv,

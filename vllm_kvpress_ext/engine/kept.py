@@ -18,7 +18,8 @@ class KeptEntries:
     `positions[l, h, :lengths[l, h]]` are the global region's token positions of layer l, KV head h in
     storage order (compaction keeps order; decode-time eviction does not), padded with -1: exactly what
     `PagedKVCache.entry_positions` returns. Requests with a local ring (WG-KV) also hold
-    `ring_positions[l, h]`, the same recent tokens for every head; without a ring its last dimension is 0.
+    `ring_positions[l, h]`, the same recent tokens for every head (-1 in a sliding-window layer, which has no
+    local ring); without a ring its last dimension is 0.
     Positions count from the first prompt token, so with `compress_after = c` the entries below c are
     what the policy kept of the context and the rest are the question and the answer.
     """
@@ -30,7 +31,7 @@ class KeptEntries:
     @property
     def counts(self) -> torch.Tensor:
         """Entries held per (layer, KV head) `[L, H]`, ring included (equals `KVStats.kept_per_head`)."""
-        return self.lengths + self.ring_positions.shape[-1]
+        return self.lengths + (self.ring_positions >= 0).sum(-1)
 
     @property
     def per_layer(self) -> list[int]:
@@ -45,7 +46,8 @@ class KeptEntries:
     def head(self, layer: int, head: int) -> list[int]:
         """Sorted positions held by one (layer, KV head), ring included."""
         held = self.positions[layer, head, : int(self.lengths[layer, head])]
-        return sorted(torch.cat([held, self.ring_positions[layer, head]]).tolist())
+        ring = self.ring_positions[layer, head]
+        return sorted(torch.cat([held, ring[ring >= 0]]).tolist())
 
     def mask(self, length: int) -> torch.Tensor:
         """`[L, H, length]` booleans: whether each (layer, KV head) holds position p, for p < length."""

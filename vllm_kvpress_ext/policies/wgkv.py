@@ -32,6 +32,9 @@ Divergences:
   rate 1 / observation_window (a soft window of the last w queries). An entry just promoted from the
   ring starts at this step's attention.
 - The cap counts the global region only; the ring adds W_local entries per head on top.
+- On a model with sliding-window layers (Gemma 2 and 3) the gates, the local ring and the cap apply to
+  the global layers only: a sliding layer's own ring already holds just its window, so it admits
+  every key it still reads. On a model whose every layer slides, WG-KV keeps what `full` keeps.
 """
 
 from __future__ import annotations

@@ -237,8 +237,9 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
                 span.layerwise.compress(self.layer_index)
         return output
 
-    def _decode(self, plan: StepPlan, queries: torch.Tensor, out: torch.Tensor) -> None:
-        """The step's decodes, batched, over their rows (the project's paged decode kernel), local rings included."""
+    def _decode(self, plan: StepPlan, queries: torch.Tensor, out: torch.Tensor, rings: bool = True) -> None:
+        """The step's decodes, batched, over their rows (the project's paged decode kernel), local rings included
+        unless `rings` is False (a sliding-window layer, whose own ring holds its window)."""
         if not plan.decode_tokens.numel():
             return
         assert self.pool is not None
@@ -252,8 +253,8 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             cache.device_seq_lens[layer_index],
             plan.decode_rows,
             self.scale,
-            cache.device_ring_tables[layer_index] if plan.rings else None,
-            cache.ring_lens().to(cache.device) if plan.rings else None,
+            cache.device_ring_tables[layer_index] if plan.rings and rings else None,
+            cache.ring_lens().to(cache.device) if plan.rings and rings else None,
             probs_out=plan.decode_probs,
         ).to(out.dtype)
 
@@ -331,7 +332,7 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
         if self.logits_soft_cap is not None:
             self._masked(plan, queries, out, prefills=False)
         else:
-            self._decode(plan, queries, out)
+            self._decode(plan, queries, out, rings=False)
 
     def _record(self, span: PrefillSpan, plan: StepPlan, queries: torch.Tensor, lse: torch.Tensor | None) -> None:
         """What the request's policy captures of this chunk in this layer (the window's queries, after RoPE)."""

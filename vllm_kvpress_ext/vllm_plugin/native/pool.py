@@ -159,6 +159,8 @@ class NativePool:
         self.model_path: Path | None = None
         self.max_model_len: int | None = None
         self.gate_store = GateStore()
+        # Whether a layer's attention has a logit soft cap (Gemma 2): the backend's soft-capped path reads no ring.
+        self.soft_capped = False
         self.num_q_heads = num_q_heads
         self.scale = scale
         self.default_policy = default_policy
@@ -247,7 +249,7 @@ class NativePool:
         if policy is not None and not policy.capture_spec().empty:
             capture = PrefillCapture(policy.capture_spec(), self.cache.num_layers, self.rotary)
         try:
-            gate = self._bind_gate(policy, prompt_len, params)
+            gate = self.bind_gate(policy, prompt_len, params)
         except Exception as exc:  # no gates for this model, gates of another model, a ring that cannot fit
             self.cache.free_request(request_id)
             self.failed[request_id] = str(exc)
@@ -265,11 +267,16 @@ class NativePool:
             blocks_kept=hits,
         )
 
-    def _bind_gate(self, policy: KVPolicy | None, prompt_len: int, params: Any) -> Admission | None:
+    def bind_gate(self, policy: KVPolicy | None, prompt_len: int, params: Any) -> Admission | None:
         """The request's write gate bound to the model and the pool (`engine/admission.py`), or None: its ring
         spans at most what the request can write, as in the embedded engine."""
         if policy is None or not policy.admits_during_prefill:
             return None
+        if self.soft_capped:
+            raise ValueError(
+                f"{policy.name}: a write gate's local ring is not supported on a model whose attention has a logit "
+                "soft cap"
+            )
         if self.model_path is None:
             raise ValueError("write gates need the model's path, which the runner has not given this pool")
         limit = self.max_model_len or prompt_len + 1

@@ -28,7 +28,6 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PagePool
-from vllm_kvpress_ext.engine.admission import bind_admission
 from vllm_kvpress_ext.engine.reconstruction import ReconstructionContext
 from vllm_kvpress_ext.vllm_plugin.gguf_model import gguf_source
 from vllm_kvpress_ext.vllm_plugin.native.attention import (
@@ -100,10 +99,11 @@ class KVPressModelRunner(CPUModelRunner):
         # Where WG-KV looks for the model's write gates: beside the model, or a GGUF file's shipped ones.
         pool.model_path = gguf_source(self.model_config.model) or Path(self.model_config.model)
         pool.max_model_len = int(self.model_config.max_model_len)
+        pool.soft_capped = any(layer.impl.logits_soft_cap is not None for layer in layers)
         if pool.default_policy is not None and pool.default_policy.admits_during_prefill:
-            # A default write gate that cannot run here (no gates for this model, gates of another, a model with
-            # sliding-window layers) would fail every request: `vllm serve` stops at start with the reason.
-            bind_admission(pool.default_policy, cache, pool.model_path, self.device, pool.gate_store)
+            # A default write gate that cannot run here (no gates for this model, gates of another, a logit soft
+            # cap) would fail every request: `vllm serve` stops at start with the reason.
+            pool.bind_gate(pool.default_policy, 1, None)
         self._attention_layer_names = names
         pages = cache.pool.num_pages
         logger.info(
