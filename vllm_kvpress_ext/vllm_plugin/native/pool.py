@@ -152,7 +152,7 @@ class NativePool:
         self.reconstruction_forward: ChunkForward | None = None
         self.tokenizer_dir: str | None = None
         self.reconstructing = False
-        # Per layer, the query projection (`support.query_projections`), where the runner found and hooked them.
+        # Per layer, the query projection (`support.layer_projections`), where the runner found and hooked them.
         self.query_projections: list[QueryProjection] | None = None
         # Where write gates are found (beside the model, or shipped for a catalog GGUF file), the requests' length
         # limit (a ring never spans more), and the gate files loaded so far (set by the runner).
