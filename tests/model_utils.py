@@ -308,19 +308,22 @@ def write_phi3_twin(llama: Path, path: Path) -> Path:
     if raw.get("attention_bias") or raw.get("mlp_bias") or raw.get("rope_scaling"):
         raise ValueError("only a Llama without biases or RoPE scaling has a Phi-3 twin")
     path.mkdir(parents=True, exist_ok=True)
+    shared = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "tie_word_embeddings",
+        "hidden_act",
+    )
     config = Phi3Config(
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=raw["num_hidden_layers"],
-        num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw["num_key_value_heads"],
-        max_position_embeddings=raw["max_position_embeddings"],
+        **{key: raw[key] for key in shared},
         original_max_position_embeddings=raw["max_position_embeddings"],
-        rms_norm_eps=raw["rms_norm_eps"],
-        rope_theta=raw["rope_theta"],
-        tie_word_embeddings=raw["tie_word_embeddings"],
-        hidden_act=raw["hidden_act"],
         pad_token_id=0,
         bos_token_id=None,
         eos_token_id=None,

@@ -69,7 +69,9 @@ def embedded(model: Path) -> LLM:
     return LLM(model, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE)
 
 
-def native_llm(model: Path, max_num_batched_tokens: int | None = None, num_pages: int = 2048) -> VllmLLM:
+def native_llm(
+    model: Path, max_num_batched_tokens: int | None = None, num_pages: int = 2048, **additional: Any
+) -> VllmLLM:
     return VllmLLM(
         str(model),
         dtype="float32",
@@ -78,7 +80,7 @@ def native_llm(model: Path, max_num_batched_tokens: int | None = None, num_pages
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=PAGE_SIZE,
         skip_tokenizer_init=True,
-        additional_config={"kv_runner": "vllm", "kv_num_pages": num_pages},
+        additional_config={"kv_runner": "vllm", "kv_num_pages": num_pages, **additional},
     )
 
 
@@ -159,16 +161,7 @@ def test_layerwise_policies_peak_where_the_embedded_engine_peaks(tmp_path: Path)
     ]
     whole_prompt = 4 * 2 * -(-len(batch[0]) // PAGE_SIZE)
     for spec in specs:
-        # XKV's profile is a server file: the operator's default policy names it.
-        native = VllmLLM(
-            str(model),
-            dtype="float32",
-            max_model_len=512,
-            max_num_seqs=4,
-            block_size=PAGE_SIZE,
-            skip_tokenizer_init=True,
-            additional_config={"kv_runner": "vllm", "kv_num_pages": 2048, "kv_policy": spec},
-        )
+        native = native_llm(model, kv_policy=spec)  # XKV's profile is a server file: the operator's policy names it
         try:
             pool = native_pool(native)
             pool.kept_at_compression = {}
