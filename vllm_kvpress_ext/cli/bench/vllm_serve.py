@@ -20,9 +20,10 @@ def register(bench_sub: Subparsers) -> None:
     )
     bv.add_argument(
         "--servers",
-        default="vllm,kvpress",
-        help="any of vllm (the plugin on its own runner), vllm-native (the plugin on vLLM's own model runner), "
-        "kvpress, stock (vLLM without this project, from --stock-vllm; full only) (default: vllm,kvpress)",
+        default="vllm-native,kvpress",
+        help="any of vllm-native (the plugin on vLLM's own model runner, its default on a CPU), vllm (the plugin on "
+        "its own runner), kvpress, stock (vLLM without this project, from --stock-vllm; full only) "
+        "(default: vllm-native,kvpress)",
     )
     bv.add_argument("--policies", default="full,snapkv,gvote", help="default: full,snapkv,gvote")
     bv.add_argument("--model", default=None, help="model directory (default: the bundled model)")
