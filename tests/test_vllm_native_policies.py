@@ -35,7 +35,7 @@ from vllm_kvpress_ext.policies.registry import create_policy, policy_names
 from vllm_kvpress_ext.policies.xkv import XKVProfile
 from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
 from vllm_kvpress_ext.vllm_plugin.gguf_model import prepare_gguf_model
-from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal, native_rope, projections_known
+from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts, model_facts, native_refusal, native_rope
 
 # vLLM's engine core in this process, so the tests can read its scheduler and worker.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures(in_process_engine.__name__)]
@@ -43,9 +43,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures(in_process_engine.__name
 PAGE_SIZE = 16
 NEW_TOKENS = 6
 # The checkpoints here are Llama configs the project parses, so it knows their RoPE (`native_rope`).
-SERVED = [
-    n for n in policy_names() if create_policy(n).compresses and native_refusal(create_policy(n), True, True) is None
-]
+LLAMA = ModelFacts(rope=True, projections=True)
+SERVED = [n for n in policy_names() if create_policy(n).compresses and native_refusal(create_policy(n), LLAMA) is None]
 # Budgets that keep a part of a 96-token prompt (the registry's defaults, where they would keep it all).
 SPECS: dict[str, Any] = {
     "snapkv": {"name": "snapkv", "ratio": 0.25},
@@ -223,7 +222,7 @@ def test_phi3_keeps_what_the_embedded_engine_keeps_for_its_llama_twin(
     same function, its projections fused as Phi-3 stores them), it keeps under every policy exactly what the
     embedded engine keeps for the Llama, with the same tokens and figures."""
     phi3 = write_phi3_twin(model, tmp_path / "phi3")
-    assert native_rope(phi3) is not None and projections_known(str(phi3))
+    assert native_rope(phi3) is not None and model_facts(str(phi3)).projections
     native = native_llm(phi3)
     try:
         for name in SERVED:

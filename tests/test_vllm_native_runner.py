@@ -237,6 +237,7 @@ def test_vllms_sampling_features_work_under_compression(checkpoints: Checkpoints
         ("expected_attention", "the queries before RoPE"),
         ("gvote", "the hidden states' statistics"),
         ("wgkv", "write-time admission gates"),
+        ("kvzip", "a reconstruction pass over the prompt"),  # its pass has no soft cap
     ],
 )
 def test_a_policy_needing_the_projects_rope_is_refused_elsewhere(
@@ -244,7 +245,8 @@ def test_a_policy_needing_the_projects_rope_is_refused_elsewhere(
 ) -> None:
     """Expected Attention and GVote use the project's RoPE (and GVote the query rows of vLLM's QKV projection),
     WG-KV the keys before RoPE off that projection's output, all known where the project parses the config (the
-    Llama family, Gemma 3): on Gemma 2 they are refused by name, at start and per request."""
+    Llama family, Gemma 3); KVzip's pass attends without a logit soft cap. On Gemma 2 they are refused by name, at
+    start and per request."""
     path, _ = checkpoints("gemma2")
     with pytest.raises(ValueError, match=f"kv_policy '{policy}' needs {missing}"):
         native_llm(path, kv_policy=policy)
@@ -339,6 +341,34 @@ def with_suite_vocabulary(checkpoint: Path, path: Path) -> Path:
     (path / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
     save_tokenizer(path)
     return path
+
+
+def test_kvzip_runs_on_an_architecture_whose_rope_the_project_does_not_know(
+    checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    """KVzip needs no RoPE: its reconstruction pass runs vLLM's model over the repeat prompt and attends with the
+    project's softmax over the row. Granite (outside `ROPE_ARCHITECTURES`, its attention scaled by a multiplier)
+    compresses under it, while Expected Attention, which needs the RoPE, is refused there by name."""
+    path, _ = write_checkpoint(
+        tmp_path, "granite", ("GraniteConfig", "GraniteForCausalLM", {"attention_multiplier": 0.2})
+    )
+    path = with_suite_vocabulary(path, tmp_path / "granite-suite")
+    llm = native_llm(path)
+    try:
+        params = VllmSamplingParams(
+            max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, extra_args={"kv_policy": "kvzip"}
+        )
+        (out,) = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)
+        figures = out.kv_transfer_params["kvpress"]
+        assert len(out.outputs[0].token_ids) == NEW_TOKENS
+        assert figures["policy"] == "kvzip" and figures["kv_tokens_kept"] < figures["kv_tokens_full"] / 2
+        assert_no_page_leaked(in_process_worker(llm).model_runner.pool)
+        refused = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": "expected_attention"})
+        with pytest.raises(VLLMValidationError, match="needs the queries before RoPE"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], refused, use_tqdm=False)
+    finally:
+        del llm
+        gc.collect()
 
 
 def test_phi3s_rope_read_from_its_config_is_the_one_vllm_applies(checkpoints: Checkpoints) -> None:

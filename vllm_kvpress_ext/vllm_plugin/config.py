@@ -151,13 +151,12 @@ def apply_native_config(vllm_config: Any) -> None:
         )
     additional = vllm_config.additional_config or {}
     if "kv_policy" in additional:
-        from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal, projections_known, rope_known
+        from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts, model_facts, native_refusal
         from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
         check_policy_spec(additional["kv_policy"])
-        rope = model is not None and rope_known(str(model.model))
-        hooked = model is not None and projections_known(str(model.model))
-        refusal = native_refusal(default_policy(additional), rope, hidden_known=hooked)
+        facts = model_facts(str(model.model)) if model is not None else ModelFacts()
+        refusal = native_refusal(default_policy(additional), facts)
         if refusal is not None:
             raise UnsupportedConfigError(refusal)
     vllm_config.parallel_config.worker_cls = NATIVE_WORKER_CLS

@@ -10,7 +10,7 @@ on a CPU-only torch; they are made no-ops here, where nothing could have been ca
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.exceptions import VLLMValidationError
@@ -18,6 +18,9 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_kvpress_ext.vllm_plugin.config import NATIVE_ATTENTION_BACKEND, apply_kvpress_config, settle_runner
 from vllm_kvpress_ext.vllm_plugin.request_policy import RequestPolicyError, request_policy, unsupported_sampling
+
+if TYPE_CHECKING:
+    from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts
 
 
 def _tolerant(function: Any) -> Any:
@@ -44,9 +47,7 @@ def _neutralise_accelerator_cache_calls() -> None:
 _neutralise_accelerator_cache_calls()
 
 
-def validate_kvpress_request(
-    params: Any, runner: str = "project", rope_known: bool = False, projections_known: bool = False
-) -> None:
+def validate_kvpress_request(params: Any, runner: str = "project", facts: ModelFacts | None = None) -> None:
     """Refuse, as HTTP 400, a bad per-request policy or a sampling feature the worker lacks. On vLLM's own
     runner (`runner="vllm"`) vLLM's sampler serves every sampling feature, and a policy that needs what that
     runner does not capture yet is refused by name (`native/support.py`)."""
@@ -63,9 +64,9 @@ def validate_kvpress_request(
     except RequestPolicyError as exc:
         raise VLLMValidationError(str(exc), parameter=exc.param or "kv_policy") from None
     if runner == "vllm":
-        from vllm_kvpress_ext.vllm_plugin.native.support import native_refusal
+        from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts, native_refusal
 
-        refusal = native_refusal(policy, rope_known, hidden_known=projections_known)
+        refusal = native_refusal(policy, facts or ModelFacts())
         if refusal is not None:
             raise VLLMValidationError(refusal, parameter="kv_policy")
 
@@ -111,24 +112,21 @@ class KVPressCpuPlatform(Platform):
     # Which runner this process's engine uses (config.RUNNER_KEY): set when the config is checked, read
     # by `validate_request` in the same (API) process.
     runner: str = "project"
-    # On vLLM's runner: whether the project knows the model's RoPE (policies that read queries before it), and
-    # whether the runner hooks its QKV projections (policies that read hidden states or keys before RoPE).
-    rope_known: bool = False
-    projections_known: bool = False
+    # On vLLM's runner: what it captures for the served model (`native/support.py`), for the policies' refusals.
+    facts: ModelFacts | None = None
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
         cls.runner = settle_runner(vllm_config)
         if cls.runner == "vllm" and vllm_config.model_config is not None:
-            from vllm_kvpress_ext.vllm_plugin.native.support import projections_known, rope_known
+            from vllm_kvpress_ext.vllm_plugin.native.support import model_facts
 
-            cls.rope_known = rope_known(str(vllm_config.model_config.model))
-            cls.projections_known = projections_known(str(vllm_config.model_config.model))
+            cls.facts = model_facts(str(vllm_config.model_config.model))
         apply_kvpress_config(vllm_config)
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
-        validate_kvpress_request(params, cls.runner, cls.rope_known, cls.projections_known)
+        validate_kvpress_request(params, cls.runner, cls.facts)
 
     @classmethod
     def get_attn_backend_cls(

@@ -48,7 +48,7 @@ from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.policies.base import Admission
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import PrefixBlocks
-from vllm_kvpress_ext.vllm_plugin.native.support import QueryProjection, native_refusal
+from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts, QueryProjection, native_refusal
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 from vllm_kvpress_ext.vllm_plugin.request_policy import request_policy
 
@@ -222,9 +222,10 @@ class NativePool:
         except ValueError as exc:  # the API process validated it; a request from elsewhere may not be
             self.failed[request_id] = str(exc)
             return
-        refusal = native_refusal(
-            policy, rope_known=self.rotary is not None, hidden_known=self.query_projections is not None
+        facts = ModelFacts(
+            rope=self.rotary is not None, projections=self.query_projections is not None, soft_capped=self.soft_capped
         )
+        refusal = native_refusal(policy, facts)
         if refusal is not None:
             self.failed[request_id] = refusal
             return

@@ -10,14 +10,16 @@ model (`layer_projections`), and the runner hooks it:
 - the captured queries are turned back to before RoPE, which is what Expected Attention reads;
 - the projection's input is the normed hidden states GVote keeps statistics of, and its weights' query
   rows give GVote's synthetic queries;
-- its output holds each key before RoPE, which WG-KV's write gates read;
-- KVzip's pass runs vLLM's model with the embedded engine's reconstruction attention
-  (`NativePool._score_by_reconstruction`).
+- its output holds each key before RoPE, which WG-KV's write gates read.
+
+KVzip's pass runs vLLM's model with the embedded engine's reconstruction attention
+(`NativePool._score_by_reconstruction`), on any model.
 
 Outside those, for a few architectures whose vLLM implementation applies the same full-width RoPE as their
 config describes (`ROPE_ARCHITECTURES`: Phi-3, OLMo-2), the project reads that RoPE from the config, and where
-vLLM lays the model out as its Llama family (Phi-3) hooks the projection too. On any other model those four
-are refused by name (`native_refusal`).
+vLLM lays the model out as its Llama family (Phi-3) hooks the projection too. On any other model Expected
+Attention, GVote and WG-KV are refused by name (`native_refusal`), and KVzip where the attention has a logit
+soft cap, which its pass does not apply.
 """
 
 from __future__ import annotations
@@ -115,26 +117,35 @@ def _key_split(attention: Any) -> KeySplit:
 ROPE_ARCHITECTURES: dict[str, bool] = {"Phi3ForCausalLM": True, "Olmo2ForCausalLM": False}
 
 
-@functools.cache
-def rope_known(model_dir: str) -> bool:
-    """Whether the project knows the model's RoPE (`native_rope`), asked once per model and process: the
-    platform's config check and the refusals of the API process both need it."""
-    return native_rope(model_dir) is not None
+@dataclass(frozen=True)
+class ModelFacts:
+    """What vLLM's runner captures for a model, as its config tells it: the same answer in the API process, which
+    refuses requests before any model is built, as in the worker."""
+
+    rope: bool = False  # the project knows the model's RoPE (`native_rope`)
+    projections: bool = False  # the runner hooks its QKV projections (`layer_projections`), and knows its RoPE
+    soft_capped: bool = False  # its attention logits have a soft cap (Gemma 2's `attn_logit_softcapping`)
 
 
 @functools.cache
-def projections_known(model_dir: str) -> bool:
-    """Whether the runner finds and hooks the model's QKV projections (`layer_projections`) and knows its RoPE:
-    a model the project parses (the Llama family, Gemma 3) or one of `ROPE_ARCHITECTURES` laid out as they are."""
-    if not rope_known(model_dir):
-        return False
+def model_facts(model_dir: str) -> ModelFacts:
+    """`ModelFacts` of the model directory vLLM serves, asked once per model and process."""
     from vllm_kvpress_ext.models.loader import load_config
 
+    rope = native_rope(model_dir) is not None
     try:
         load_config(model_dir)
-        return True
+        parsed = True
     except Exception:
-        return ROPE_ARCHITECTURES.get(_architecture(model_dir) or "", False)
+        parsed = False
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        raw = {}
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    capped = raw.get("attn_logit_softcapping") is not None or text.get("attn_logit_softcapping") is not None
+    laid_out = parsed or ROPE_ARCHITECTURES.get(_architecture(model_dir) or "", False)
+    return ModelFacts(rope=rope, projections=rope and laid_out, soft_capped=capped)
 
 
 def native_rope(model_dir: str | Path) -> RotaryEmbedding | None:
@@ -168,25 +179,24 @@ def _architecture(model_dir: str | Path) -> str | None:
     return str(architectures[0]) if architectures[0] else None
 
 
-def native_refusal(policy: KVPolicy | None, rope_known: bool = False, hidden_known: bool = False) -> str | None:
-    """Why `policy` cannot run on vLLM's runner yet (None: it runs). `rope_known`: the project knows the
-    model's RoPE (`native_rope`), so queries captured after it can be turned back to before it.
-    `hidden_known`: the runner records each layer's attention input and the keys its QKV projection gives
-    before RoPE, and knows its query projection (`layer_projections`)."""
+def native_refusal(policy: KVPolicy | None, facts: ModelFacts) -> str | None:
+    """Why `policy` cannot run on vLLM's runner for a model of these `facts` (None: it runs). With its RoPE
+    known, queries captured after RoPE are turned back to before it; with its projections hooked, the runner
+    records each layer's attention input and the keys before RoPE, and knows the query projection."""
     if policy is None:
         return None
     spec = policy.capture_spec()
     missing = [
         what
         for what, needed in (
-            ("the hidden states' statistics", spec.hidden_stats and not (hidden_known and rope_known)),
+            ("the hidden states' statistics", spec.hidden_stats and not (facts.projections and facts.rope)),
             ("the keys before RoPE", spec.keys_pre_rope),
-            ("the queries before RoPE", (spec.query_moments or spec.leading_queries > 0) and not rope_known),
-            # The pass runs vLLM's model over the repeat prompt; its attention over the pool is the project's plain
-            # softmax (no window, no soft cap), which the Llama family uses.
-            ("a reconstruction pass over the prompt", spec.reconstruction is not None and not rope_known),
+            ("the queries before RoPE", (spec.query_moments or spec.leading_queries > 0) and not facts.rope),
+            # The pass runs vLLM's model over the repeat prompt, with the project's attention over the pool: a plain
+            # softmax within each layer's window, any architecture's, but without a logit soft cap.
+            ("a reconstruction pass over the prompt", spec.reconstruction is not None and facts.soft_capped),
             # The gates read each key before RoPE, which the runner reads off the hooked QKV projection's output.
-            ("write-time admission gates", type(policy).admission is not KVPolicy.admission and not hidden_known),
+            ("write-time admission gates", type(policy).admission is not KVPolicy.admission and not facts.projections),
         )
         if needed
     ]
