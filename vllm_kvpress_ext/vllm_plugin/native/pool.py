@@ -159,7 +159,7 @@ class NativePool:
         self.model_path: Path | None = None
         self.max_model_len: int | None = None
         self.gate_store = GateStore()
-        # Whether a layer's attention has a logit soft cap (Gemma 2): the backend's soft-capped path reads no ring.
+        # Whether a layer's attention has a logit soft cap (Gemma 2), set by the runner (`ModelFacts`).
         self.soft_capped = False
         self.num_q_heads = num_q_heads
         self.scale = scale
@@ -273,11 +273,6 @@ class NativePool:
         spans at most what the request can write, as in the embedded engine."""
         if policy is None or not policy.admits_during_prefill:
             return None
-        if self.soft_capped:
-            raise ValueError(
-                f"{policy.name}: a write gate's local ring is not supported on a model whose attention has a logit "
-                "soft cap"
-            )
         if self.model_path is None:
             raise ValueError("write gates need the model's path, which the runner has not given this pool")
         limit = self.max_model_len or prompt_len + 1

@@ -101,8 +101,8 @@ class KVPressModelRunner(CPUModelRunner):
         pool.max_model_len = int(self.model_config.max_model_len)
         pool.soft_capped = any(layer.impl.logits_soft_cap is not None for layer in layers)
         if pool.default_policy is not None and pool.default_policy.admits_during_prefill:
-            # A default write gate that cannot run here (no gates for this model, gates of another, a logit soft
-            # cap) would fail every request: `vllm serve` stops at start with the reason.
+            # A default write gate that cannot run here (no gates for this model, gates of another) would fail every
+            # request: `vllm serve` stops at start with the reason.
             pool.bind_gate(pool.default_policy, 1, None)
         self._attention_layer_names = names
         pages = cache.pool.num_pages

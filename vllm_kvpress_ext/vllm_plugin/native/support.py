@@ -195,8 +195,12 @@ def native_refusal(policy: KVPolicy | None, facts: ModelFacts) -> str | None:
             # The pass runs vLLM's model over the repeat prompt, with the project's attention over the pool: a plain
             # softmax within each layer's window, any architecture's, but without a logit soft cap.
             ("a reconstruction pass over the prompt", spec.reconstruction is not None and facts.soft_capped),
-            # The gates read each key before RoPE, which the runner reads off the hooked QKV projection's output.
-            ("write-time admission gates", type(policy).admission is not KVPolicy.admission and not facts.projections),
+            # The gates read each key before RoPE, which the runner reads off the hooked QKV projection's output;
+            # the backend's soft-capped attention reads no local ring.
+            (
+                "write-time admission gates",
+                type(policy).admission is not KVPolicy.admission and (not facts.projections or facts.soft_capped),
+            ),
         )
         if needed
     ]
