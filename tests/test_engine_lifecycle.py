@@ -69,8 +69,9 @@ def test_stats_report_the_prefix_store_when_caching_is_on() -> None:
             engine.step()
     prefixes = engine.stats().prefixes
     assert prefixes is not None
-    assert (prefixes.hits, prefixes.tokens_reused, prefixes.entries) == (1, 48, 1)
-    assert prefixes.pages == engine.stats().pages_used > 0  # only the stored prefix holds pages now
+    # The compressed context, and the exact context its first request kept just before compressing it.
+    assert (prefixes.hits, prefixes.tokens_reused, prefixes.entries) == (1, 48, 2)
+    assert prefixes.pages == engine.stats().pages_used > 0  # only the stored prefixes hold pages now
 
 
 def test_requests_in_last_step_name_the_batch_that_raised(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,8 +36,10 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_for(path: Path, matching: str | None, **kwargs: Any) -> LLMEngine:
+    # Without the exact prompts of compressing requests (`exact_prompt_reuse`, tests/test_prefix_reuse.py), so
+    # that every attach here is one of automatic matching's.
     settings: dict[str, Any] = {"dtype": torch.float32, "num_pages": 1024, "page_size": PAGE, "max_num_seqs": 4}
-    settings.update(kwargs)
+    settings.update({"exact_prompt_reuse": False, **kwargs})
     if matching is None:
         return LLMEngine(path, enable_prefix_caching=False, **settings)
     return LLMEngine(path, enable_prefix_caching=True, prefix_matching=matching, **settings)

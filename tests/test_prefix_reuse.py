@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_utils import write_suite_model
+from model_utils import write_random_gates, write_suite_model
 from tolerances import logprob_atol
 
 from vllm_kvpress_ext.bench.accuracy import budgets_for, make_policy
@@ -18,7 +18,7 @@ from vllm_kvpress_ext.engine import LLM, LLMEngine, SamplingParams
 from vllm_kvpress_ext.engine.inputs import ContextQuestion
 from vllm_kvpress_ext.engine.prefix_store import PrefixStore
 from vllm_kvpress_ext.engine.request import Request
-from vllm_kvpress_ext.policies import policy_names
+from vllm_kvpress_ext.policies import load_policy, policy_names
 
 CONTEXT, QUESTION = 90, 7
 # WG-KV gates writes during prefill and sizes its ring per request: not cached (PrefixStore.boundary).
@@ -32,7 +32,10 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_for(path: Path, caching: bool, **kwargs: object) -> LLMEngine:
-    settings: dict = {"dtype": torch.float32, "num_pages": 2048, "page_size": 4, "max_num_seqs": 8, **kwargs}
+    """An engine whose store holds only what these tests count: compressed contexts and uncompressed requests'
+    caches (`exact_prompt_reuse=True`, the default, also keeps every compressing request's exact prompt)."""
+    settings: dict = {"dtype": torch.float32, "num_pages": 2048, "page_size": 4, "max_num_seqs": 8}
+    settings.update({"exact_prompt_reuse": False, **kwargs})
     return LLMEngine(path, enable_prefix_caching=caching, **settings)
 
 
@@ -245,6 +248,81 @@ def test_uncompressed_prompts_reuse_every_shared_token_by_default(model_path: Pa
     with_prompt_logprobs = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
     out = run_all(cached, [rid := cached.add_request(prompts[0], with_prompt_logprobs)])[rid]
     assert out.cached_tokens == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", [*POLICIES, "wgkv"])
+def test_compressing_requests_read_the_exact_prefix_their_policy_does_not_need(model_path: Path, name: str) -> None:
+    """A compressing request keeps its exact prompt just before it compresses, and a later compressing request
+    sharing a system prompt reads those tokens up to the first position its policy needs its own prefill to
+    compute (`KVPolicy.reusable_prefix`: the observation window's start; 0 for statistics over every token).
+    Its tokens and kept entries then equal a fresh engine's whose prefill is cut into chunks at the same token."""
+    if name == "wgkv":
+        write_random_gates(model_path)  # beside the model, where the engine looks
+    policy = make_policy(name, budgets_for(name, (0.3,))[0])
+    cached = engine_for(model_path, True, exact_prompt_reuse=True)
+    system = tokens(cached, 0, 50)  # a shared system prompt of 12.5 pages of 4 tokens
+    first, second = system + tokens(cached, 1, 20), system + tokens(cached, 2, 20)
+    run_all(cached, [rid := cached.add_request(first, GREEDY, policy=policy)])
+    store = cached.runner.prefix_store
+    assert store is not None
+    resolved = load_policy(policy)
+    assert resolved is not None
+    reads = min(50, resolved.reusable_prefix(len(second)))
+    if name == "wgkv":  # its gates decide admission as the prefill writes: nothing exact to keep or read
+        assert not store.entries and reads == 0
+    else:
+        [exact] = [e for e in store.entries.values() if e.boundary == 0]
+        assert exact.length == len(first)  # the prompt as the prefill left it, before the compaction
+    got = run_all(cached, [rid := cached.add_request(second, GREEDY, policy=policy)])[rid]
+    expected_reads = reads if reads >= 4 else 0  # a page at least
+    assert got.cached_tokens == expected_reads, name  # type: ignore[attr-defined]
+    fresh = engine_for(model_path, False, max_num_batched_tokens=expected_reads or 2048)
+    alone = run_all(fresh, [rid := fresh.add_request(second, GREEDY, policy=policy)])[rid]
+    assert got.output_token_ids == alone.output_token_ids, name  # type: ignore[attr-defined]
+    at_compression = got.kv.kept_at_compression.positions  # type: ignore[attr-defined]
+    assert torch.equal(at_compression, alone.kv.kept_at_compression.positions), name  # type: ignore[attr-defined]
+    store.clear()
+    assert cached.cache.pool.num_free == cached.cache.pool.num_pages
+
+
+def test_exact_prompts_of_compressing_requests_never_make_a_request_wait_or_fail(model_path: Path) -> None:
+    """Keeping each compressing request's exact prompt costs the pages its compaction copies; in a pool that
+    holds two prompts, unrelated and related prompts run one after the other with no preemption and no failure
+    (entries are evicted instead, also in the middle of a compaction), and every page comes back."""
+    engine = engine_for(model_path, True, exact_prompt_reuse=True, num_pages=160, max_cached_prefixes=8)
+    layers, heads = engine.config.num_hidden_layers, engine.config.num_key_value_heads
+    per_request = layers * heads * -(-(60 + 6) // 4)
+    assert 2 * per_request <= engine.cache.pool.num_pages < 3 * per_request
+    system = tokens(engine, 200, 40)
+    prompts = [tokens(engine, 100 + seed, 60) for seed in range(3)] + [
+        system + tokens(engine, 300 + seed, 36) for seed in range(3)
+    ]
+    store = engine.runner.prefix_store
+    assert store is not None
+    reused = []
+    for prompt in prompts:
+        out = run_all(engine, [rid := engine.add_request(prompt, GREEDY, policy="snapkv")])[rid]
+        assert out.finish_reason == "length" and out.num_preemptions == 0  # type: ignore[attr-defined]
+        reused.append(out.cached_tokens)  # type: ignore[attr-defined]
+    assert reused[:4] == [0, 0, 0, 0] and reused[4:] == [40, 40]  # the system prompt, a multiple of the page
+    assert store.evicted >= 2
+    ids = [engine.add_request(prompt, GREEDY, policy="snapkv") for prompt in prompts[3:]]  # at once, under pressure
+    outs = run_all(engine, ids)
+    assert all(o.finish_reason == "length" for o in outs.values())  # type: ignore[attr-defined]
+    store.clear()
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages
+
+
+def test_a_compaction_without_room_for_its_copies_drops_the_exact_prompt_it_shares(model_path: Path) -> None:
+    """In a pool with room for one prompt and little more, the exact prompt kept just before compression leaves
+    no room for the pages the compaction copies; the entry is dropped instead and the request compresses in
+    place, as it would without the store."""
+    engine = engine_for(model_path, True, exact_prompt_reuse=True, num_pages=64)  # the prompt takes 60
+    out = run_all(engine, [rid := engine.add_request(tokens(engine, 9, 60), GREEDY, policy="snapkv")])[rid]
+    assert out.finish_reason == "length"  # type: ignore[attr-defined]
+    store = engine.runner.prefix_store
+    assert store is not None and store.stored == 1 and store.evicted == 1 and not store.entries
+    assert engine.cache.pool.num_free == engine.cache.pool.num_pages
 
 
 def test_uncompressed_sessions_give_their_pages_back_before_a_request_waits(model_path: Path) -> None:

@@ -79,6 +79,10 @@ def native_llm(
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=PAGE_SIZE,
         skip_tokenizer_init=True,
+        # The embedded engines compared with run without a prefix store: each prompt here is prefilled whole, and
+        # no page is shared with kept blocks (whose 1/k shares would change `kv_bytes`). Reading kept blocks under
+        # a policy is tests/test_vllm_native_runner.py's.
+        enable_prefix_caching=False,
         additional_config={"kv_runner": "vllm", "kv_num_pages": num_pages, **additional},
     )
 

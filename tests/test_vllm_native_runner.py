@@ -21,6 +21,7 @@ from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm_utils import assert_no_page_leaked, in_process_engine, in_process_worker
 
+from vllm_kvpress_ext.policies import load_policy
 from vllm_kvpress_ext.vllm_plugin.native.support import native_rope
 
 # vLLM's engine core in this process, so the tests can read its scheduler and worker.
@@ -500,9 +501,10 @@ def test_a_prompt_the_pool_cannot_hold_fails_alone(checkpoints: Checkpoints, lon
 
 
 def test_vllms_prefix_caching_reads_kept_blocks_and_answers_as_without_it(checkpoints: Checkpoints) -> None:
-    """vLLM's prefix caching, on by default: a later request without a policy reads the whole blocks of an
-    earlier one's prompt from the pool (vLLM reports them cached) and answers token for token as with
-    caching off. A compressing request reads nothing (its policy needs the whole prefill) and keeps nothing."""
+    """vLLM's prefix caching, on by default: a later request reads the whole blocks of an earlier one's prompt
+    from the pool (vLLM reports them cached) and answers token for token as with caching off. A compressing
+    request keeps its prompt's full blocks just before its policy compresses, and reads those before its
+    policy's observation window (`KVPolicy.reusable_prefix`); a request without a policy reads them all."""
     path, _ = checkpoints("llama")
     shared = list(range(5, 85))  # five blocks of 16
     prompts = [shared + [100 + i] * 7 for i in range(3)]
@@ -525,10 +527,17 @@ def test_vllms_prefix_caching_reads_kept_blocks_and_answers_as_without_it(checkp
     llm = native_llm(path)
     try:
         pool = in_process_worker(llm).model_runner.pool
-        assert run(llm, kv_policy="snapkv") == expected_snapkv  # nothing read, nothing kept
-        assert pool.prefix_blocks is not None and not pool.prefix_blocks.kept
-        assert run(llm) == [(expected[0][0], 0), (expected[1][0], 80), (expected[2][0], 80)]
-        assert len(pool.prefix_blocks.kept) >= 5
+        snapkv = load_policy("snapkv")
+        assert snapkv is not None
+        readable = snapkv.reusable_prefix(len(prompts[0])) // 16 * 16  # whole blocks before the window
+        assert 16 <= readable < 80
+        got = run(llm, kv_policy="snapkv")
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected_snapkv]
+        assert [cached for _, cached in got] == [0, readable, readable]
+        assert pool.prefix_blocks is not None and len(pool.prefix_blocks.kept) >= 5  # kept before compressing
+        assert run(llm) == [(expected[i][0], 80) for i in range(3)]
+        # A policy whose statistics span every prompt token (Expected Attention) reads nothing.
+        assert [cached for _, cached in run(llm, kv_policy="expected_attention")] == [0, 0, 0]
         assert_no_page_leaked(pool)
     finally:
         del llm

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vllm_kvpress_ext.cache import PagedKVCache
+from vllm_kvpress_ext.cache import PagedKVCache, PoolExhaustedError
 from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.policies import KVPolicy
@@ -79,10 +79,13 @@ def compress_prefill(
     gated: bool = False,
     rotary: RotaryEmbedding | None = None,
     query_projections: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    make_room: Callable[[], bool] | None = None,
 ) -> None:
     """Score every layer, plan, compact the request's cache to the plan (`state` is the policy's, kept
     for its decode steps). `rotary` and `query_projections` (per layer) stand in for `model`'s where the
-    model is not the project's."""
+    model is not the project's. A compaction that moves kept entries into pages the row shares (an exact
+    cached prefix) copies those pages first; where the pool has no room for the copies, `make_room` frees
+    some (False: nothing left to free) and the compaction is tried again."""
     results = []
     layers = cache.global_layers.tolist()
     if not layers:
@@ -99,8 +102,15 @@ def compress_prefill(
         length=length,
     )
     plan = policy.plan(summary, results, state)
-    if plan is not None:
-        cache.apply_keep_plan(request_id, plan, None if len(layers) == cache.num_layers else layers)
+    if plan is None:
+        return
+    while True:
+        try:
+            cache.apply_keep_plan(request_id, plan, None if len(layers) == cache.num_layers else layers)
+            return
+        except PoolExhaustedError:  # raised before anything changed
+            if make_room is None or not make_room():
+                raise
 
 
 def evict_after_decode(

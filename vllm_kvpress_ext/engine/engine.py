@@ -53,12 +53,16 @@ class LLMEngine:
         enable_prefix_caching: bool = False,
         max_cached_prefixes: int = 16,
         prefix_matching: str = "named",
+        exact_prompt_reuse: bool = True,
     ) -> None:
         """`enable_prefix_caching` keeps up to `max_cached_prefixes` compressed contexts (requests with a
         context/question boundary, `compress_after` < prompt length) for later requests with the same
         context, policy and model to attach to instead of prefilling (`engine/prefix_store.py`), and the
         caches of finished uncompressed requests, which any later uncompressed prompt sharing their first
-        tokens reuses exactly.
+        tokens reuses exactly. With `exact_prompt_reuse` (the default) a compressing request also keeps its
+        prompt's exact cache, taken just before its policy compresses, and reads the tokens it shares with
+        such an entry before the first position its policy needs its own prefill to compute
+        (`KVPolicy.reusable_prefix`): a shared system prompt is prefilled once for every policy.
 
         `prefix_matching="auto"` (opt-in: it changes what a compressing policy sees) also attaches
         requests that name no context to the longest stored prefix of their prompt, and keeps each
@@ -77,6 +81,7 @@ class LLMEngine:
             kv_dtype=kv_dtype,
             max_cached_prefixes=max_cached_prefixes if enable_prefix_caching else 0,
             prefix_matching=prefix_matching,
+            exact_prompt_reuse=exact_prompt_reuse,
         )
         self.model_dir = self.runner.model_dir
         self.device = self.runner.device

@@ -110,6 +110,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | str | None = None,
         max_cached_prefixes: int = 0,
         prefix_matching: str = "named",
+        exact_prompt_reuse: bool = False,
     ) -> None:
         # A catalog name ("smollm2-135m") works wherever a model path does: its cached GGUF file, pulled
         # first if needed. An existing path always wins over a catalog name.
@@ -139,8 +140,11 @@ class ModelRunner:
             device=self.device,
             layer_windows=self.config.layer_windows,
         )
+        # With `exact_prompt_reuse` (the embedded engine), compressing requests also keep their exact prompts and
+        # start their prefill after an exact entry's tokens; the plugin's own runner, whose scheduler mirrors the
+        # store's entries to tell vLLM what is computed, keeps to compressed contexts and uncompressed requests.
         self.prefix_store = (
-            PrefixStore(self.cache, self.model_dir, max_cached_prefixes, prefix_matching)
+            PrefixStore(self.cache, self.model_dir, max_cached_prefixes, prefix_matching, exact_prompt_reuse)
             if max_cached_prefixes > 0
             else None
         )
@@ -268,17 +272,40 @@ class ModelRunner:
         """
         if self.prefix_store is None or not self.prefix_store.attach(request):
             return False
+        self._started_from_prefix(request)
+        return True
+
+    def _started_from_prefix(self, request: Request) -> None:
+        """An attached request runs from its prefix: decoding (or its prompt's tail) after a compressed or
+        uncompressed entry it uses whole; prefilling on, for a compressing request that read exact tokens."""
+        if request.compressed_at is None:
+            request.status = RequestStatus.PREFILLING
+            return
         request.status = RequestStatus.RUNNING
         self.update_kv_stats(request)
-        return True
+
+    def detach_prefix(self, request: Request) -> None:
+        """Undo an attach that left the request prefilling (no room for the rest of its prefill): it waits again
+        and starts from token 0, or from an entry, when it next fits."""
+        assert self.prefix_store is not None and request.status is RequestStatus.PREFILLING
+        self.prefix_store.unattach(request)
+        self.release(request)
+        request.status = RequestStatus.WAITING
+        request.num_processed = 0
+        request.cached_tokens = 0
+
+    def attached_prefill_reservation(self, request: Request) -> int:
+        """Pages to reserve for the prefill of a request that read its first `num_processed` tokens from an
+        exact entry: the whole prompt, as for any prefill (the pages it reads count among those it holds), plus
+        a copy of the pages it reads, which the compaction copies where it moves kept entries into them."""
+        return self.cache.pages_for_prompt(request.prefill_target) + self.cache.pages_for_prompt(request.num_processed)
 
     def attach_prefix_at(self, request: Request, key: str, length: int) -> bool:
         """Start a request from the first `length` tokens of stored prefix `key` (pinned for it by the driver
         that chose it, `PrefixStore.pin`); False if that cannot be (the pin is then released)."""
         if self.prefix_store is None or not self.prefix_store.attach_at(request, key, length):
             return False
-        request.status = RequestStatus.RUNNING
-        self.update_kv_stats(request)
+        self._started_from_prefix(request)
         return True
 
     def keep_session(self, request: Request) -> None:
@@ -297,6 +324,10 @@ class ModelRunner:
     def evict_cached_prefix(self) -> int | None:
         """Drop the least recently used unused cached prefix: pages freed, or None if none can go."""
         return None if self.prefix_store is None else self.prefix_store.evict_one()
+
+    def _evicted_a_cached_prefix(self) -> bool:
+        """For a compaction that must copy pages a cached entry shares and finds the pool full."""
+        return self.evict_cached_prefix() is not None
 
     def reset(self, request: Request) -> None:
         """Release the request and forget its policy state: it will be recomputed from token 0."""
@@ -617,6 +648,8 @@ class ModelRunner:
             request.kv.compression_seconds += layerwise.seconds
         elif policy is not None:
             self.update_kv_stats(request)  # the uncompressed peak
+            if self.prefix_store is not None:  # its exact prompt, for later prompts that share its tokens
+                self.prefix_store.store_prompt(request)
             start = self.clock()
             # KVzip's scores come from a second forward pass over the cached prompt (engine/reconstruction.py).
             score_by_reconstruction(self, request)
@@ -638,13 +671,14 @@ class ModelRunner:
                 scale=self.scale,
                 state=state,
                 gated=gated,
+                make_room=self._evicted_a_cached_prefix,
             )
             request.capture = None
             request.kv.compression_seconds += self.clock() - start
         self.update_kv_stats(request)
         if policy is not None and request.params.return_kept:  # before any later token enters the cache
             request.kv.kept_at_compression = kept_entries(self.cache, request.request_id)
-        if self.prefix_store is not None and request.cached_tokens == 0:
+        if self.prefix_store is not None:
             self.prefix_store.store(request)
 
     def _on_decode_step(self, request: Request, batch_index: int, context: DecodeContext) -> None:

@@ -14,8 +14,15 @@ Uncompressed caches, in every matching mode: a request without a policy (`full`)
 finishes normally, as a session entry usable from position 0 (boundary 0: nothing was compressed, so any
 prefix of it is exact). A later request without a policy whose prompt shares a page or more of its tokens
 attaches at the longest common prefix and prefills only the rest, as vLLM's automatic prefix caching does,
-except that the match is not cut to whole pages. Its outputs are those of a run without the cache. A
-compressing request never attaches to such an entry (its namespace names another policy).
+except that the match is not cut to whole pages. Its outputs are those of a run without the cache.
+
+Exact prompts of compressing requests (`exact_prompts`, on in the embedded engine): a compressing request
+keeps its prompt's exact cache too, just before its policy compresses (`store_prompt`; the compaction then
+copies the shared pages it writes into), and a later compressing request reads an exact entry's tokens up
+to the first position its policy needs its own prefill to compute (`KVPolicy.reusable_prefix`: the start
+of its observation window; none for a policy whose statistics span every prompt token), then prefills
+the rest and compresses as without the entry (`find_exact`). A shared system prompt is so prefilled once.
+Its outputs are those of a run without the cache whose prefill is cut into chunks at the same token.
 
 Automatic matching (`matching="auto"`, opt-in because it changes what a compressing policy sees):
 
@@ -57,7 +64,7 @@ from typing import Any
 import torch
 
 from vllm_kvpress_ext.api import PREFIX_MATCHING_MODES
-from vllm_kvpress_ext.cache import PagedKVCache, RequestCapacityError
+from vllm_kvpress_ext.cache import InvalidPlanError, PagedKVCache, RequestCapacityError
 from vllm_kvpress_ext.engine.request import KVStats, Request
 
 
@@ -186,19 +193,38 @@ class PrefixIndex:
         if not self.auto and policy is not None:  # uncompressed entries are exact: matched in every mode
             return best
         namespace = prefix_namespace(self.model_dir, policy)
+        for entry in self._candidates(namespace, prompt):
+            usable = self.usable_length(entry, namespace, prompt, named)
+            if usable and (best is None or usable > best[1]):
+                best = (entry, usable)
+        return best
+
+    def find_exact(self, prompt: list[int], limit: int) -> tuple[CachedPrefix, int] | None:
+        """The uncompressed entry giving the most of `prompt`'s first `limit` tokens (at least a page), and how
+        many: where a compressing request may start its own prefill (`KVPolicy.reusable_prefix` gives `limit`)."""
+        if limit < self.page_size:
+            return None
+        best: tuple[CachedPrefix, int] | None = None
+        namespace = prefix_namespace(self.model_dir, None)
+        for entry in self._candidates(namespace, prompt[:limit]):
+            usable = min(limit, self.usable_length(entry, namespace, prompt, None))
+            if usable >= self.page_size and (best is None or usable > best[1]):
+                best = (entry, usable)
+        return best
+
+    def _candidates(self, namespace: str, prompt: list[int]) -> list[CachedPrefix]:
+        """The entries of `namespace` listed under the prompt's leading page hashes, deepest shared page first."""
         hashes = page_hashes(namespace, prompt, self.page_size)
         depth = 0
         while depth < len(hashes) and hashes[depth] in self.index:
             depth += 1
+        found: list[CachedPrefix] = []
         seen: set[str] = set()
-        for level in range(depth - 1, -1, -1):  # deepest shared page first
-            for candidate in self.index[hashes[level]] - seen:
-                seen.add(candidate)
-                entry = self.entries[candidate]
-                usable = self.usable_length(entry, namespace, prompt, named)
-                if usable and (best is None or usable > best[1]):
-                    best = (entry, usable)
-        return best
+        for level in range(depth - 1, -1, -1):
+            for key in self.index[hashes[level]] - seen:
+                seen.add(key)
+                found.append(self.entries[key])
+        return found
 
     def usable_length(self, entry: CachedPrefix, namespace: str, prompt: list[int], named: int | None) -> int:
         """Tokens of `entry` a request with `prompt` can start from (0: none), compared token by token."""
@@ -218,12 +244,22 @@ class PrefixIndex:
 class PrefixStore(PrefixIndex):
     """Up to `capacity` compressed prefixes, each held by a cache row of its own, in LRU order."""
 
-    def __init__(self, cache: PagedKVCache, model_dir: str | Path, capacity: int, matching: str = "named") -> None:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        model_dir: str | Path,
+        capacity: int,
+        matching: str = "named",
+        exact_prompts: bool = False,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"the prefix store needs a capacity >= 1, got {capacity}")
         super().__init__(model_dir, cache.page_size, matching)
         self.cache = cache
         self.capacity = capacity
+        # Whether compressing requests keep their prompt's exact cache (`store_prompt`) and start their prefill
+        # from an exact entry's tokens (`find_exact`), as requests without a policy always do.
+        self.exact_prompts = exact_prompts
         self.hits = 0
         self.tokens_reused = 0
         self.stored = 0
@@ -269,6 +305,23 @@ class PrefixStore(PrefixIndex):
             page_hashes=hashes,
         )  # a named context is used whole (truncatable False)
         self._add_entry(request, context)
+
+    def store_prompt(self, request: Request) -> None:
+        """Keep the exact cache of a compressing request's prefill, just before its policy compresses it: an
+        uncompressed entry (boundary 0, as a request without a policy leaves) that later prompts sharing its
+        tokens read instead of recomputing them. Its pages stay shared until the compaction copies the pages it
+        writes into (copy-on-write), so keeping it costs the kept entries' pages, and those only until it is
+        evicted, least recently used first, like any entry."""
+        if not self.exact_prompts or request.row is None or not self.cacheable(request):
+            return
+        tokens = request.all_token_ids[: request.num_processed]
+        entry = session_entry(self.model_dir, self.page_size, None, tokens, 0)
+        if entry is None:
+            return
+        if entry.key in self.entries:
+            self.entries.move_to_end(entry.key)
+            return
+        self._add_entry(request, entry)
 
     def session_boundary(self, request: Request) -> int | None:
         """Where the session entry `store_session` keeps of `request` starts being usable, or None when it keeps
@@ -321,9 +374,13 @@ class PrefixStore(PrefixIndex):
             return None
         # A boundary only names a context for a compressing policy (without one the whole prompt is prefilled).
         named = None if request.context_is_fallback or request.policy is None else request.compress_after
-        if named is not None and self.boundary(request) is None:
-            return None  # a context that is the whole prompt: nothing to share
-        return self.find(request.prompt_token_ids, request.policy, named)
+        found = None
+        if named is None or self.boundary(request) is not None:  # a context that is the whole prompt shares nothing
+            found = self.find(request.prompt_token_ids, request.policy, named)
+        if found is None and self.exact_prompts and request.policy is not None:
+            reusable = request.policy.reusable_prefix(request.prefill_target)
+            found = self.find_exact(request.prompt_token_ids, reusable)
+        return found
 
     def attach(self, request: Request) -> bool:
         """Start `request` from a stored prefix if there is one for it; True if it was attached.
@@ -362,7 +419,12 @@ class PrefixStore(PrefixIndex):
         if entry is None:
             return False
         tokens = request.all_token_ids
+        # A compressing request reading an uncompressed entry goes on with its own prefill from `length`.
+        prefilling = request.policy is not None and entry.namespace == prefix_namespace(self.model_dir, None)
         valid = entry.boundary <= length <= entry.length and length < len(tokens)
+        if prefilling:
+            assert request.policy is not None
+            valid = valid and self.exact_prompts and length <= request.policy.reusable_prefix(request.prefill_target)
         if (
             not valid
             or (length != entry.length and not entry.truncatable)
@@ -376,20 +438,33 @@ class PrefixStore(PrefixIndex):
             entry.users -= 1
             return False
         if length < entry.length:
-            self.cache.truncate_request(request.request_id, length)
+            try:
+                self.cache.truncate_request(request.request_id, length)
+            except InvalidPlanError:  # a sliding-window ring moved past `length`: it cannot be cut back
+                self.cache.free_request(request.request_id)
+                request.row = None
+                entry.users -= 1
+                return False
         self.entries.move_to_end(entry.key)
         request.prefix_key = entry.key
         request.num_processed = length
         request.cached_tokens = length
+        self.hits += 1
+        self.tokens_reused += length
+        if prefilling:  # its policy compresses when its prefill completes, as without the entry
+            return True
         request.compress_after = entry.boundary
         request.context_is_fallback = False
         request.compressed_at = entry.boundary
         request.policy_state = copy.deepcopy(entry.policy_state)
         request.kv = copy.deepcopy(entry.kv)
         request.kv.prompt_tokens = len(request.prompt_token_ids)
-        self.hits += 1
-        self.tokens_reused += length
         return True
+
+    def unattach(self, request: Request) -> None:
+        """Take back the figures of an attach the request gives up before running (its row goes with `detach`)."""
+        self.hits -= 1
+        self.tokens_reused -= request.cached_tokens
 
     def detach(self, request: Request) -> None:
         """The request no longer holds its row (finished, aborted or preempted)."""

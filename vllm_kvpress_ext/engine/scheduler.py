@@ -117,9 +117,31 @@ class Scheduler:
             available -= pages
         while self.waiting and len(self.active) < self.max_num_seqs:
             req = self.waiting[0]
-            if self.runner.attach_prefix(req):  # a cached compressed prefix: no prefill, no reservation
+            if self.runner.attach_prefix(req):
+                if req.status is RequestStatus.RUNNING:  # a cached compressed prefix: no prefill, no reservation
+                    self.waiting.popleft()
+                    self.active.append(req)
+                    continue
+                # An exact cached prefix: the request's own prefill goes on after it, and its policy compresses
+                # at the end as usual; the pages it reads are held already, its reservation covers the rest.
+                reservation = self.runner.attached_prefill_reservation(req)
+                need = reservation - self.runner.pages_held(req)
+                while need > available:
+                    freed = self.runner.evict_cached_prefix()
+                    if freed is None:
+                        break
+                    available += freed
+                if need > available:
+                    self.runner.detach_prefix(req)
+                    break
                 self.waiting.popleft()
                 self.active.append(req)
+                req.reserved_pages = reservation
+                available -= need
+                if budget > 0:
+                    end = min(req.prefill_target, req.num_processed + budget)
+                    chunks.append(ScheduledChunk(req, req.num_processed, end))
+                    budget -= end - req.num_processed
                 continue
             if budget <= 0:
                 break

@@ -312,6 +312,12 @@ class KVPolicy:
     def capture_spec(self) -> CaptureSpec:
         return CaptureSpec()
 
+    def reusable_prefix(self, length: int) -> int:
+        """How many leading tokens of a prompt compressed at `length` may be read from an exact (uncompressed)
+        cached prefix instead of this request's own prefill: all before the first position whose prefill
+        the policy reads (`CaptureSpec.computed_from`). A policy that reads more than its capture overrides it."""
+        return self.capture_spec().computed_from(length)
+
     def admission(
         self, model_dir: str | Path, device: torch.device, gate_store: GateStore | None = None
     ) -> Admission | None:

@@ -69,6 +69,18 @@ class CaptureSpec:
             and self.reconstruction is None
         )
 
+    def computed_from(self, length: int) -> int:
+        """The first prompt position a prefill compressed at `length` must compute itself for this capture.
+
+        Positions before it may come from an exact cached prefix (`engine/prefix_store.py`): their keys and
+        values are what any prefill of the same tokens writes. What the capture records of a position needs
+        the prefill to run it: the window's queries (the last `window` positions before `length`), and, for
+        statistics over every prompt token (hidden states, query moments, pre-RoPE keys), position 0.
+        """
+        if self.hidden_stats or self.keys_pre_rope or self.query_moments or self.leading_queries:
+            return 0
+        return max(0, length - self.window)
+
     def merge(self, other: CaptureSpec) -> CaptureSpec:
         return CaptureSpec(
             window=max(self.window, other.window),

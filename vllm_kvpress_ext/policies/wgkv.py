@@ -215,6 +215,9 @@ class WGKVPolicy(KVPolicy):
     def capture_spec(self) -> CaptureSpec:
         return CaptureSpec(window=self.observation_window) if self.cap is not None else CaptureSpec()
 
+    def reusable_prefix(self, length: int) -> int:
+        return 0  # the gates decide each prompt token's admission as its prefill writes it
+
     @property
     def wants_decode_steps(self) -> bool:
         return self.cap is not None

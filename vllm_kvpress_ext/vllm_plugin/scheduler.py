@@ -31,7 +31,8 @@ unused entries' pages count as available here, so they go before any running req
 
 On vLLM's runner (`kv_runner: vllm`) prefix caching is vLLM's own: its lookup runs as always, and each
 hit is cut at the first block the pool does not keep (`kept_prefix_tokens`, from the kept block ids
-the reports carry); a request whose policy compresses gets none (native/prefix_blocks.py).
+the reports carry), and, for a request whose policy compresses, at the first position whose prefill its
+policy reads (native/prefix_blocks.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from vllm.v1.request import RequestStatus
 from vllm_kvpress_ext.engine.prefix_store import PrefixIndex, session_entry
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics
+from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import readable_prefix
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, request_policy
 
@@ -84,7 +86,7 @@ class _PoolGate:
         return self._manager.truncate_computed_blocks(blocks, kept), kept, 0
 
     def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        if not self._scheduler.reserve_pages(request, num_new_tokens):
+        if not self._scheduler.reserve_pages(request, num_new_tokens, kwargs.get("num_new_computed_tokens", 0)):
             return None
         blocks = self._manager.allocate_slots(request, num_new_tokens, *args, **kwargs)
         if blocks is None:
@@ -143,17 +145,20 @@ class KVPressScheduler(Scheduler):
 
     def kept_prefix_tokens(self, request: Any, blocks: Any, tokens: int) -> tuple[int, set[int]]:
         """Of the `tokens` leading tokens vLLM's prefix cache found in `blocks`, those the pool keeps (the run of
-        leading blocks it reported), and the found blocks it does not keep. None are read by a request whose
-        policy compresses: its policy reads what the prefill computes, so its prompt runs whole."""
-        if tokens == 0 or self._policy_of(request) is not None:
+        leading blocks it reported) and the request may read, and the found blocks it does not keep. A request
+        whose policy compresses reads whole blocks before the first position whose prefill its policy reads
+        (`native.prefix_blocks.readable_prefix`)."""
+        if tokens == 0:
             return 0, set()
+        readable = readable_prefix(self._policy_of(request), request.num_tokens)
         groups = blocks.get_block_ids()
-        if len(groups) != 1:  # the pool keeps one page table for every layer: one KV cache group
+        if len(groups) != 1 or readable < self.block_size:  # one page table for every layer: one KV cache group
             return 0, set()
         held = 0
         while held < len(groups[0]) and groups[0][held] in self.kept_blocks:
             held += 1
-        return min(tokens, held * self.block_size), set(groups[0]) - self.kept_blocks
+        readable_blocks = readable // self.block_size
+        return min(tokens, min(held, readable_blocks) * self.block_size), set(groups[0]) - self.kept_blocks
 
     def _promised(self, output: Any) -> dict[str, tuple[str, int]]:
         """The attachments of the requests this step starts (new or resumed) with computed tokens."""
@@ -220,7 +225,7 @@ class KVPressScheduler(Scheduler):
         except Exception:
             return None  # the worker fails such a request; reserving the full prompt is always safe
 
-    def reserve_pages(self, request: Any, num_new_tokens: int | None = None) -> bool:
+    def reserve_pages(self, request: Any, num_new_tokens: int | None = None, cached_tokens: int = 0) -> bool:
         report = self.report
         request_id = request.request_id
         if report is None:
@@ -237,7 +242,10 @@ class KVPressScheduler(Scheduler):
             chunk = getattr(self, "max_num_scheduled_tokens", None)
             # A prompt partly found in vLLM's prefix cache is charged whole too: the kept pages it reads were
             # counted available (a kept block no request reads is dropped when pages run short).
-            need = report.prefill_pages(request.num_tokens, self._policy_of(request), whole, chunk)
+            policy = self._policy_of(request)
+            need = report.prefill_pages(request.num_tokens, policy, whole, chunk)
+            if cached_tokens and policy is not None:  # its compaction copies the kept pages it moves entries into
+                need += report.full_prompt_pages(cached_tokens)
             starting = True
         else:
             need = report.decode_pages.get(request_id, 0)  # 0: a later prefill chunk, reserved when it started

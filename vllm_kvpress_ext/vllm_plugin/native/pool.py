@@ -47,7 +47,7 @@ from vllm_kvpress_ext.models.write_gate import GateStore
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.policies.base import Admission
 from vllm_kvpress_ext.policies.capture import PrefillCapture
-from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import PrefixBlocks
+from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import PrefixBlocks, keeps_prompt_blocks, readable_prefix
 from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts, QueryProjection, native_refusal
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 from vllm_kvpress_ext.vllm_plugin.request_policy import request_policy
@@ -114,9 +114,9 @@ class _Seat:
     compressed: bool = False
     compression_seconds: float = 0.0
     blocks: list[int] = field(default_factory=list)  # vLLM's block ids for the request, in token order
-    # Whether its full blocks are kept for vLLM's prefix caching: a request without a policy, whose page b of
-    # every global (layer, KV head) holds tokens [b * page_size, (b + 1) * page_size) and will. A compressing
-    # request's pages are not kept: it would copy every kept page it compacts into.
+    # Whether its full blocks are kept for vLLM's prefix caching: its page b of every global (layer, KV head)
+    # holds tokens [b * page_size, (b + 1) * page_size): a request without a policy, or a compressing one until
+    # its policy compresses (`prefix_blocks.keeps_prompt_blocks`; its compaction copies the kept pages it writes).
     aligned: bool = False
     blocks_kept: int = 0  # leading full blocks handed to `prefix_blocks`
     # An aligned row's sliding-window layers are rings, whose pages never hold a block for long: each of its
@@ -231,10 +231,14 @@ class NativePool:
             return
         kept = self.prefix_blocks
         if computed and (
-            kept is None or computed % self.cache.page_size or policy is not None or not kept.holds(blocks[:hits])
+            kept is None
+            or computed % self.cache.page_size
+            or computed > readable_prefix(policy, prompt_len)
+            or not kept.holds(blocks[:hits])
         ):
-            # The scheduler caps vLLM's prefix-cache hits at the blocks kept here, for requests without a
-            # policy, so this is a bug, not a miss: the request fails rather than run on what is not there.
+            # The scheduler caps vLLM's prefix-cache hits at the blocks kept here, and a compressing request's
+            # at what its policy lets it read, so this is a bug, not a miss: the request fails rather than run
+            # on what is not there.
             self.failed[request_id] = f"vLLM reports {computed} tokens computed that the pool does not hold"
             return
         try:
@@ -264,7 +268,7 @@ class NativePool:
             admission=PromptAdmission(gate, policy, self.cache.num_layers) if gate and policy else None,
             written=computed,
             blocks=blocks,
-            aligned=policy is None and self.prefix_blocks is not None and self.rings_keep_blocks,
+            aligned=keeps_prompt_blocks(policy) and self.prefix_blocks is not None and self.rings_keep_blocks,
             blocks_kept=hits,
         )
 
@@ -597,6 +601,8 @@ class NativePool:
             rotary=self.rotary,
             query_projections=self.query_projections,
             gated=seat.gate is not None,
+            # Entries moved into pages shared with kept blocks copy them first; kept blocks go where that lacks room.
+            make_room=self.prefix_blocks.drop_oldest if self.prefix_blocks is not None else None,
         )
         self._compressed(request_id, seat)
 
@@ -611,6 +617,9 @@ class NativePool:
 
     def _compressed(self, request_id: str, seat: _Seat) -> None:
         seat.compressed, seat.capture, seat.aligned = True, None, False
+        if seat.spill:  # its blocks' own pages in the sliding layers: no further block of it is kept
+            self.cache.pool.free(torch.cat([pages.reshape(-1) for pages in seat.spill.values()]))
+            seat.spill = {}
         if self.kept_at_compression is not None:
             self.kept_at_compression[request_id] = kept_entries(self.cache, request_id)
 

@@ -14,8 +14,13 @@ block takes. So every kept block is what a run without the cache computes for th
 request that reads it gets the outputs of a run without the cache; its rings are rebuilt from the last
 window's blocks (`PagedKVCache.add_request_on_pages`). Keeping a block shares its pages (a reference
 each); a row that later writes into a shared page copies it first, so kept pages never change.
-Compressing requests neither keep nor read blocks: their policies read what the prefill computes, and
-compacting into kept pages would copy each of them.
+A compressing request is aligned too until its policy compresses: its prompt's full blocks are kept just
+before, and it reads kept blocks up to the first position its policy needs its own prefill to compute
+(`readable_prefix`: the observation window's start, 0 for statistics over every prompt token). Its
+compaction then copies the kept pages it moves entries into (copy-on-write), the kept blocks stay exact,
+and its outputs are those of a run without the cache whose prefill is cut into chunks at the same token.
+A policy that compresses layer by layer (inside the forward pass, before blocks could be kept) or gates
+writes during the prefill (WG-KV) neither keeps nor reads blocks.
 
 A kept block is dropped when vLLM hands its id to new tokens (its hash is gone from vLLM's table
 then), and, least recently used first, when the pool needs its pages. The scheduler caps vLLM's hits at
@@ -31,6 +36,23 @@ from collections.abc import Iterable
 import torch
 
 from vllm_kvpress_ext.cache import PagedKVCache
+from vllm_kvpress_ext.policies import KVPolicy
+
+
+def keeps_prompt_blocks(policy: KVPolicy | None) -> bool:
+    """Whether a request's row stays aligned (page b holds block b's tokens) until its policy compresses, so its
+    prompt's full blocks can be kept: not where the policy compacts inside the pass or gates writes."""
+    return policy is None or not (policy.compresses_layerwise or policy.admits_during_prefill)
+
+
+def readable_prefix(policy: KVPolicy | None, prompt_len: int) -> int:
+    """Leading prompt tokens a request may read from kept blocks (and whose blocks it keeps, as it writes them
+    uncompressed): all of them without a policy; for a compressing policy, those before the first position
+    whose prefill it reads (`KVPolicy.reusable_prefix`), none where it compresses layer by layer or gates
+    writes."""
+    if policy is None:
+        return prompt_len
+    return policy.reusable_prefix(prompt_len) if keeps_prompt_blocks(policy) else 0
 
 
 class PrefixBlocks:
@@ -70,6 +92,13 @@ class PrefixBlocks:
         for block_id in block_ids:
             self.kept.move_to_end(block_id)
         return torch.stack([self.kept[block_id] for block_id in block_ids], dim=-1)
+
+    def drop_oldest(self) -> bool:
+        """Drop the least recently used kept block; False when none is kept."""
+        if not self.kept:
+            return False
+        self.forget([next(iter(self.kept))])
+        return True
 
     def free_up(self, pages: int) -> bool:
         """Drop kept blocks, least recently used first, until `pages` pages are free; whether they are."""
