@@ -13,6 +13,7 @@ import pytest
 from test_server import LONG_PROMPT, LiveServer, _start, _write_model, metric
 
 from vllm_kvpress_ext.cli import main
+from vllm_kvpress_ext.policies import PolicyConfigError
 from vllm_kvpress_ext.server.config import ServerConfig
 
 POLICY = {"name": "snapkv", "ratio": 0.5}
@@ -126,7 +127,11 @@ def test_auto_matching_chat_turns_attach_to_the_previous_turn(model_dir: Path) -
 
     history: list[dict[str, str]] = [system]
     answers, cached = [], []
-    with _start(model_dir, prefix_matching="auto") as live, httpx.Client(base_url=live.url, timeout=60) as http:
+    # Each turn's context under the request's own policy (`--context-policy request`), as the fresh runs name it.
+    with (
+        _start(model_dir, prefix_matching="auto", context_policy="request") as live,
+        httpx.Client(base_url=live.url, timeout=60) as http,
+    ):
         tokenizer = live.engine.tokenizer
         for question in turns:
             history.append({"role": "user", "content": question})
@@ -142,6 +147,63 @@ def test_auto_matching_chat_turns_attach_to_the_previous_turn(model_dir: Path) -
             messages = history[: 2 + 2 * turn]
             alone = chat(http, messages, kv_prefix_tokens=system_tokens)
             assert alone["choices"][0]["message"]["content"] == answers[turn], turn
+
+
+def test_a_chats_context_is_compressed_once_by_a_policy_that_keeps_what_questions_need(model_dir: Path) -> None:
+    """By default the messages before the last user message are a context, compressed alone and reused by every
+    later question about it. Under SnapKV (which would choose by the context's own last tokens) the server's
+    `--context-policy` (KVzip) compresses it, at the request's budget, and `usage.kv_policy` says so; under a
+    question-agnostic policy the request's own does; `full` is not split (its exact cache is reused as is).
+    The answers equal a fresh server's given the same context and policy by name."""
+    context = [{"role": "system", "content": LONG_PROMPT}]
+    questions = ["what is key trout ?", "what is the sky ?", "what is the mill ?"]
+
+    def chat(http: httpx.Client, question: str, policy: Any, **extra: Any) -> dict[str, Any]:
+        messages = [*context, {"role": "user", "content": question}]
+        fields = {"messages": messages, "max_tokens": 4, "temperature": 0, "kv_policy": policy, **extra}
+        response = http.post("/v1/chat/completions", json=fields)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def cached(reply: dict[str, Any]) -> int:
+        return int(reply["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+
+    with _start(model_dir) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        rendered = live.engine.tokenizer.apply_chat_template(context, add_generation_prompt=False, tokenize=True)
+        c = len(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+        snapkv = [chat(http, q, POLICY) for q in questions]
+        assert [r["usage"]["kv_policy"] for r in snapkv] == ["kvzip"] * 3
+        assert [cached(r) for r in snapkv] == [0, c, c]
+        agnostic = [chat(http, q, "expected_attention") for q in questions[:2]]
+        assert [r["usage"]["kv_policy"] for r in agnostic] == ["expected_attention"] * 2
+        assert [cached(r) for r in agnostic] == [0, c]
+        full = chat(http, questions[0], "full")
+        # Not split; it reads the exact context the first question kept just before compressing it.
+        assert full["usage"]["kv_policy"] == "full" and cached(full) == c
+    kvzip = {"name": "kvzip", "ratio": POLICY["ratio"]}
+    with (
+        _start(model_dir, enable_prefix_caching=False) as fresh,
+        httpx.Client(base_url=fresh.url, timeout=60) as http,
+    ):
+        for question, reply in zip(questions, snapkv, strict=True):
+            alone = chat(http, question, kvzip, kv_prefix_tokens=c)
+            assert alone["choices"][0]["message"]["content"] == reply["choices"][0]["message"]["content"]
+    # `none`: no default context, each request compressed whole by its own policy.
+    with _start(model_dir, context_policy="none") as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        replies = [chat(http, q, POLICY) for q in questions[:2]]
+        assert [r["usage"]["kv_policy"] for r in replies] == ["snapkv"] * 2
+
+
+def test_context_policy_flag(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert ServerConfig(model_dir=Path(".")).context_policy == "kvzip"
+    assert ServerConfig(model_dir=Path("."), context_policy='{"name": "streaming_llm"}').context_policy == {
+        "name": "streaming_llm"
+    }
+    for bad in ("bogus", "full", "wgkv", "{not json"):
+        with pytest.raises(PolicyConfigError):
+            ServerConfig(model_dir=Path("."), context_policy=bad)
+    assert main(["serve", str(model_dir), "--context-policy", "full"]) == 2  # before the model loads
+    assert "--context-policy must compress" in capsys.readouterr().err
 
 
 def test_prefix_matching_flag() -> None:

@@ -111,15 +111,26 @@ def _add_engine_arguments(serve: argparse.ArgumentParser) -> None:
         "(default: 16)",
     )
     serve.add_argument(
+        "--context-policy",
+        default="kvzip",
+        help="in chat, the messages before the last user message are a context by default (when the request "
+        "names none and its policy compresses): compressed once on its own and reused by every later question "
+        "about it. A request whose policy chooses from the context alone (kvzip, expected_attention, "
+        "streaming_llm) compresses it with its own; one whose policy scores by the prompt's last tokens (snapkv, "
+        "adakv, ...), which would lose the answers, with this policy at the request's budget. A name, a JSON "
+        "object or a preset; `request`: each request's own policy; `none`: no default context "
+        "(default: kvzip; docs/prefix_reuse.md)",
+    )
+    serve.add_argument(
         "--prefix-matching",
         choices=PREFIX_MATCHING_MODES,
         default="named",
         help="for compressed caches (uncompressed ones are reused exactly in both modes): named: only requests "
-        "that name their context (kv_prefix_tokens / kv_prefix_messages) store or reuse it; auto: also attach any "
-        "request to the longest stored prefix of its prompt with the same policy "
-        "and parameters, keep each finished request's cache for the next turn of its conversation, and in chat "
-        "take every message but the last as the context when none is named; this changes what a compressing "
-        "policy sees (default: named; docs/prefix_reuse.md)",
+        "that name their context (kv_prefix_tokens / kv_prefix_messages, or a chat's default context, "
+        "--context-policy) store or reuse it; auto: also attach any request to the longest stored prefix of its "
+        "prompt with the same policy and parameters, keep each finished request's cache for the next turn of "
+        "its conversation, and use a chat's default context only where nothing stored matches; this changes "
+        "what a compressing policy sees (default: named; docs/prefix_reuse.md)",
     )
 
 
@@ -195,6 +206,13 @@ def run(args: argparse.Namespace) -> int:
     except PolicyConfigError as exc:
         print(f"kvpress serve: --kv-policy: {exc}", file=sys.stderr)
         return 2
+    from vllm_kvpress_ext.server.contexts import parse_context_policy
+
+    try:
+        context_policy = parse_context_policy(args.context_policy)
+    except PolicyConfigError as exc:
+        print(f"kvpress serve: {exc}", file=sys.stderr)
+        return 2
     if str(args.device).startswith("cuda"):
         import torch
 
@@ -229,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         max_cached_prefixes=args.max_cached_prefixes,
         prefix_matching=args.prefix_matching,
+        context_policy=context_policy,
     )
     from vllm_kvpress_ext.server.launch import serve
 

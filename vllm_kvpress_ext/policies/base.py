@@ -288,6 +288,10 @@ class KVPolicy:
     #: Fields holding a file path (XKV's profile, WG-KV's gates): clients name them from the operator's
     #: allow-list instead (`policies/files.py`).
     file_fields: ClassVar[tuple[str, ...]] = ()
+    #: Whether what it keeps of a context compressed alone serves questions asked after it: it chooses from the
+    #: context itself, not from the attention of the prompt's last tokens (which, before the question, are the
+    #: context's own). Such a policy compresses a chat's context for reuse (`server/contexts.py`).
+    question_agnostic: ClassVar[bool] = False
 
     @classmethod
     def field_limits(cls) -> dict[str, tuple[float, float]]:

@@ -77,6 +77,7 @@ class ExpectedAttentionPolicy(KVPolicy):
     """Expected Attention; equations, defaults and divergences in the module docstring."""
 
     name = "expected_attention"
+    question_agnostic = True
     summary = (
         "attention expected from the prompt queries' Gaussian statistics x value norm, sinks kept (Devoto et al. 2025)"
     )

@@ -82,6 +82,7 @@ class StreamingLLMPolicy(KVPolicy):
     """StreamingLLM; equations, defaults and divergences in the module docstring."""
 
     name = "streaming_llm"
+    question_agnostic = True
     summary = "attention sinks + most recent tokens, bounded during decode (Xiao et al. 2024)"
 
     ratio: float | None = 0.25

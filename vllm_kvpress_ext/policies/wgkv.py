@@ -99,6 +99,7 @@ class WGKVPolicy(KVPolicy):
     """WG-KV; equations, defaults and divergences in the module docstring."""
 
     name = "wgkv"
+    question_agnostic = True
     summary = "learned write-gate admission: local ring + global cache, lazy promotion (WG-KV)"
 
     file_fields = ("gates",)

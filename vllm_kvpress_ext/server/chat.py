@@ -13,6 +13,7 @@ from fastapi.responses import Response
 
 from vllm_kvpress_ext.api.errors import bad_request, error_body, unsupported
 from vllm_kvpress_ext.engine.llm import chat_token_ids
+from vllm_kvpress_ext.server.contexts import NO_SPLIT
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
 from vllm_kvpress_ext.server.logprobs import StreamedLogprobs, chat_logprobs, vllm_prompt_logprobs
 from vllm_kvpress_ext.server.prompts import check_text
@@ -92,17 +93,26 @@ def _rendered_context(state: ServerState, messages: list[ChatMessage]) -> list[i
     return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
 
 
-def fallback_context(state: ServerState, body: ChatCompletionRequest, token_ids: list[int]) -> int | None:
-    """With automatic prefix matching, a chat that names no context has every message but the last as
-    its context, unless a stored prefix matches (then that prefix's boundary wins: a later turn attaches
-    to what the earlier one left). None where the template does not render them as a prefix."""
+def default_context(state: ServerState, body: ChatCompletionRequest, token_ids: list[int]) -> int | None:
+    """A chat that names no context has the messages before its last user message as one, by default: their
+    rendered length, compressed alone by the policy `server/contexts.py` chooses, so that later questions about
+    them attach. With automatic matching it is a fallback: a stored prefix that matches wins (a later turn
+    attaches to what the earlier one left). None with prefix caching off, `--context-policy none`, a context
+    named by the client, a last message that is not the user's, a template that does not render the earlier
+    messages as a prefix of the prompt, or a last message longer than what comes before it: the prompt's tail
+    after a context is read, not compressed, so a document pasted into the question is compressed with the
+    whole prompt by the request's own policy instead."""
     config = state.config
-    if config.prefix_matching != "auto" or not config.enable_prefix_caching or len(body.messages) < 2:
+    if not config.enable_prefix_caching or config.context_policy == NO_SPLIT or len(body.messages) < 2:
         return None
     if body.kv_prefix_tokens is not None or body.kv_prefix_messages is not None:
         return None
+    if body.messages[-1].role != "user":
+        return None
     context = _rendered_context(state, body.messages[:-1])
     if not context or len(context) >= len(token_ids) or token_ids[: len(context)] != context:
+        return None
+    if len(context) < len(token_ids) - len(context):
         return None
     return len(context)
 
@@ -125,11 +135,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.kv_prefix_messages is not None:
         boundary = await asyncio.to_thread(context_boundary, state, body, token_ids)
         body = body.model_copy(update={"kv_prefix_tokens": boundary})
-    fallback = await asyncio.to_thread(fallback_context, state, body, token_ids)
+    context = await asyncio.to_thread(default_context, state, body, token_ids)
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = requested or max(1, state.max_model_len - len(token_ids))
     samples = sample_params(body, max_tokens, 1, top_logprobs, body.prompt_logprobs)
-    handles = await submit_all(state, body, [token_ids], samples, arrival, "messages", fallback)
+    handles = await submit_all(state, body, [token_ids], samples, arrival, "messages", context)
     completion_id = new_id("chatcmpl")
     created = int(time.time())
 

@@ -107,6 +107,8 @@ class ServerConfig:
     enable_prefix_caching: bool = True
     max_cached_prefixes: int = 16
     prefix_matching: str = "named"  # "auto": longest stored prefix and multi-turn attach (docs/prefix_reuse.md)
+    # What compresses a chat's default context (the messages before the last user message): `server/contexts.py`.
+    context_policy: str | dict[str, Any] = "kvzip"
 
     def __post_init__(self) -> None:
         if self.num_pages is not None and self.kv_memory is not None:
@@ -128,6 +130,10 @@ class ServerConfig:
         if self.prefix_matching not in PREFIX_MATCHING_MODES:
             modes = " or ".join(PREFIX_MATCHING_MODES)
             raise ValueError(f"prefix_matching must be {modes}, got {self.prefix_matching!r}")
+        if isinstance(self.context_policy, str):  # parsed and checked once (a policy, `request` or `none`)
+            from vllm_kvpress_ext.server.contexts import parse_context_policy
+
+            object.__setattr__(self, "context_policy", parse_context_policy(self.context_policy))
         if not 0 < self.port <= 65535:
             raise ValueError(f"port must lie in [1, 65535], got {self.port}")
         if not 0 <= self.shutdown_grace <= 3600:

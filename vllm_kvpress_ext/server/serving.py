@@ -24,6 +24,7 @@ from vllm_kvpress_ext.api.usage import combine_figures, kv_figures, usage_fields
 from vllm_kvpress_ext.engine import LLMEngine, RequestRejectedError, SamplingParams
 from vllm_kvpress_ext.policies import PolicyConfigError
 from vllm_kvpress_ext.server.config import ServerConfig
+from vllm_kvpress_ext.server.contexts import context_policy
 from vllm_kvpress_ext.server.engine_loop import (
     SHUTTING_DOWN,
     EngineLoop,
@@ -172,16 +173,22 @@ async def submit(
     params: list[SamplingParams],
     arrival: float,
     prompt_param: str,
-    fallback_boundary: int | None = None,
+    default_context: int | None = None,
 ) -> list[RequestHandle]:
     """Resolve the request's policy and hand the prompt's samples to the engine loop (one command: the
-    samples after the first fork its compressed prompt); every refusal becomes an APIError."""
+    samples after the first fork its compressed prompt); every refusal becomes an APIError.
+
+    `default_context`: a chat's default context boundary (`chat.default_context`), compressed alone by the policy
+    `contexts.context_policy` chooses for the request's, if any; with automatic matching only as a fallback."""
     policy = resolve_policy(policy_spec(body.kv_policy, body.vllm_xargs))
     try:
         boundary = prefix_boundary(body, token_ids)
-        if boundary is None and fallback_boundary is not None:
+        requested = policy if policy is not None else state.engine.default_policy
+        for_context = context_policy(state.config.context_policy, requested) if default_context is not None else None
+        if boundary is None and default_context is not None and for_context is not None:
+            fallback = state.config.prefix_matching == "auto"
             return await state.loop.submit_samples(
-                token_ids, params, policy, arrival, fallback_boundary, context_is_fallback=True
+                token_ids, params, for_context, arrival, default_context, context_is_fallback=fallback
             )
         return await state.loop.submit_samples(token_ids, params, policy, arrival, boundary)
     except QueueFullError as exc:
@@ -235,16 +242,16 @@ async def submit_all(
     params: list[SamplingParams],
     arrival: float,
     prompt_param: str,
-    fallback_boundary: int | None = None,
+    default_context: int | None = None,
 ) -> list[RequestHandle]:
     """One engine request per (prompt, sample): `params[j]` is sample j's; prompt-major order (choice
     index = prompt * samples + sample, as vLLM numbers them). A prompt's samples share its compressed
-    pages (engine/samples.py). A refusal aborts what was already submitted. `fallback_boundary` is a
-    context boundary that automatic prefix matching may override (chat's "every message but the last")."""
+    pages (engine/samples.py). A refusal aborts what was already submitted. `default_context` is a chat's
+    default context boundary (`submit`)."""
     handles: list[RequestHandle] = []
     try:
         for token_ids in prompts:
-            handles += await submit(state, body, token_ids, params, arrival, prompt_param, fallback_boundary)
+            handles += await submit(state, body, token_ids, params, arrival, prompt_param, default_context)
     except BaseException:
         for handle in handles:
             handle.abort()
