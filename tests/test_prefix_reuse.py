@@ -164,8 +164,8 @@ def test_thousands_of_attach_and_evict_cycles_conserve_pages() -> None:
             assert in_use <= set(store.entries), "an entry in use was evicted"
         users = {}
         for req in live.values():
-            if req.prefix_key is not None:
-                users[req.prefix_key] = users.get(req.prefix_key, 0) + 1
+            if req.prefix_lease is not None:
+                users[req.prefix_lease.key] = users.get(req.prefix_lease.key, 0) + 1
         assert {k: e.users for k, e in store.entries.items() if e.users} == users
         tables = cache.block_tables
         held = torch.arange(tables.shape[-1]) < ((cache.seq_lens.to(torch.int64) + page - 1) // page).unsqueeze(-1)
@@ -323,6 +323,28 @@ def test_a_compaction_without_room_for_its_copies_drops_the_exact_prompt_it_shar
     store = engine.runner.prefix_store
     assert store is not None and store.stored == 1 and store.evicted == 1 and not store.entries
     assert engine.cache.pool.num_free == engine.cache.pool.num_pages
+
+
+def test_a_lease_holds_its_entry_until_it_is_released_once(model_path: Path) -> None:
+    """An entry with a live lease is never evicted; a lease ends once however often it is released, and an
+    attach that cannot be made releases the lease it was given."""
+    engine = engine_for(model_path, True)
+    run_all(engine, [engine.add_request(tokens(engine, 5, 40), GREEDY)])  # `full`: its cache stays as an entry
+    store = engine.runner.prefix_store
+    assert store is not None and store.lease("no such key") is None
+    [entry] = store.entries.values()
+    lease = store.lease(entry.key)
+    assert lease is not None and entry.users == 1
+    assert store.evict_one() is None  # leased
+    lease.release()
+    lease.release()
+    assert entry.users == 0 and not lease.live
+    lease = store.lease(entry.key)
+    assert lease is not None
+    other = engine.runner.new_request("other", tokens(engine, 6, 40), GREEDY, None, max_model_len=512)
+    assert not store.attach_at(other, lease, 20)  # the entry does not hold its tokens
+    assert not lease.live and entry.users == 0 and other.prefix_lease is None
+    assert store.evict_one() is not None and engine.cache.pool.num_free == engine.cache.pool.num_pages
 
 
 def test_uncompressed_sessions_give_their_pages_back_before_a_request_waits(model_path: Path) -> None:

@@ -34,7 +34,7 @@ from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_de
 from vllm_kvpress_ext.engine.host_allocator import tune_host_allocator
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
-from vllm_kvpress_ext.engine.prefix_store import PrefixStore
+from vllm_kvpress_ext.engine.prefix_store import PrefixLease, PrefixStore
 from vllm_kvpress_ext.engine.reconstruction import score_by_reconstruction
 from vllm_kvpress_ext.engine.request import Request, RequestRejectedError, RequestStatus
 from vllm_kvpress_ext.engine.sampler import token_logprobs
@@ -300,10 +300,13 @@ class ModelRunner:
         a copy of the pages it reads, which the compaction copies where it moves kept entries into them."""
         return self.cache.pages_for_prompt(request.prefill_target) + self.cache.pages_for_prompt(request.num_processed)
 
-    def attach_prefix_at(self, request: Request, key: str, length: int) -> bool:
-        """Start a request from the first `length` tokens of stored prefix `key` (pinned for it by the driver
-        that chose it, `PrefixStore.pin`); False if that cannot be (the pin is then released)."""
-        if self.prefix_store is None or not self.prefix_store.attach_at(request, key, length):
+    def attach_prefix_at(self, request: Request, lease: PrefixLease, length: int) -> bool:
+        """Start a request from the first `length` tokens of a stored prefix, leased for it by the driver that
+        chose it (`PrefixStore.lease`); False if that cannot be (the lease is then released)."""
+        if self.prefix_store is None:
+            lease.release()
+            return False
+        if not self.prefix_store.attach_at(request, lease, length):
             return False
         self._started_from_prefix(request)
         return True

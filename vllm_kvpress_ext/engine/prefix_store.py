@@ -75,12 +75,31 @@ class CachedPrefix:
     length: int  # tokens whose K/V went into the row: positions 0 .. length - 1
     policy_state: Any
     kv: KVStats
-    users: int = 0  # running requests attached to it
+    users: int = 0  # live leases on it (`PrefixStore.lease`, `PrefixLease.release`): it is not evicted while > 0
     tokens: tuple[int, ...] = ()  # the token ids of positions 0 .. length - 1
     namespace: str = ""  # model and policy repr (`prefix_namespace`)
     boundary: int = 0  # tokens prefilled before the policy compressed; the rest was written after it
     truncatable: bool = False  # whether a request may attach to a part of it (m in [boundary, length])
     page_hashes: tuple[bytes, ...] = ()  # its whole pages' chained hashes, under which the index lists it
+
+
+@dataclass(eq=False)
+class PrefixLease:
+    """A hold on a stored entry, for a request about to attach to it or attached to it: while any lease on an
+    entry is live the entry is not evicted. Only `PrefixStore.lease` makes one and `release` ends it, once (a
+    second call does nothing), so no path counts an entry's users by hand."""
+
+    entry: CachedPrefix
+    live: bool = True
+
+    @property
+    def key(self) -> str:
+        return self.entry.key
+
+    def release(self) -> None:
+        if self.live:
+            self.live = False
+            self.entry.users -= 1
 
 
 def prefix_namespace(model_dir: str | Path, policy: Any) -> str:
@@ -393,30 +412,29 @@ class PrefixStore(PrefixIndex):
         if found is None:
             return False
         entry, length = found
-        entry.users += 1  # attach_at releases it if it fails
-        return self.attach_at(request, entry.key, length)
+        return self.attach_at(request, self._lease(entry), length)
 
-    def pin(self, key: str) -> bool:
-        """Count a request about to attach to `key` as its user, so that nothing evicts it first."""
+    def lease(self, key: str) -> PrefixLease | None:
+        """A hold on entry `key` for a request about to attach to it, so that nothing evicts it first; None when
+        the store no longer has it."""
         entry = self.entries.get(key)
-        if entry is None:
-            return False
+        return None if entry is None else self._lease(entry)
+
+    @staticmethod
+    def _lease(entry: CachedPrefix) -> PrefixLease:
         entry.users += 1
-        return True
+        return PrefixLease(entry)
 
-    def unpin(self, key: str) -> None:
-        entry = self.entries.get(key)
-        if entry is not None:
-            entry.users -= 1
+    def attach_at(self, request: Request, lease: PrefixLease, length: int) -> bool:
+        """Start `request` from the first `length` tokens of the leased entry; the request then holds the lease
+        until it gives its row back (`detach`).
 
-    def attach_at(self, request: Request, key: str, length: int) -> bool:
-        """Start `request` from the first `length` tokens of entry `key`, already pinned for it (`pin`).
-
-        False (the pin released, nothing changed) when the entry is gone, no row is free, or the entry
+        False (the lease released, nothing changed) when the entry is gone, no row is free, or the entry
         cannot give those tokens: the request then computes them itself.
         """
-        entry = self.entries.get(key)
-        if entry is None:
+        entry = lease.entry
+        if not lease.live or self.entries.get(entry.key) is not entry:
+            lease.release()
             return False
         tokens = request.all_token_ids
         # A compressing request reading an uncompressed entry goes on with its own prefill from `length`.
@@ -430,12 +448,12 @@ class PrefixStore(PrefixIndex):
             or (length != entry.length and not entry.truncatable)
             or entry.tokens[:length] != tuple(tokens[:length])
         ):
-            entry.users -= 1
+            lease.release()
             return False
         try:
             request.row = self.cache.fork_request(entry.row_id, request.request_id)
         except RequestCapacityError:
-            entry.users -= 1
+            lease.release()
             return False
         if length < entry.length:
             try:
@@ -443,10 +461,10 @@ class PrefixStore(PrefixIndex):
             except InvalidPlanError:  # a sliding-window ring moved past `length`: it cannot be cut back
                 self.cache.free_request(request.request_id)
                 request.row = None
-                entry.users -= 1
+                lease.release()
                 return False
         self.entries.move_to_end(entry.key)
-        request.prefix_key = entry.key
+        request.prefix_lease = lease
         request.num_processed = length
         request.cached_tokens = length
         self.hits += 1
@@ -467,11 +485,10 @@ class PrefixStore(PrefixIndex):
         self.tokens_reused -= request.cached_tokens
 
     def detach(self, request: Request) -> None:
-        """The request no longer holds its row (finished, aborted or preempted)."""
-        entry = self.entries.get(request.prefix_key) if request.prefix_key is not None else None
-        if entry is not None:
-            entry.users -= 1
-        request.prefix_key = None
+        """The request no longer holds its row (finished, aborted or preempted): its lease ends."""
+        if request.prefix_lease is not None:
+            request.prefix_lease.release()
+        request.prefix_lease = None
 
     def evict_one(self) -> int | None:
         """Drop the least recently used entry no running request is attached to.

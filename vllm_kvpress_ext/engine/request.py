@@ -5,12 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_kvpress_ext.engine.kept import KeptEntries
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vllm_kvpress_ext.engine.prefix_store import PrefixLease
 
 
 class RequestStatus(enum.Enum):
@@ -120,7 +123,7 @@ class Request:
     prompt_admission: Any = None  # `PromptAdmission`: what the gates said of the prompt, while it is prefilled
     first_token_time: float | None = None
     error: str | None = None  # why the runner failed this request alone (finish_reason "error")
-    prefix_key: str | None = None  # the cached compressed prefix this request's row was forked from
+    prefix_lease: PrefixLease | None = None  # its hold on the stored prefix its row was forked from
     cached_tokens: int = 0  # prompt tokens read from a cached compressed prefix instead of prefilled
     # `compress_after` is only a default: a stored prefix found by automatic matching takes precedence.
     context_is_fallback: bool = False

@@ -40,6 +40,7 @@ from vllm_kvpress_ext.engine.model_runner import (
     Schedule,
     ScheduledChunk,
 )
+from vllm_kvpress_ext.engine.prefix_store import PrefixLease
 from vllm_kvpress_ext.engine.request import KVStats, Request, RequestStatus
 from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
@@ -54,6 +55,8 @@ logger = logging.getLogger("vllm.kvpress.worker")
 DUMMY_LAYER = "kvpress.dummy"
 # vLLM decides when requests stop; the runner's requests must never stop first.
 _UNBOUNDED = 1 << 30
+# A stored prefix promised to a request: a lease on its entry, and the prompt tokens it gives.
+_Attach = tuple[PrefixLease, int]
 
 
 def runner_sampling_params(params: Any) -> SamplingParams:
@@ -289,14 +292,18 @@ class KVPressWorker(WorkerBase):
                 break
         return result
 
-    def _pin_attachments(self, scheduler_output: Any, pinned: dict[str, tuple[str, int]]) -> dict[str, tuple[str, int]]:
-        """`pinned` plus the stored prefixes promised this step that exist now, each held for its request
+    def _pin_attachments(self, scheduler_output: Any, pinned: dict[str, _Attach]) -> dict[str, _Attach]:
+        """`pinned` plus the stored prefixes promised this step that exist now, each leased for its request
         before anything may drop it (the scheduler may promise a session its request left last step)."""
         store = self.runner.prefix_store if self.runner is not None else None
         promised: dict[str, tuple[str, int]] = getattr(scheduler_output, "kvpress_attach", None) or {}
         if store is None:
             return {}
-        more = {rid: plan for rid, plan in promised.items() if rid not in pinned and store.pin(plan[0])}
+        more = {}
+        for rid, (key, length) in promised.items():
+            lease = store.lease(key) if rid not in pinned else None
+            if lease is not None:
+                more[rid] = (lease, length)
         return {**pinned, **more}
 
     def _sampled_logprobs(self, req_ids: list[str], sampled: dict[str, int]) -> LogprobsLists | None:
@@ -353,10 +360,10 @@ class KVPressWorker(WorkerBase):
             if request is not None:
                 runner.preempt(request)
 
-    def _start_requests(self, scheduler_output: Any, pinned: dict[str, tuple[str, int]]) -> dict[str, str]:
+    def _start_requests(self, scheduler_output: Any, pinned: dict[str, _Attach]) -> dict[str, str]:
         """Add new and resumed requests to the runner; those that cannot be added fail alone (id -> why).
 
-        `pinned`: the stored prefix (entry, length) each request was promised, already held for it."""
+        `pinned`: the stored prefix (a lease on its entry, length) each request was promised."""
         runner = self.runner
         assert runner is not None
         failed: dict[str, str] = {}
@@ -378,8 +385,8 @@ class KVPressWorker(WorkerBase):
                 failed[new.req_id] = f"{type(exc).__name__}: {exc}"
                 continue
             finally:
-                if plan is not None and runner.prefix_store is not None:
-                    runner.prefix_store.unpin(plan[0])
+                if plan is not None:
+                    plan[0].release()
             self.requests[new.req_id] = request
         cached = scheduler_output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
@@ -395,15 +402,15 @@ class KVPressWorker(WorkerBase):
                 del self.requests[request_id]
         return failed
 
-    def _start(self, request: Request, computed: int, plan: tuple[str, int] | None) -> None:
+    def _start(self, request: Request, computed: int, plan: _Attach | None) -> None:
         """Give the request its row: a fork of the promised stored prefix, or a fresh one. vLLM counts
         `computed` tokens as done; without the prefix they are computed in the request's first chunk."""
         runner = self.runner
         assert runner is not None
         if plan is not None and computed == plan[1] and runner.attach_prefix_at(request, *plan):
             return
-        if plan is not None and computed != plan[1] and runner.prefix_store is not None:
-            runner.prefix_store.unpin(plan[0])
+        if plan is not None:  # a lease `attach_prefix_at` did not take (released there if it ran: a no-op)
+            plan[0].release()
         runner.add(request)
         if computed:
             self.catch_up[request.request_id] = computed
