@@ -180,3 +180,49 @@ def test_a_model_whose_every_layer_slides_runs_every_policy_as_full(tmp_path: Pa
         assert out.output_token_ids == expected, policy
         assert out.kv.kept is not None and out.kv.kept.per_layer == [2 * WINDOW] * 2
     assert llm.engine.cache.pool.num_used == 0
+
+
+def test_gate_training_serves_the_sliding_windows_and_gates_the_global_layers(
+    gemma: tuple[PreTrainedModel, Path], tmp_path: Path
+) -> None:
+    """`kvpress train-gate` distils from the model as it is served: its training attention (each sliding layer
+    within its window, the model's softmax scale) gives transformers' final hidden states on sequences longer
+    than the window, which attending to the whole prefix would not. The gates are trained and measured in the
+    global layers only, since a sliding layer keeps its window ungated."""
+    from vllm_kvpress_ext.models import load_model
+    from vllm_kvpress_ext.train.gate import GateTrainConfig, train_gates
+    from vllm_kvpress_ext.train.model import BatchedCausalContext
+
+    model, path = gemma
+    ours = load_model(path, dtype=torch.float32)
+    config = ours.config
+    batch, length = 2, 5 * WINDOW
+    ids = torch.stack([torch.tensor(prompt(length, seed)) for seed in (1, 2)])
+    with torch.no_grad():
+        expected = model(ids, output_hidden_states=True).hidden_states[-1]
+
+        def hidden(context: BatchedCausalContext) -> torch.Tensor:
+            return ours(ids.reshape(-1), torch.arange(length).repeat(batch), context).view(batch, length, -1)
+
+        served = hidden(BatchedCausalContext(batch, length, config.layer_windows, config.attention_scale))
+        unwindowed = hidden(BatchedCausalContext(batch, length, (), config.attention_scale))
+    torch.testing.assert_close(served, expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(unwindowed, expected, atol=1e-3)
+    out = tmp_path / "gemma.wgkv.safetensors"
+    train = GateTrainConfig(
+        model_dir=str(path),
+        out=str(out),
+        steps=2,
+        batch_size=2,
+        context_len=64,
+        local_window=GATE_WINDOW,
+        eval_samples=2,
+        tasks={"niah_multikey": 1.0},
+    )
+    _, summary = train_gates(train, progress=False)
+    assert summary["gated_layers"] == GLOBAL
+    per_layer = summary["admitted_per_layer_head"]
+    assert all(
+        per_layer[layer] == [1.0] * config.num_key_value_heads for layer in range(len(per_layer)) if layer not in GLOBAL
+    )
+    assert 0.0 <= summary["admitted_fraction"] <= 1.0

@@ -108,12 +108,24 @@ class GateTrainConfig:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-class GatedTrainingContext:
-    """Student attention: write-gated attention in every layer, gates recorded for the penalty."""
+class GatedTrainingContext(BatchedCausalContext):
+    """Student attention: write-gated attention in every global layer, gates recorded for the penalty. A
+    sliding-window layer (Gemma 3's local layers) attends within its window, ungated, as the engine serves it:
+    WG-KV's gates and local ring apply to the global layers only."""
 
-    def __init__(self, gates: WriteGates, batch: int, length: int, window: int, eps: float) -> None:
-        self.gates, self.batch, self.length, self.window, self.eps = gates, batch, length, window, eps
-        self.values: list[torch.Tensor] = []  # per layer g [B, T, H]
+    def __init__(
+        self,
+        gates: WriteGates,
+        batch: int,
+        length: int,
+        local_window: int,
+        eps: float,
+        layer_windows: tuple[int | None, ...] = (),
+        scale: float | None = None,
+    ) -> None:
+        super().__init__(batch, length, layer_windows, scale)
+        self.gates, self.local_window, self.eps = gates, local_window, eps
+        self.values: list[torch.Tensor] = []  # per global layer g [B, T, H]
 
     def attend(
         self,
@@ -124,6 +136,8 @@ class GatedTrainingContext:
         v: torch.Tensor,
         k_pre_rope: torch.Tensor,
     ) -> torch.Tensor:
+        if self.window(layer_idx) is not None:
+            return super().attend(layer_idx, hidden, q, k, v, k_pre_rope)
         b, t = self.batch, self.length
         g = self.gates(layer_idx, k_pre_rope, k).view(b, t, -1)
         self.values.append(g)
@@ -132,8 +146,8 @@ class GatedTrainingContext:
             k.view(b, t, *k.shape[1:]),
             v.view(b, t, *v.shape[1:]),
             self.admission(g),
-            self.window,
-            q.shape[-1] ** -0.5,
+            self.local_window,
+            self.scale if self.scale is not None else q.shape[-1] ** -0.5,
             self.eps,
         )
         return out.reshape(q.shape).to(q.dtype)
@@ -223,6 +237,11 @@ class TextBatches:
         ]
 
 
+def gated_layers(model: LlamaFamilyForCausalLM) -> list[int]:
+    """The layers whose keys the gates admit: the global ones (a sliding-window layer keeps its window)."""
+    return [layer for layer, window in enumerate(model.config.layer_windows) if window is None]
+
+
 def _forward(model: LlamaFamilyForCausalLM, ids: torch.Tensor, context: Any) -> torch.Tensor:
     b, t = ids.shape
     return model(ids.reshape(-1), torch.arange(t).repeat(b), context).view(b, t, -1)
@@ -233,9 +252,10 @@ def distillation_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The training objective and its parts (distillation, penalty, admitted fraction at tau)."""
     b, t = ids.shape
+    windows, scale = model.config.layer_windows, model.config.attention_scale
     with torch.no_grad():
-        teacher = _forward(model, ids, BatchedCausalContext(b, t))
-    context = GatedTrainingContext(gates, b, t, config.local_window, config.eps)
+        teacher = _forward(model, ids, BatchedCausalContext(b, t, windows, scale))
+    context = GatedTrainingContext(gates, b, t, config.local_window, config.eps, windows, scale)
     student = _forward(model, ids, context)
     mask = valid.unsqueeze(-1).to(student.dtype)
     distill = ((student.float() - teacher.float()).pow(2) * mask).sum() / (mask.sum() * student.shape[-1])
@@ -255,8 +275,17 @@ def distillation_loss(
 class HardGatedContext(GatedTrainingContext):
     """The engine's mask: a key outside the window is visible iff its gate is >= tau (log 0 = -inf)."""
 
-    def __init__(self, gates: WriteGates, batch: int, length: int, window: int, tau: float) -> None:
-        super().__init__(gates, batch, length, window, 0.0)
+    def __init__(
+        self,
+        gates: WriteGates,
+        batch: int,
+        length: int,
+        local_window: int,
+        tau: float,
+        layer_windows: tuple[int | None, ...] = (),
+        scale: float | None = None,
+    ) -> None:
+        super().__init__(gates, batch, length, local_window, 0.0, layer_windows, scale)
         self.tau = tau
 
     def admission(self, g: torch.Tensor) -> torch.Tensor:
@@ -274,19 +303,21 @@ def evaluate_held_out(
 
     Next-token cross-entropy (nats) under full attention and under the hard admission mask, and the
     share of positions whose greedy next token is the same under both (padding and each sequence's
-    last position left out).
+    last position left out). A sliding-window layer is not gated (it keeps its window): its row is 1.
     """
+    windows, scale = model.config.layer_windows, model.config.attention_scale
+    gated = gated_layers(model)
     counts = torch.zeros(gates.num_layers, gates.num_kv_heads)
     total = 0
     ce_full = ce_gated = agree = 0.0
     predicted = 0
     for ids, valid in batches:
         b, t = ids.shape
-        full_hidden = _forward(model, ids, BatchedCausalContext(b, t))
-        context = HardGatedContext(gates, b, t, config.local_window, config.tau)
+        full_hidden = _forward(model, ids, BatchedCausalContext(b, t, windows, scale))
+        context = HardGatedContext(gates, b, t, config.local_window, config.tau, windows, scale)
         gated_hidden = _forward(model, ids, context)
-        g = torch.stack(context.values)  # [L, B, T, H]
-        counts += ((g >= config.tau) & valid.view(1, b, t, 1)).sum(dim=(1, 2)).float()
+        g = torch.stack(context.values)  # [global layers, B, T, H]
+        counts[gated] += ((g >= config.tau) & valid.view(1, b, t, 1)).sum(dim=(1, 2)).float()
         total += int(valid.sum())
         scored = (valid[:, :-1] & valid[:, 1:]).reshape(-1)
         targets = ids[:, 1:].reshape(-1)[scored]
@@ -302,6 +333,7 @@ def evaluate_held_out(
             agree += float((full_logits.argmax(-1) == gated_logits.argmax(-1)).sum())
         predicted += int(targets.numel())
     fraction = counts / max(1, total)
+    fraction[[layer for layer in range(gates.num_layers) if layer not in gated]] = 1.0
     return {
         "admitted_per_layer_head": fraction,
         "tokens": total,
@@ -330,6 +362,8 @@ def train_gates(config: GateTrainConfig, progress: bool = True) -> tuple[Path, d
     model = load_model(config.model_dir, dtype=torch.float32)
     model.requires_grad_(False)
     mc = model.config
+    if not gated_layers(model):
+        raise ValueError(f"{config.model_dir}: every layer slides over a window, so no layer has keys to gate")
     gates = WriteGates(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.hidden, config.init_bias)
     optimizer = torch.optim.AdamW(gates.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     batches: SuiteBatches | TextBatches = SuiteBatches(config) if config.data == "suite" else TextBatches(config)
@@ -366,7 +400,8 @@ def train_gates(config: GateTrainConfig, progress: bool = True) -> tuple[Path, d
         "eval_seconds": round(time.perf_counter() - eval_start, 1),
         "first_loss": history[0]["loss"],
         "final_loss": history[-1]["loss"],
-        "admitted_fraction": round(float(fraction.mean()), 4),
+        "admitted_fraction": round(float(fraction[gated_layers(model)].mean()), 4),
+        "gated_layers": gated_layers(model),
         "admitted_per_layer_head": [[round(float(x), 4) for x in row] for row in fraction],
         "held_out": {
             "samples": config.eval_samples,

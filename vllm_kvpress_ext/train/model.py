@@ -156,10 +156,19 @@ class TrainConfig:
 
 
 class BatchedCausalContext:
-    """Attention context for training: B equal-length sequences flattened to [B*T]; one fused SDPA call."""
+    """Attention context for training: B equal-length sequences flattened to [B*T]; one fused SDPA call.
 
-    def __init__(self, batch: int, length: int) -> None:
+    `layer_windows` (a model's `config.layer_windows`) makes its sliding-window layers attend within their
+    window, as the engine serves them; `scale` is the model's softmax scale (default 1/sqrt(head_dim))."""
+
+    def __init__(
+        self, batch: int, length: int, layer_windows: tuple[int | None, ...] = (), scale: float | None = None
+    ) -> None:
         self.batch, self.length = batch, length
+        self.layer_windows, self.scale = layer_windows, scale
+
+    def window(self, layer_idx: int) -> int | None:
+        return self.layer_windows[layer_idx] if self.layer_windows else None
 
     def attend(
         self,
@@ -171,8 +180,13 @@ class BatchedCausalContext:
         k_pre_rope: torch.Tensor,
     ) -> torch.Tensor:
         b, t = self.batch, self.length
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         out = causal_attention(
-            q.view(b, t, *q.shape[1:]), k.view(b, t, *k.shape[1:]), v.view(b, t, *v.shape[1:]), q.shape[-1] ** -0.5
+            q.view(b, t, *q.shape[1:]),
+            k.view(b, t, *k.shape[1:]),
+            v.view(b, t, *v.shape[1:]),
+            scale,
+            self.window(layer_idx),
         )
         return out.reshape(q.shape)
 
