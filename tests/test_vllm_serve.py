@@ -157,7 +157,8 @@ def test_a_request_ending_on_a_stop_string_reports_its_figures(server: str, clie
         )
     )
     usage = chunks[-1].usage
-    assert usage is not None and usage.model_extra["kv_bytes"] == out.usage.model_extra["kv_bytes"]
+    # Entries, not bytes: bytes count a page shared with vLLM's kept prefix blocks 1/k.
+    assert usage is not None and usage.model_extra["kv_tokens_kept"] == out.usage.model_extra["kv_tokens_kept"]
     deadline = time.monotonic() + 10  # the abort reaches the engine after the answer
     while time.monotonic() < deadline:
         finished = scrape_metric(httpx.get(f"{server}/metrics", timeout=10).text, FINISHED_SNAPKV) or 0.0
@@ -244,11 +245,13 @@ def test_batched_prompts_and_n_samples_report_the_sum_of_their_requests(client: 
 
     alone = [kv(p) for p in prompts]
     batch = kv(prompts)
-    assert batch["kv_bytes"] == sum(a["kv_bytes"] for a in alone)  # type: ignore[misc]
+    # Entries add up exactly; bytes count a page shared with prefix-cache entries 1/k, so they depend on what
+    # the cache holds at the time.
     assert batch["kv_tokens_kept"] == sum(a["kv_tokens_kept"] for a in alone)  # type: ignore[misc]
+    assert 0 < batch["kv_bytes"] <= batch["kv_bytes_peak"]  # type: ignore[operator]
     # n samples of one prompt: each sample prefills and holds the compressed prompt itself (docs/vllm.md).
     sampled = kv(prompts[0], n=3, seed=5, temperature=1.0)
-    assert sampled["kv_bytes"] == 3 * alone[0]["kv_bytes"]  # type: ignore[operator]
+    assert sampled["kv_tokens_kept"] == 3 * alone[0]["kv_tokens_kept"]  # type: ignore[operator]
     assert sampled["kv_retention"] == alone[0]["kv_retention"]
 
 
