@@ -126,11 +126,7 @@ class Scheduler:
                 # at the end as usual; the pages it reads are held already, its reservation covers the rest.
                 reservation = self.runner.attached_prefill_reservation(req)
                 need = reservation - self.runner.pages_held(req)
-                while need > available:
-                    freed = self.runner.evict_cached_prefix()
-                    if freed is None:
-                        break
-                    available += freed
+                available = self._evict_for(need, available)
                 if need > available:
                     self.runner.detach_prefix(req)
                     break
@@ -147,11 +143,7 @@ class Scheduler:
                 break
             end = min(req.prefill_target, budget)
             peak = self.runner.prefill_reservation(req, end, self.max_num_batched_tokens)
-            while peak > available:
-                freed = self.runner.evict_cached_prefix()
-                if freed is None:
-                    break
-                available += freed
+            available = self._evict_for(peak, available)
             if peak > available:
                 break
             self.waiting.popleft()
@@ -162,6 +154,16 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, 0, end))
             budget -= end
         return chunks
+
+    def _evict_for(self, pages: int, available: int) -> int:
+        """Drop unused cached prefixes, least recently used first, until `pages` are available (or none is
+        left to drop); return the pages available then."""
+        while pages > available:
+            freed = self.runner.evict_cached_prefix()
+            if freed is None:
+                break
+            available += freed
+        return available
 
     def preempt(self, request: Request) -> Request:
         """Free the request's pages and queue it for recomputation ahead of everything else."""

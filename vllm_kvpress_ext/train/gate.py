@@ -111,7 +111,8 @@ class GateTrainConfig:
 class GatedTrainingContext(BatchedCausalContext):
     """Student attention: write-gated attention in every global layer, gates recorded for the penalty. A
     sliding-window layer (Gemma 3's local layers) attends within its window, ungated, as the engine serves it:
-    WG-KV's gates and local ring apply to the global layers only."""
+    WG-KV's gates and local ring apply to the global layers only. With `tau`, the engine's mask instead of
+    the soft gates: a key outside the local window is visible iff its gate is >= tau (log 0 = -inf)."""
 
     def __init__(
         self,
@@ -122,9 +123,10 @@ class GatedTrainingContext(BatchedCausalContext):
         eps: float,
         layer_windows: tuple[int | None, ...] = (),
         scale: float | None = None,
+        tau: float | None = None,
     ) -> None:
         super().__init__(batch, length, layer_windows, scale)
-        self.gates, self.local_window, self.eps = gates, local_window, eps
+        self.gates, self.local_window, self.eps, self.tau = gates, local_window, eps, tau
         self.values: list[torch.Tensor] = []  # per global layer g [B, T, H]
 
     def attend(
@@ -153,8 +155,9 @@ class GatedTrainingContext(BatchedCausalContext):
         return out.reshape(q.shape).to(q.dtype)
 
     def admission(self, g: torch.Tensor) -> torch.Tensor:
-        """What the attention weighs keys outside the window by: the soft gates themselves while training."""
-        return g
+        """What the attention weighs keys outside the window by: the soft gates themselves while training, the
+        hard admission (`g >= tau`) when measuring what the engine serves."""
+        return g if self.tau is None else (g >= self.tau).float()
 
 
 def sample_batch(
@@ -272,26 +275,6 @@ def distillation_loss(
     return loss, parts
 
 
-class HardGatedContext(GatedTrainingContext):
-    """The engine's mask: a key outside the window is visible iff its gate is >= tau (log 0 = -inf)."""
-
-    def __init__(
-        self,
-        gates: WriteGates,
-        batch: int,
-        length: int,
-        local_window: int,
-        tau: float,
-        layer_windows: tuple[int | None, ...] = (),
-        scale: float | None = None,
-    ) -> None:
-        super().__init__(gates, batch, length, local_window, 0.0, layer_windows, scale)
-        self.tau = tau
-
-    def admission(self, g: torch.Tensor) -> torch.Tensor:
-        return (g >= self.tau).float()
-
-
 @torch.no_grad()
 def evaluate_held_out(
     model: LlamaFamilyForCausalLM,
@@ -314,7 +297,7 @@ def evaluate_held_out(
     for ids, valid in batches:
         b, t = ids.shape
         full_hidden = _forward(model, ids, BatchedCausalContext(b, t, windows, scale))
-        context = HardGatedContext(gates, b, t, config.local_window, config.tau, windows, scale)
+        context = GatedTrainingContext(gates, b, t, config.local_window, 0.0, windows, scale, tau=config.tau)
         gated_hidden = _forward(model, ids, context)
         g = torch.stack(context.values)  # [global layers, B, T, H]
         counts[gated] += ((g >= config.tau) & valid.view(1, b, t, 1)).sum(dim=(1, 2)).float()
@@ -446,7 +429,6 @@ def admitted_heatmap(fraction: list[list[float]], path: str | Path, title: str) 
 __all__ = [
     "GateTrainConfig",
     "GatedTrainingContext",
-    "HardGatedContext",
     "admitted_heatmap",
     "distillation_loss",
     "evaluate_held_out",
