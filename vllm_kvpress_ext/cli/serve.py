@@ -97,11 +97,13 @@ def _add_engine_arguments(serve: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="keep compressed contexts of requests that set kv_prefix_tokens (with --prefix-matching auto, also "
-        "every finished request's cache) for later requests with the same context, policy and model to reuse, and "
-        "the cache of every finished request that nothing compressed (policy full), which a later full request "
-        "whose prompt starts with the same tokens reuses exactly; they are dropped, least recently used first, "
-        "before any running request is preempted or a waiting one refused (default: on; docs/prefix_reuse.md)",
+        help="keep compressed contexts (kv_prefix_tokens, kv_prefix_messages, a chat's default context; with "
+        "--prefix-matching auto, also every finished request's cache) for later requests with the same context, "
+        "policy and model to reuse, and exact caches: of every finished request that nothing compressed (policy "
+        "full), and of every compressing request's prompt just before it compresses, which later prompts starting "
+        "with the same tokens read (a compressing one up to its policy's observation window); they are dropped, "
+        "least recently used first, before any running request is preempted or a waiting one refused (default: "
+        "on; docs/prefix_reuse.md)",
     )
     serve.add_argument(
         "--max-cached-prefixes",
