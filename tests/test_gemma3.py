@@ -89,3 +89,22 @@ def test_snapkv_compresses_gemma3_and_every_page_comes_back(llm: VllmLLM, prompt
         assert figures["kv_bytes"] < figures["kv_bytes_peak"]
     llm.generate([{"prompt_token_ids": prompt[:8]}], VllmSamplingParams(max_tokens=1), use_tqdm=False)
     assert_no_page_leaked(in_process_worker(llm).model_runner.pool)
+
+
+def test_wgkv_with_the_shipped_gates_keeps_on_vllms_runner_what_the_embedded_engine_keeps(
+    llm: VllmLLM, gemma3_gguf: Path, prompt: list[int]
+) -> None:
+    """The gates shipped for Gemma 3 are found for the catalog name on vLLM's runner too, and WG-KV keeps there
+    what it keeps in the embedded engine on the same file: the same figures, and every page comes back."""
+    from vllm_kvpress_ext.engine import LLM, SamplingParams
+
+    params = VllmSamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, extra_args={"kv_policy": "wgkv"})
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    figures = out.kv_transfer_params["kvpress"]
+    embedded = LLM(gemma3_gguf, dtype=torch.float32, page_size=16)
+    (mine,) = embedded.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), policy="wgkv")
+    assert figures["policy"] == "wgkv" and figures["kv_tokens_kept"] == mine.kv.tokens_kept
+    assert figures["kv_tokens_kept"] < figures["kv_tokens_full"]
+    assert list(out.outputs[0].token_ids) == mine.output_token_ids
+    llm.generate([{"prompt_token_ids": prompt[:8]}], VllmSamplingParams(max_tokens=1), use_tqdm=False)
+    assert_no_page_leaked(in_process_worker(llm).model_runner.pool)

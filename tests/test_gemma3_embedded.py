@@ -102,3 +102,26 @@ def test_snapkv_compresses_the_global_layers_and_gives_every_page_back(llm: LLM,
     assert [n for n, w in zip(per_layer, windows, strict=True) if w] == [WINDOW] * 15
     assert [n for n, w in zip(per_layer, windows, strict=True) if not w] == [round(0.25 * PROMPT_TOKENS)] * 3
     assert llm.engine.cache.pool.num_used == 0
+
+
+def test_wgkv_serves_with_the_gates_shipped_for_it(llm: LLM, prompt: list[int]) -> None:
+    """The gates shipped for Gemma 3 (`kvpress train-gate`, each sliding layer in its window as served) are
+    found for the catalog's file: each sliding layer holds its window, each global layer its local ring and
+    the older entries its gates admitted, fewer than the prompt's over the global layers; every page comes
+    back."""
+    from vllm_kvpress_ext.models.write_gate import find_gates, gate_metadata
+
+    gates = find_gates(llm.engine.model_dir)
+    assert gates.is_file() and gates.parent.name == "gates"  # the package's, not a file beside the model
+    ring = int(gate_metadata(gates)["local_window"])
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, return_kept=True)
+    (out,) = llm.generate([prompt], params, policy="wgkv")
+    at_compression = out.kv.kept_at_compression
+    assert at_compression is not None
+    windows = llm.engine.config.layer_windows
+    per_layer = at_compression.per_layer
+    assert [n for n, w in zip(per_layer, windows, strict=True) if w] == [WINDOW] * 15
+    held = [n for n, w in zip(per_layer, windows, strict=True) if not w]
+    assert all(ring <= n <= PROMPT_TOKENS for n in held) and sum(held) < len(held) * PROMPT_TOKENS, held
+    assert out.kv.retention < 1.0
+    assert llm.engine.cache.pool.num_used == 0
