@@ -160,7 +160,7 @@ def test_train_gate_rejects_bad_text_configs(tmp_path: Path) -> None:
         train_gates(GateTrainConfig(model_dir=str(gguf), out=out), progress=False)
 
 
-def test_gates_shipped_for_smollm2_are_found_for_the_pulled_file(tmp_path: Path) -> None:
+def test_gates_shipped_for_catalog_models_are_found_for_the_pulled_file(tmp_path: Path) -> None:
     from vllm_kvpress_ext.hub.catalog import CATALOG
     from vllm_kvpress_ext.models.write_gate import default_gate_path, find_gates, shipped_gates
     from vllm_kvpress_ext.policies import WGKVPolicy
@@ -176,14 +176,19 @@ def test_gates_shipped_for_smollm2_are_found_for_the_pulled_file(tmp_path: Path)
     assert find_gates(pulled) == default_gate_path(pulled)
     other = tmp_path / "other.gguf"
     assert find_gates(other) == default_gate_path(other) and not find_gates(other).exists()
-    # Every shipped file is SmolLM2's shape, fp16, and records its training and held-out figures.
+    # Every shipped file has its model's shape (SmolLM2: 30 layers x 3 KV heads of 64; Gemma 3 270M: 18 x 1 of
+    # 256) and records its training and held-out figures.
+    shapes = {"smollm2-135m": (30, 3, 64), "gemma3-270m": (18, 1, 256)}
+    assert {"gemma3-270m", "gemma3-270m-lambda0.08"} <= set(shipped)
     for name, path in shipped.items():
+        shape = next(shape for model, shape in shapes.items() if name == model or name.startswith(f"{model}-lambda"))
         gates = load_gates(path)
-        assert (gates.num_layers, gates.num_kv_heads, gates.head_dim) == (30, 3, 64), name
+        assert (gates.num_layers, gates.num_kv_heads, gates.head_dim) == shape, name
         info = gate_metadata(path)
         assert info["data"]["data"] == "text" and info["local_window"] == 64
-        assert len(info["admitted_per_layer_head"]) == 30 and len(info["admitted_per_layer_head"][0]) == 3
+        assert len(info["admitted_per_layer_head"]) == shape[0] and len(info["admitted_per_layer_head"][0]) == shape[1]
         assert {"cross_entropy_full", "cross_entropy_gated", "top1_agreement"} <= set(info["held_out"])
+    assert find_gates(tmp_path / CATALOG["gemma3-270m"].file_name) == shipped["gemma3-270m"]
 
 
 def test_clients_may_name_shipped_gates_but_never_paths() -> None:
