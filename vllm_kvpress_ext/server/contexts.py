@@ -29,7 +29,6 @@ from vllm_kvpress_ext.policies.base import PolicyConfigError
 
 #: `--context-policy` values that name no policy: each request's own policy, or no default split.
 OWN_POLICY, NO_SPLIT = "request", "none"
-DEFAULT_CONTEXT_POLICY = "kvzip"
 BUDGET_FIELDS = ("ratio", "tokens")
 
 
