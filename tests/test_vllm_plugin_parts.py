@@ -24,7 +24,7 @@ from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics, SnapshotCollecto
 from vllm_kvpress_ext.vllm_plugin.middleware import KVPressMiddleware, rewrite_request, rewrite_response
 from vllm_kvpress_ext.vllm_plugin.platform import validate_kvpress_request
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
-from vllm_kvpress_ext.vllm_plugin.request_policy import request_policy
+from vllm_kvpress_ext.vllm_plugin.request_policy import policy_fields, request_policy
 from vllm_kvpress_ext.vllm_plugin.usage import add_figures_to_usage_chunk, combine_figures
 from vllm_kvpress_ext.vllm_plugin.worker import runner_sampling_params
 
@@ -446,15 +446,31 @@ def test_the_worker_on_cuda_sizes_its_pool_from_free_device_memory(monkeypatch: 
     assert worker._pool_size({}, MODEL_DIR) == (None, 5 * gib)
 
 
-@pytest.mark.parametrize("field", ["kv_prefix_tokens", "kv_prefix_messages"])
-@pytest.mark.parametrize("value", [3, -1, 10**9, "x", None])
-def test_a_context_field_the_plugin_does_not_serve_is_a_400_not_ignored(field: str, value: Any) -> None:
-    """vLLM drops unknown body fields unread: without this, a client naming its context got a 200 for a
-    request that was not what it asked for."""
+@pytest.mark.parametrize("value", [3, -1, 10**9, "x"])
+def test_kv_prefix_messages_is_a_400_not_ignored(value: Any) -> None:
+    """vLLM drops unknown body fields unread: without this, a client naming its context by messages got a 200 for
+    a request that was not what it asked for."""
     with pytest.raises(APIError) as refused:
-        rewrite_request({"prompt": "a", field: value, "kv_policy": "snapkv"})
-    assert refused.value.status == 400 and refused.value.param == field
-    assert "not yet by the vLLM plugin" in str(refused.value)
+        rewrite_request({"prompt": "a", "kv_prefix_messages": value, "kv_policy": "snapkv"})
+    assert refused.value.status == 400 and refused.value.param == "kv_prefix_messages"
+    assert "kv_prefix_tokens" in str(refused.value)
+
+
+def test_kv_prefix_tokens_moves_into_vllm_xargs_unread() -> None:
+    """The body field goes where vLLM passes it to the engine (checked there against the prompt); it is no policy
+    field, so it never refines the policy; two values that disagree are a 400, a null is no context."""
+    moved = rewrite_request({"prompt": "a", "kv_prefix_tokens": 40, "kv_policy": "snapkv"})
+    assert moved["vllm_xargs"] == {"kv_prefix_tokens": 40, "kv_policy": "snapkv"}
+    alone = rewrite_request({"prompt": "a", "kv_prefix_tokens": "x"})
+    assert alone["vllm_xargs"] == {"kv_prefix_tokens": "x"}  # refused by name where the prompt is known
+    flat = rewrite_request({"kv_policy": "snapkv", "vllm_xargs": {"kv_ratio": 0.5, "kv_prefix_tokens": 8}})
+    assert flat["vllm_xargs"]["kv_prefix_tokens"] == 8
+    assert json.loads(flat["vllm_xargs"]["kv_policy"]) == {"name": "snapkv", "ratio": 0.5}
+    assert rewrite_request({"prompt": "a", "kv_prefix_tokens": None}) == {"prompt": "a", "vllm_xargs": {}}
+    with pytest.raises(APIError, match="disagree") as refused:
+        rewrite_request({"kv_prefix_tokens": 3, "vllm_xargs": {"kv_prefix_tokens": 4}})
+    assert refused.value.param == "kv_prefix_tokens"
+    assert policy_fields({"kv_prefix_tokens": 3, "kv_policy": "snapkv"}) == {"kv_policy": "snapkv"}
 
 
 def test_the_runner_is_vllms_unless_asked_or_on_a_gpu_for_an_architecture_the_own_runner_runs() -> None:

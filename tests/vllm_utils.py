@@ -66,13 +66,16 @@ def in_process_worker(llm: Any) -> Any:
 
 def assert_no_page_leaked(pool: Any) -> None:
     """Every page of a native pool is free, or has exactly as many holders as seated requests' rows (their local
-    rings, and their blocks' spill pages) and kept prefix blocks list it."""
+    rings, and their blocks' spill pages), kept prefix blocks and stored contexts list it."""
     cache = pool.cache
     listed = [cache.block_tables[:, seat.row].reshape(-1) for seat in pool.seats.values()]
     listed += [pages.reshape(-1) for seat in pool.seats.values() for pages in seat.spill.values()]
     listed += [cache.ring_tables[:, seat.row].reshape(-1) for seat in pool.seats.values()]  # WG-KV's local rings
     if pool.prefix_blocks is not None:
         listed += [pages.reshape(-1) for pages in pool.prefix_blocks.kept.values()]
+    if pool.contexts is not None:  # stored named contexts' rows
+        rows = [cache.row_of(entry.row_id) for entry in pool.contexts.entries.values()]
+        listed += [cache.block_tables[:, row].reshape(-1) for row in rows]
     pages = torch.cat(listed).to(torch.int64) if listed else torch.empty(0, dtype=torch.int64)
     counts = torch.bincount(pages[pages >= 0], minlength=cache.pool.num_pages)
     assert torch.equal(counts.to(torch.int32), cache.pool.refcounts())

@@ -57,6 +57,7 @@ import copy
 import dataclasses
 import hashlib
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ import torch
 
 from vllm_kvpress_ext.api import PREFIX_MATCHING_MODES
 from vllm_kvpress_ext.cache import InvalidPlanError, PagedKVCache, RequestCapacityError
+from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.request import KVStats, Request
 
 
@@ -368,18 +370,32 @@ class PrefixStore(PrefixIndex):
 
     def _add_entry(self, request: Request, entry: CachedPrefix) -> None:
         """Store `entry` (everything but its row, policy state and figures) with a fork of the request's row."""
+        kv = copy.deepcopy(dataclasses.replace(request.kv, kept=None))
+        self.keep_row(request.request_id, entry, copy.deepcopy(request.policy_state), kv)
+
+    def keep_row(self, source_id: Hashable, entry: CachedPrefix, policy_state: Any, kv: KVStats) -> bool:
+        """Store `entry` with a fork of cache row `source_id` (pages shared), the policy state and the figures it
+        continues from; False when it cannot be (every entry in use, no row or no pages for the fork)."""
         if len(self.entries) >= self.capacity and self.evict_one() is None:
-            return
+            return False
         row_id = f"prefix:{entry.key}"
         try:
-            self.cache.fork_request(request.request_id, row_id)
-        except RequestCapacityError:
-            return
-        kv = copy.deepcopy(dataclasses.replace(request.kv, kept=None))
-        self.register(
-            dataclasses.replace(entry, row_id=row_id, policy_state=copy.deepcopy(request.policy_state), kv=kv)
-        )
+            self.cache.fork_request(source_id, row_id)
+        except (RequestCapacityError, PoolExhaustedError):
+            return False
+        self.register(dataclasses.replace(entry, row_id=row_id, policy_state=policy_state, kv=kv))
         self.stored += 1
+        return True
+
+    def fork_entry(self, lease: PrefixLease, child_id: Hashable) -> int:
+        """A cache row for `child_id` reading the leased entry whole (pages shared, copy-on-write), counted as a
+        hit; the child holds the lease until it frees the row. Raises what `fork_request` raises."""
+        entry = lease.entry
+        row = self.cache.fork_request(entry.row_id, child_id)
+        self.entries.move_to_end(entry.key)
+        self.hits += 1
+        self.tokens_reused += entry.length
+        return row
 
     def match(self, request: Request) -> tuple[CachedPrefix, int] | None:
         """The entry and token count a request can attach to, longest first; None if there is none."""

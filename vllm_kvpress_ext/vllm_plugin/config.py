@@ -159,6 +159,7 @@ def apply_native_config(vllm_config: Any) -> None:
         refusal = native_refusal(default_policy(additional), facts)
         if refusal is not None:
             raise UnsupportedConfigError(refusal)
+    check_prefix_caching_settings(dict(additional))
     vllm_config.parallel_config.worker_cls = NATIVE_WORKER_CLS
     # vLLM's scheduler, starting and preempting by the pool's reports (as on the plugin's own runner), which
     # must be the last step's: scheduling is synchronous.
@@ -169,7 +170,7 @@ def apply_native_config(vllm_config: Any) -> None:
     if additional.get(PREFIX_CACHING_KEY):
         logger.info(
             "vllm-kvpress-ext: kv_runner 'vllm' reuses cached prefixes exactly (vLLM's prefix caching over the "
-            "pool's uncompressed blocks); it does not reuse compressed caches yet"
+            "pool's uncompressed blocks), and compressed contexts that requests name (kv_prefix_tokens)"
         )
     compilation = vllm_config.compilation_config
     compilation.mode = CompilationMode.NONE

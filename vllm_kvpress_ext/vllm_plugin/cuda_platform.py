@@ -16,7 +16,7 @@ from vllm.platforms.cuda import CudaPlatform
 from vllm.platforms.interface import PlatformEnum
 
 from vllm_kvpress_ext.vllm_plugin.config import UnsupportedConfigError, apply_kvpress_config, settle_runner
-from vllm_kvpress_ext.vllm_plugin.platform import validate_kvpress_request
+from vllm_kvpress_ext.vllm_plugin.platform import prompt_length, validate_kvpress_request
 
 # vLLM picks NVML- or runtime-based device queries at import; subclass whichever it chose.
 _CudaBase: Any = CudaPlatform
@@ -38,4 +38,4 @@ class KVPressCudaPlatform(_CudaBase):
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
         super().validate_request(processed_inputs, params)
-        validate_kvpress_request(params)
+        validate_kvpress_request(params, prompt_tokens=prompt_length(processed_inputs))

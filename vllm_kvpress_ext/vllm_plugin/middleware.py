@@ -25,6 +25,7 @@ from typing import Any
 
 from vllm_kvpress_ext.api.errors import APIError, unsupported
 from vllm_kvpress_ext.api.policy_spec import policy_spec
+from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD
 from vllm_kvpress_ext.vllm_plugin.metrics import choose_metrics_file, register_collector
 from vllm_kvpress_ext.vllm_plugin.usage import install_usage_hooks, usage_fields
 
@@ -36,27 +37,46 @@ Send = Callable[[Message], Awaitable[None]]
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-# The embedded server's fields that name a context for compressed reuse (docs/prefix_reuse.md). vLLM would
-# drop them unread and answer 200 as if the request had not asked; until the plugin serves them, a 400.
-CONTEXT_FIELDS = ("kv_prefix_tokens", "kv_prefix_messages")
+# `kvpress serve` names a chat's context by its messages too; vLLM renders the chat after this layer, so the
+# plugin cannot count their tokens here. vLLM would drop the field unread and answer 200 as if the request had
+# not asked: a 400 until the plugin serves it.
+REFUSED_CONTEXT_FIELDS = ("kv_prefix_messages",)
 
 
 def rewrite_request(payload: dict[str, Any]) -> dict[str, Any]:
-    """Fold a top-level `kv_policy` into `vllm_xargs` (raises `APIError` when they disagree or are invalid),
-    and refuse the context fields the plugin does not serve yet."""
-    for field in CONTEXT_FIELDS:
+    """Fold a top-level `kv_policy` and `kv_prefix_tokens` into `vllm_xargs` (raises `APIError` when they disagree
+    or are invalid), and refuse the context fields the plugin does not serve."""
+    for field in REFUSED_CONTEXT_FIELDS:
         if field in payload:
             raise unsupported(
-                field, "naming a context for compressed reuse is served by `kvpress serve`, not yet by the vLLM plugin"
+                field,
+                "naming a context by its messages is served by `kvpress serve`; the plugin takes kv_prefix_tokens",
             )
-    if "kv_policy" not in payload:
+    if "kv_policy" not in payload and CONTEXT_FIELD not in payload:
         return payload
     raw_xargs = payload.get("vllm_xargs")
     if raw_xargs is not None and not isinstance(raw_xargs, dict):
         raise APIError(400, f"vllm_xargs must be an object, got {type(raw_xargs).__name__}", param="vllm_xargs")
-    body_policy = payload.pop("kv_policy")
     xargs = dict(raw_xargs or {})
-    kv_fields = {k: v for k, v in xargs.items() if k.startswith("kv_") and k != "kv_transfer_params"}
+    if CONTEXT_FIELD in payload:
+        boundary = payload.pop(CONTEXT_FIELD)
+        if CONTEXT_FIELD in xargs and xargs[CONTEXT_FIELD] != boundary:
+            raise APIError(
+                400, f"{CONTEXT_FIELD} and vllm_xargs.{CONTEXT_FIELD} disagree; send one", param=CONTEXT_FIELD
+            )
+        if boundary is not None:  # null: no context, as `kvpress serve` reads it
+            xargs[CONTEXT_FIELD] = boundary
+    if "kv_policy" in payload:
+        _fold_policy(payload.pop("kv_policy"), xargs)
+    payload["vllm_xargs"] = xargs
+    return payload
+
+
+def _fold_policy(body_policy: Any, xargs: dict[str, Any]) -> None:
+    """The body's `kv_policy` merged with the `vllm_xargs.kv_*` policy fields into `xargs["kv_policy"]`."""
+    kv_fields = {
+        k: v for k, v in xargs.items() if k.startswith("kv_") and k not in (CONTEXT_FIELD, "kv_transfer_params")
+    }
     if kv_fields and "kv_policy" not in kv_fields:
         # Flat `kv_<param>` fields refine the body's policy.
         body_spec = policy_spec(body_policy, None)
@@ -68,8 +88,6 @@ def rewrite_request(payload: dict[str, Any]) -> dict[str, Any]:
         del xargs[key]
     if spec is not None:
         xargs["kv_policy"] = spec if isinstance(spec, str) else json.dumps(spec)
-    payload["vllm_xargs"] = xargs
-    return payload
 
 
 def rewrite_response(payload: dict[str, Any]) -> dict[str, Any]:

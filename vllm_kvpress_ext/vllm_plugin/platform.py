@@ -17,6 +17,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_kvpress_ext.vllm_plugin.config import NATIVE_ATTENTION_BACKEND, apply_kvpress_config, settle_runner
+from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD, ContextError, check_context
 from vllm_kvpress_ext.vllm_plugin.request_policy import RequestPolicyError, request_policy, unsupported_sampling
 
 if TYPE_CHECKING:
@@ -47,10 +48,17 @@ def _neutralise_accelerator_cache_calls() -> None:
 _neutralise_accelerator_cache_calls()
 
 
-def validate_kvpress_request(params: Any, runner: str = "project", facts: ModelFacts | None = None) -> None:
+def validate_kvpress_request(
+    params: Any,
+    runner: str = "project",
+    facts: ModelFacts | None = None,
+    prompt_tokens: int | None = None,
+    contexts: bool = False,
+) -> None:
     """Refuse, as HTTP 400, a bad per-request policy or a sampling feature the worker lacks. On vLLM's own
     runner (`runner="vllm"`) vLLM's sampler serves every sampling feature, and a policy that needs what that
-    runner does not capture yet is refused by name (`native/support.py`)."""
+    runner does not capture yet is refused by name (`native/support.py`). A named context (`kv_prefix_tokens`)
+    is checked against the prompt's `prompt_tokens` and whether this server keeps contexts (`contexts.py`)."""
     from vllm.sampling_params import SamplingParams
 
     if not isinstance(params, SamplingParams):
@@ -69,6 +77,23 @@ def validate_kvpress_request(params: Any, runner: str = "project", facts: ModelF
         refusal = native_refusal(policy, facts or ModelFacts())
         if refusal is not None:
             raise VLLMValidationError(refusal, parameter="kv_policy")
+    try:
+        check_context(
+            params.extra_args,
+            prompt_tokens if prompt_tokens is not None else 1 << 62,
+            policy,
+            runner=runner,
+            enabled=contexts,
+            prompt_logprobs=params.prompt_logprobs is not None,
+        )
+    except ContextError as exc:
+        raise VLLMValidationError(str(exc), parameter=CONTEXT_FIELD) from None
+
+
+def prompt_length(processed_inputs: Any) -> int | None:
+    """The prompt's token count from the engine input vLLM validates (None where it carries no token ids)."""
+    tokens = processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
+    return len(tokens) if tokens is not None else None
 
 
 class KVPressCpuPlatform(Platform):
@@ -114,6 +139,8 @@ class KVPressCpuPlatform(Platform):
     runner: str = "project"
     # On vLLM's runner: what it captures for the served model (`native/support.py`), for the policies' refusals.
     facts: ModelFacts | None = None
+    # Whether named contexts are kept (`contexts.py`): vLLM's runner with prefix caching on.
+    contexts: bool = False
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
@@ -123,10 +150,11 @@ class KVPressCpuPlatform(Platform):
 
             cls.facts = model_facts(str(vllm_config.model_config.model))
         apply_kvpress_config(vllm_config)
+        cls.contexts = cls.runner == "vllm" and bool(vllm_config.cache_config.enable_prefix_caching)
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
-        validate_kvpress_request(params, cls.runner, cls.facts)
+        validate_kvpress_request(params, cls.runner, cls.facts, prompt_length(processed_inputs), cls.contexts)
 
     @classmethod
     def get_attn_backend_cls(

@@ -32,28 +32,50 @@ unused entries' pages count as available here, so they go before any running req
 On vLLM's runner (`kv_runner: vllm`) prefix caching is vLLM's own: its lookup runs as always, and each
 hit is cut at the first block the pool does not keep (`kept_prefix_tokens`, from the kept block ids
 the reports carry), and, for a request whose policy compresses, at the first position whose prefill its
-policy reads (native/prefix_blocks.py).
+policy reads (native/prefix_blocks.py). A request that names its context (`kv_prefix_tokens`) is held back
+until its context is compressed and stored, by a context build this scheduler queues, then attaches to it
+(contexts.py).
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 from vllm_kvpress_ext.engine.prefix_store import PrefixIndex, session_entry
 from vllm_kvpress_ext.policies import KVPolicy
+from vllm_kvpress_ext.vllm_plugin.config import RUNNER_KEY
+from vllm_kvpress_ext.vllm_plugin.contexts import (
+    BUILD_PREFIX,
+    ContextError,
+    context_key,
+    context_refusal,
+    named_boundary,
+)
 from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics
 from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import readable_prefix
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
-from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, request_policy
+from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, policy_fields, request_policy
 
 logger = logging.getLogger("vllm.kvpress.scheduler")
 _UNSET = object()  # the server's default policy, parsed on first use
 _LOOKUPS = 4  # vLLM prefix-cache lookups per request, each after dropping the blocks the pool does not keep
+
+
+@dataclass
+class _ContextBuild:
+    """A context being compressed for the requests held back until it is stored (contexts.py)."""
+
+    key: str
+    request: Any  # the build's own vLLM request: the context's tokens, the same policy, one output token
+    held: list[Any] = field(default_factory=list)
 
 
 class _PoolGate:
@@ -117,6 +139,15 @@ class KVPressScheduler(Scheduler):
         self.last_figures: dict[str, dict[str, Any]] = {}
         # vLLM's runner: the vLLM block ids whose pages the pool keeps (what vLLM's prefix hits may use).
         self.kept_blocks: frozenset[int] = frozenset()
+        # Named contexts (vLLM's runner, prefix caching on; contexts.py): the builds in flight by their request id,
+        # and, for each waiting request whose context is stored, that context's key (it attaches to it).
+        config = getattr(self, "vllm_config", None)
+        additional = dict(getattr(config, "additional_config", None) or {})
+        self.named_contexts = additional.get(RUNNER_KEY) == "vllm" and bool(self.cache_config.enable_prefix_caching)
+        self.model_dir = str(config.model_config.model) if config is not None and config.model_config else ""
+        self.context_builds: dict[str, _ContextBuild] = {}
+        self.awaiting_context: dict[str, str] = {}
+        self._contexts_of: dict[str, tuple[str, int, KVPolicy] | None] = {}
 
     # ------------------------------------------------------------------ budget
 
@@ -124,11 +155,130 @@ class KVPressScheduler(Scheduler):
         self._begin_budget()
         self._refuse_unservable()
         self.attach_plans = {}
+        if self.named_contexts:
+            self._route_contexts()
         output = super().schedule(*args, **kwargs)
         self.metrics.scheduled(len(output.num_scheduled_tokens))
         output.kvpress_attach = self._promised(output)  # type: ignore[attr-defined]
         output.kvpress_reserved = sum(self.charged.values())  # type: ignore[attr-defined]
+        if self.named_contexts:
+            # The builds this step starts (the worker stores what they compress), and the stored contexts waiting
+            # requests will attach to (the worker holds them, so that nothing evicts them first).
+            builds = self.context_builds
+            output.kvpress_contexts = {  # type: ignore[attr-defined]
+                new.req_id: builds[new.req_id].key for new in output.scheduled_new_reqs if new.req_id in builds
+            }
+            for request_id in output.kvpress_attach:  # type: ignore[attr-defined]
+                self.awaiting_context.pop(request_id, None)
+            output.kvpress_held = frozenset(self.awaiting_context.values())  # type: ignore[attr-defined]
         return output
+
+    # ------------------------------------------------------------------ named contexts (contexts.py)
+
+    def _context_of(self, request: Any) -> tuple[str, int, KVPolicy] | None:
+        """(key, boundary, policy) of the context `request` names, or None (none, or nothing to compress)."""
+        request_id = request.request_id
+        if request_id not in self._contexts_of:
+            named: tuple[str, int, KVPolicy] | None = None
+            try:
+                boundary = named_boundary(request.sampling_params.extra_args)
+            except ContextError:  # refused by the API process; a request from elsewhere runs without a context
+                boundary = None
+            policy = self._policy_of(request)
+            if (
+                boundary is not None
+                and 0 < boundary < request.num_prompt_tokens
+                and policy is not None
+                and context_refusal(policy) is None
+                and request.sampling_params.prompt_logprobs is None
+            ):
+                named = (
+                    context_key(self.model_dir, policy, list(request.prompt_token_ids), boundary),
+                    boundary,
+                    policy,
+                )
+            self._contexts_of[request_id] = named
+        return self._contexts_of[request_id]
+
+    def _route_contexts(self) -> None:
+        """Each waiting request that names a context (and starts from token 0): to the stored context it attaches
+        to, or held back for a build of it, started here if none is in flight."""
+        self.awaiting_context = {}
+        mirror = self.prefix_mirror
+        building = {build.key: build for build in self.context_builds.values()}
+        for request in list(self.waiting):
+            if request.num_computed_tokens or request.request_id in self.context_builds:
+                continue
+            named = self._context_of(request)
+            if named is None:
+                continue
+            key, boundary, _ = named
+            if mirror is not None and key in mirror.entries:
+                self.awaiting_context[request.request_id] = key
+                continue
+            self.waiting.remove_requests([request])
+            build = building.get(key)
+            if build is None:
+                build = building[key] = self._start_build(key, request, boundary)
+            build.held.append(request)
+
+    def _start_build(self, key: str, request: Any, boundary: int) -> _ContextBuild:
+        """Queue a request of the scheduler's own that prefills the context alone and stops after one token: its
+        policy (the request's, from the same fields) compresses at the context's end, and the worker stores it."""
+        fields = policy_fields(request.sampling_params.extra_args)
+        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=fields or None)
+        build_request = Request(
+            f"{BUILD_PREFIX}{uuid.uuid4().hex}",
+            list(request.prompt_token_ids[:boundary]),
+            params,
+            None,
+            client_index=request.client_index,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            block_hasher=getattr(request, "_block_hasher", None),
+        )
+        build = _ContextBuild(key, build_request)
+        self.context_builds[build_request.request_id] = build
+        Scheduler.add_request(self, build_request)
+        return build
+
+    def _settle_builds(self, report: PoolReport | None) -> None:
+        """Builds that ended: their held requests go back to the queue, to attach to the stored context, or, when
+        it was not stored, fail with the reason."""
+        mirror = self.prefix_mirror
+        for build_id, build in list(self.context_builds.items()):
+            if not build.request.is_finished():
+                continue
+            del self.context_builds[build_id]
+            self._credit_finished(build_id)
+            stored = mirror is not None and build.key in mirror.entries
+            reason = (report.failed.get(build_id) if report is not None else None) or (
+                "the context was compressed but could not be stored (every stored context is in use)"
+            )
+            for request in build.held:
+                if request.is_finished():  # aborted while held
+                    continue
+                if stored:
+                    self._enqueue_waiting_request(request)
+                    continue
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free_request(request)
+                self.pending_errors.append((request, f"its context could not be kept: {reason}"))
+
+    def _held_count(self) -> int:
+        return sum(1 for build in self.context_builds.values() for request in build.held if not request.is_finished())
+
+    def get_num_unfinished_requests(self) -> int:
+        return super().get_num_unfinished_requests() + self._held_count()
+
+    def _strip_builds(self, outputs: dict[int, EngineCoreOutputs], build_ids: set[str]) -> None:
+        """A context build's output is the scheduler's own: no client hears of it."""
+        if not build_ids:
+            return
+        for engine_outputs in outputs.values():
+            engine_outputs.outputs = [o for o in engine_outputs.outputs if o.request_id not in build_ids]
+            if engine_outputs.finished_requests:
+                engine_outputs.finished_requests = set(engine_outputs.finished_requests) - build_ids
 
     def plan_attach(self, request: Any) -> int | None:
         """Prompt tokens `request` will find computed in a stored prefix (None: none), remembered for the worker."""
@@ -136,10 +286,16 @@ class KVPressScheduler(Scheduler):
         mirror = self.prefix_mirror
         if mirror is None or not mirror.entries or request.sampling_params.prompt_logprobs is not None:
             return None
-        found = mirror.find(list(request.all_token_ids), self._policy_of(request), None)
-        if found is None:
-            return None
-        entry, length = found
+        if self.named_contexts:  # vLLM's runner: only a request naming a stored context attaches, to that context
+            entry = mirror.entries.get(self.awaiting_context.get(request.request_id, ""))
+            if entry is None:
+                return None
+            length = entry.length
+        else:
+            found = mirror.find(list(request.all_token_ids), self._policy_of(request), None)
+            if found is None:
+                return None
+            entry, length = found
         self.attach_plans[request.request_id] = (entry.key, length)
         return length
 
@@ -244,7 +400,11 @@ class KVPressScheduler(Scheduler):
             # counted available (a kept block no request reads is dropped when pages run short).
             policy = self._policy_of(request)
             need = report.prefill_pages(request.num_tokens, policy, whole, chunk)
-            if cached_tokens and policy is not None:  # its compaction copies the kept pages it moves entries into
+            if request_id in self.awaiting_context and request_id in self.attach_plans:
+                # On a fork of a stored context: its question's pages, and a copy of each (layer, KV head)'s
+                # partly filled last page, which its first write copies (copy-on-write).
+                need = report.full_prompt_pages(request.num_tokens - cached_tokens) + report.pages_per_token_block
+            elif cached_tokens and policy is not None:  # its compaction copies the kept pages it moves entries into
                 need += report.full_prompt_pages(cached_tokens)
             starting = True
         else:
@@ -304,6 +464,8 @@ class KVPressScheduler(Scheduler):
             for request_id in report.decode_pages:  # prefill complete: its reservation became real pages
                 self.prefill_peaks.pop(request_id, None)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        build_ids = set(self.context_builds)
+        self._strip_builds(outputs, build_ids)
         if report is not None:
             for request_id, message in report.failed.items():
                 request = self.requests.get(request_id)
@@ -311,6 +473,8 @@ class KVPressScheduler(Scheduler):
                     self.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
                     self._emit(outputs, request, FinishReason.ERROR)
                     logger.warning("vllm-kvpress-ext: request %s failed alone: %s", request_id, message)
+        if self.context_builds:
+            self._settle_builds(report)
         for request, message in self.pending_errors:
             reason = (
                 FinishReason.LENGTH if request.status == RequestStatus.FINISHED_LENGTH_CAPPED else FinishReason.ERROR
@@ -336,7 +500,8 @@ class KVPressScheduler(Scheduler):
                     output.kv_transfer_params = {**(output.kv_transfer_params or {}), "kvpress": figures}
                     self.metrics.request_finished(figures)
         if report is not None:
-            self.metrics.pool(report, running=len(self.running), waiting=len(self.waiting))
+            self.metrics.pool(report, running=len(self.running), waiting=len(self.waiting) + self._held_count())
+        self._strip_builds(outputs, build_ids)
         return outputs
 
     def _mirror_prefixes(self, report: PoolReport) -> None:
@@ -355,6 +520,7 @@ class KVPressScheduler(Scheduler):
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         """A finished request's session entry goes into the mirror now: the worker stores it first thing in
         the next step, before it attaches anything, so the next schedule may already promise it."""
+        self._contexts_of.pop(request.request_id, None)
         report, mirror = self.report, self.prefix_mirror
         written = report.prefix_sessions.pop(request.request_id, None) if report is not None else None
         if mirror is not None and written is not None:

@@ -24,8 +24,10 @@ vLLM's scheduler starts and preempts requests by this pool rather than by its ow
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,8 +42,10 @@ from vllm_kvpress_ext.engine.admission import PromptAdmission, bind_admission
 from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_decode, layer_prefill
 from vllm_kvpress_ext.engine.kept import KeptEntries, kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression
+from vllm_kvpress_ext.engine.prefix_store import CachedPrefix, PrefixLease, PrefixStore, prefix_namespace
 from vllm_kvpress_ext.engine.reconstruction import ChunkForward, prompts_for_model, score_prompt
 from vllm_kvpress_ext.engine.request import KVStats
+from vllm_kvpress_ext.engine.stats import PrefixStoreStats
 from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.models.write_gate import GateStore
 from vllm_kvpress_ext.policies import KVPolicy
@@ -123,6 +127,7 @@ class _Seat:
     # blocks not yet kept also has pages of its own `[Ls, H]` there (block index -> pages, one reference each),
     # written beside the ring, which become the kept block's pages in those layers.
     spill: dict[int, torch.Tensor] = field(default_factory=dict)
+    lease: PrefixLease | None = None  # the stored context the row is a fork of (contexts.py), held while it lives
 
 
 class NativePool:
@@ -136,12 +141,20 @@ class NativePool:
         default_policy: KVPolicy | None = None,
         rotary: RotaryEmbedding | None = None,
         prefix_caching: bool = False,
+        contexts: PrefixStore | None = None,
     ) -> None:
         # Sliding-window layers are rings of their window in `cache` (`PagedKVCache(layer_windows=...)`): what
         # falls out of a window is overwritten, never held.
         self.cache = cache
         # vLLM's prefix caching: full uncompressed blocks kept under vLLM's block ids (None: off).
         self.prefix_blocks = PrefixBlocks(cache) if prefix_caching else None
+        # Named contexts (vllm_plugin/contexts.py): compressed rows stored under their key (None: prefix caching off);
+        # the context builds by request id (-> key), from the scheduler; the contexts held for requests about to
+        # attach; the keys the last report listed.
+        self.contexts = contexts
+        self.context_builds: dict[str, str] = {}
+        self.held_contexts: dict[str, PrefixLease] = {}
+        self._reported_contexts: set[str] = set()
         # A prefix hit rebuilds each ring from the last window's blocks, a page per ring page: a window must be
         # whole pages for that (Gemma 2 and 3's are), else a model with rings keeps no blocks.
         windows = cache.layer_windows[cache.sliding_layers]
@@ -182,11 +195,14 @@ class NativePool:
         """Free what the scheduler finished or preempted, seat what it starts; forget the last plan."""
         self._plan = None
         self.failed = {}
+        self.context_builds.update(getattr(scheduler_output, "kvpress_contexts", None) or {})
+        promised: dict[str, tuple[str, int]] = getattr(scheduler_output, "kvpress_attach", None) or {}
         for request_id in scheduler_output.finished_req_ids:
             self.release(request_id)
             self.prompts.pop(request_id, None)
             self.prompt_tokens.pop(request_id, None)
             self.preemptions.pop(request_id, None)
+            self.context_builds.pop(request_id, None)
         for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.release(request_id)
             self.preemptions[request_id] = self.preemptions.get(request_id, 0) + 1
@@ -196,24 +212,38 @@ class NativePool:
             self.prompts[new.req_id] = (len(prompt) if prompt is not None else 0, new.sampling_params)
             if prompt is not None:
                 self.prompt_tokens[new.req_id] = list(prompt)
-            self._seat(new.req_id, new.num_computed_tokens, list(new.block_ids[0]) if new.block_ids else [])
+            blocks = list(new.block_ids[0]) if new.block_ids else []
+            self._seat(new.req_id, new.num_computed_tokens, blocks, promised.get(new.req_id))
         cached = scheduler_output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[index]
             blocks = list(new_blocks[0]) if new_blocks else []
             if request_id in cached.resumed_req_ids:
                 self.release(request_id)
-                self._seat(request_id, cached.num_computed_tokens[index], blocks)
+                self._seat(request_id, cached.num_computed_tokens[index], blocks, promised.get(request_id))
             elif request_id in self.seats:
                 self._forget_blocks(blocks)
                 self.seats[request_id].blocks.extend(blocks)
+        self._hold_contexts(getattr(scheduler_output, "kvpress_held", None) or ())
+
+    def _hold_contexts(self, keys: Iterable[str]) -> None:
+        """Hold the stored contexts waiting requests will attach to (and only those): none is evicted first."""
+        wanted = set(keys)
+        for key in [k for k in self.held_contexts if k not in wanted]:
+            self.held_contexts.pop(key).release()
+        for key in wanted - set(self.held_contexts):
+            lease = self.contexts.lease(key) if self.contexts is not None else None
+            if lease is not None:
+                self.held_contexts[key] = lease
 
     def _forget_blocks(self, block_ids: list[int]) -> None:
         """Block ids vLLM gave to new tokens: whatever they held before is no longer in its prefix cache."""
         if self.prefix_blocks is not None:
             self.prefix_blocks.forget(block_ids)
 
-    def _seat(self, request_id: str, computed: int, blocks: list[int]) -> None:
+    def _seat(self, request_id: str, computed: int, blocks: list[int], context: tuple[str, int] | None = None) -> None:
+        """A row for a starting request: fresh, on vLLM's prefix-cache hits (`computed` tokens, in kept blocks), or
+        on a fork of the stored `context` (key, tokens) the scheduler promised it."""
         hits = computed // self.cache.page_size
         self._forget_blocks(blocks[hits:])
         prompt_len, params = self.prompts.get(request_id, (0, None))
@@ -228,6 +258,9 @@ class NativePool:
         refusal = native_refusal(policy, facts)
         if refusal is not None:
             self.failed[request_id] = refusal
+            return
+        if context is not None:
+            self._seat_on_context(request_id, computed, blocks, policy, context)
             return
         kept = self.prefix_blocks
         if computed and (
@@ -272,6 +305,52 @@ class NativePool:
             blocks_kept=hits,
         )
 
+    def _seat_on_context(
+        self, request_id: str, computed: int, blocks: list[int], policy: KVPolicy | None, context: tuple[str, int]
+    ) -> None:
+        """Seat a request on a fork of its stored context: compressed, `computed` tokens written, the policy state
+        the context left; vLLM then runs the rest of its prompt as a prefill chunk over it."""
+        key, length = context
+        lease = self.contexts.lease(key) if self.contexts is not None else None
+        tokens = tuple(self.prompt_tokens.get(request_id, ())[:length])
+        if lease is None or computed != length or lease.entry.length != length or lease.entry.tokens != tokens:
+            if lease is not None:
+                lease.release()
+            # The scheduler promises only what the store lists and the worker holds for it: a bug, not a miss.
+            self.failed[request_id] = f"vLLM counts a context of {computed} tokens computed that the pool does not hold"
+            return
+        assert self.contexts is not None
+        self._forget_blocks(blocks)  # all new: whatever they held before is out of vLLM's prefix cache
+        try:
+            row = self.contexts.fork_entry(lease, request_id)
+        except (RuntimeError, PoolExhaustedError) as exc:  # no row free (more requests than max_num_seqs)
+            lease.release()
+            self.failed[request_id] = str(exc)
+            return
+        prompt_len = self.prompts.get(request_id, (0, None))[0]
+        self.seats[request_id] = _Seat(
+            row=row,
+            prompt_len=prompt_len,
+            policy=policy,
+            state=copy.deepcopy(lease.entry.policy_state),
+            written=length,
+            compressed=True,
+            blocks=blocks,
+            lease=lease,
+        )
+
+    def _keep_context(self, request_id: str, seat: _Seat) -> None:
+        """A context build compressed its prompt: the store keeps a fork of the row under the scheduler's key."""
+        store, key = self.contexts, self.context_builds.get(request_id)
+        if store is None or key is None or key in store.entries:
+            return
+        tokens = tuple(self.prompt_tokens.get(request_id, ())[: seat.written])
+        namespace = prefix_namespace(store.model_dir, seat.policy)
+        entry = CachedPrefix(
+            key, "", len(tokens), None, KVStats(), tokens=tokens, namespace=namespace, boundary=len(tokens)
+        )
+        store.keep_row(request_id, entry, copy.deepcopy(seat.state), KVStats())
+
     def bind_gate(self, policy: KVPolicy | None, prompt_len: int, params: Any) -> Admission | None:
         """The request's write gate bound to the model and the pool (`engine/admission.py`), or None: its ring
         spans at most what the request can write, as in the embedded engine."""
@@ -288,6 +367,8 @@ class NativePool:
         seat = self.seats.pop(request_id, None)
         if seat is not None:
             self.cache.free_request(request_id)
+            if seat.lease is not None:
+                seat.lease.release()
             if seat.spill:
                 self.cache.pool.free(torch.cat([pages.reshape(-1) for pages in seat.spill.values()]))
 
@@ -441,7 +522,7 @@ class NativePool:
             try:
                 pages = cache.pool.allocate(count)
             except PoolExhaustedError:
-                if self.prefix_blocks is None or not self.prefix_blocks.free_up(count):
+                if not self._make_room(count):
                     raise
                 pages = cache.pool.allocate(count)
             for block, block_pages in zip(new, pages.view(len(new), sliding.numel(), cache.num_kv_heads), strict=True):
@@ -454,14 +535,29 @@ class NativePool:
         return slots
 
     def _append_slots(self, rows: list[int], positions: torch.Tensor) -> torch.Tensor:
-        """`PagedKVCache.append_slots`, dropping kept prefix blocks (least recently used first) when the free
-        pages are too few: cached prefixes go before any request fails for pages."""
+        """`PagedKVCache.append_slots`, dropping what is kept for reuse (`_make_room`) when the free pages are too
+        few: cached prefixes go before any request fails for pages."""
         try:
             return self.cache.append_slots(rows, positions)
         except PoolExhaustedError as exc:
-            if self.prefix_blocks is None or not self.prefix_blocks.free_up(exc.requested):
+            if not self._make_room(exc.requested):
                 raise
             return self.cache.append_slots(rows, positions)
+
+    def _make_room(self, pages: int) -> bool:
+        """Drop kept prefix blocks, then stored contexts, least recently used first (none a request reads), until
+        `pages` pages are free; whether they are."""
+        if self.prefix_blocks is not None and self.prefix_blocks.free_up(pages):
+            return True
+        if self.contexts is not None:
+            self.contexts.evict_until(pages)
+        return self.cache.pool.num_free >= pages
+
+    def _drop_one_kept(self) -> bool:
+        """Drop the least recently used kept block, else stored context; False when there is none to drop."""
+        if self.prefix_blocks is not None and self.prefix_blocks.drop_oldest():
+            return True
+        return self.contexts is not None and self.contexts.evict_one() is not None
 
     def record_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """A layer's attention input this step (`[T, D]`, batch order): into the captures that keep its statistics."""
@@ -602,7 +698,7 @@ class NativePool:
             query_projections=self.query_projections,
             gated=seat.gate is not None,
             # Entries moved into pages shared with kept blocks copy them first; kept blocks go where that lacks room.
-            make_room=self.prefix_blocks.drop_oldest if self.prefix_blocks is not None else None,
+            make_room=self._drop_one_kept,
         )
         self._compressed(request_id, seat)
 
@@ -617,6 +713,8 @@ class NativePool:
 
     def _compressed(self, request_id: str, seat: _Seat) -> None:
         seat.compressed, seat.capture, seat.aligned = True, None, False
+        if request_id in self.context_builds:
+            self._keep_context(request_id, seat)
         if seat.spill:  # its blocks' own pages in the sliding layers: no further block of it is kept
             self.cache.pool.free(torch.cat([pages.reshape(-1) for pages in seat.spill.values()]))
             seat.spill = {}
@@ -660,6 +758,21 @@ class NativePool:
 
     # ------------------------------------------------------------------ what the scheduler learns
 
+    def _report_contexts(self, report: PoolReport, store: PrefixStore) -> None:
+        """The stored contexts as the scheduler's mirror needs them (what was added and what is left), the pages
+        dropping the unused ones would free, and the store's figures."""
+        current = set(store.entries)
+        report.prefix_model = store.model_dir
+        report.prefix_matching = store.matching
+        report.prefix_keys = sorted(current)
+        report.prefix_added = [
+            dataclasses.replace(store.entries[key], row_id="", policy_state=None, kv=KVStats())
+            for key in current - self._reported_contexts
+        ]
+        self._reported_contexts = current
+        report.prefix_evictable += store.evictable_pages()
+        report.prefix_stats = PrefixStoreStats(store.hits, store.tokens_reused, store.pages_held(), len(store.entries))
+
     def report(self) -> PoolReport:
         cache = self.cache
         report = PoolReport(
@@ -676,6 +789,8 @@ class NativePool:
         if self.prefix_blocks is not None:
             report.prefix_evictable = self.prefix_blocks.evictable_pages()
             report.prefix_blocks = self.prefix_blocks.changes()
+        if self.contexts is not None:
+            self._report_contexts(report, self.contexts)
         decoding = [(request_id, seat) for request_id, seat in self.seats.items() if seat.written >= seat.prompt_len]
         if decoding:
             rows = torch.tensor([seat.row for _, seat in decoding], dtype=torch.int64)

@@ -28,7 +28,9 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PagePool
+from vllm_kvpress_ext.engine.prefix_store import PrefixStore
 from vllm_kvpress_ext.engine.reconstruction import ReconstructionContext
+from vllm_kvpress_ext.vllm_plugin.config import MAX_CACHED_PREFIXES_KEY
 from vllm_kvpress_ext.vllm_plugin.gguf_model import gguf_source
 from vllm_kvpress_ext.vllm_plugin.native.attention import (
     KVPressAttentionImpl,
@@ -70,27 +72,32 @@ class KVPressModelRunner(CPUModelRunner):
         dtype = self.kv_cache_dtype
         page_size = self.cache_config.block_size
         windows = [layer.impl.sliding_window for layer in layers]
+        additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
+        prefix_caching = bool(self.cache_config.enable_prefix_caching)
+        # Stored named contexts hold rows of their own (vllm_plugin/contexts.py).
+        stored_contexts = int(additional.get(MAX_CACHED_PREFIXES_KEY, 16)) if prefix_caching else 0
         cache = PagedKVCache(
             len(layers),
             num_kv_heads,
             head_size,
             num_pages=self._pool_pages(page_size, head_size, dtype),
             page_size=page_size,
-            max_requests=self.scheduler_config.max_num_seqs,
+            max_requests=self.scheduler_config.max_num_seqs + stored_contexts,
             dtype=dtype,
             device=self.device,
             layer_windows=windows,  # a sliding-window layer is a ring of its window
         )
         impl = layers[0].impl
-        additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
         rotary = native_rope(self.model_config.model)
+        contexts = PrefixStore(cache, str(self.model_config.model), stored_contexts) if stored_contexts else None
         pool = NativePool(
             cache,
             impl.num_heads,
             impl.scale,
             default_policy(additional),
             rotary,
-            prefix_caching=bool(self.cache_config.enable_prefix_caching),
+            prefix_caching=prefix_caching,
+            contexts=contexts,
         )
         self.pool = pool
         self._hook_projections(pool, len(layers))
