@@ -18,6 +18,7 @@ import openai
 import pytest
 import torch
 from tolerances import logprob_atol
+from transformers import AutoTokenizer
 from vllm_utils import MODEL_DIR, retrieval_prompts, retrieval_samples, vllm_server
 
 from vllm_kvpress_ext.bench.harness import scrape_metric
@@ -49,6 +50,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         "8",
         "--additional-config",
         json.dumps({"kv_num_pages": 2000, "kv_runner": request.param}),
+        "--enable-prompt-tokens-details",
     ]
     metrics = {"KVPRESS_METRICS_FILE": str(log_path.with_name("kvpress-metrics.json"))}
     with vllm_server(args, log_path, metrics) as url:
@@ -119,6 +121,75 @@ def test_a_bad_request_is_400_and_the_server_keeps_serving(
     assert param in str(caught.value)
     ok = client.completions.create(model=MODEL, prompt="key", max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_named_context_is_compressed_once_and_read_by_each_question(
+    request: pytest.FixtureRequest, server: str, client: openai.OpenAI
+) -> None:
+    """`kv_prefix_tokens` over HTTP (vllm_plugin/contexts.py): on vLLM's runner three questions about one context
+    each report the context cached and answer with the embedded engine's tokens for (context, question) under the
+    server's policy, and the store's hits reach `/metrics`; the plugin's own runner refuses the field by name."""
+    prompt = retrieval_prompts(1, context_length=384, seed=7300)[0].token_ids
+    boundary = len(prompt) - 12
+    tails = [prompt[boundary:]] + [p.token_ids[-12:] for p in retrieval_prompts(2, context_length=128, seed=7400)]
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0.0, "kv_prefix_tokens": boundary}
+    body |= {"ignore_eos": True, "return_token_ids": True}
+    if request.node.callspec.params["server"] == "project":
+        reply = httpx.post(f"{server}/v1/completions", json={**body, "prompt": prompt}, timeout=120)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "kv_prefix_tokens"
+        return
+
+    def store_hits() -> float:
+        return scrape_metric(httpx.get(f"{server}/metrics").text, "kvpress_prefix_cache_hits_total") or 0.0
+
+    hits = store_hits()
+    engine = LLMEngine(MODEL_DIR, dtype=torch.float32, num_pages=2000, page_size=16)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for tail in tails:
+        engine.add_request(prompt[:boundary] + tail, params, policy="snapkv", compress_after=boundary)
+        finished = [
+            out for _ in range(100) if engine.has_unfinished_requests() for out in engine.step() if out.finished
+        ]
+        (expected,) = finished
+        reply = httpx.post(f"{server}/v1/completions", json={**body, "prompt": prompt[:boundary] + tail}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        assert answer["choices"][0]["token_ids"] == expected.output_token_ids
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == boundary
+        assert answer["usage"]["kv_policy"] == "snapkv"
+    assert store_hits() == hits + 3
+    too_long = httpx.post(f"{server}/v1/completions", json={**body, "prompt": prompt[:boundary]}, timeout=120)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "kv_prefix_tokens"
+
+
+def test_a_chats_earlier_messages_are_its_default_context(
+    request: pytest.FixtureRequest, server: str, client: openai.OpenAI
+) -> None:
+    """On vLLM's runner, a chat's messages before its last user message are its context by default
+    (vllm_plugin/chat_context.py): compressed alone by the server's context policy (KVzip: the server's SnapKV
+    would keep only what its context's last sentences attend to), once, and read by each question; the context
+    is the chat template's render of those messages. A one-message chat is not split."""
+    sample = retrieval_samples(1, context_length=256, seed=7500)[0]
+    context = [{"role": "system", "content": "Answer from the document."}, {"role": "user", "content": sample.prompt}]
+    context.append({"role": "assistant", "content": "I have read it."})
+    questions = ["What is the first key?", "Repeat the first number."]
+
+    def ask(messages: list[dict[str, str]]) -> dict[str, Any]:
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0.0)  # type: ignore[arg-type]
+        assert reply.usage is not None
+        return reply.usage.model_dump()
+
+    single = ask([{"role": "user", "content": sample.prompt}])
+    assert single["kv_policy"] == "snapkv" and not (single.get("prompt_tokens_details") or {}).get("cached_tokens")
+    usages = [ask([*context, {"role": "user", "content": q}]) for q in questions]
+    if request.node.callspec.params["server"] == "project":
+        assert [u["kv_policy"] for u in usages] == ["snapkv", "snapkv"]  # the plugin's own runner splits no chat
+        return
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    rendered = tokenizer.apply_chat_template(context, add_generation_prompt=False, tokenize=True)
+    length = len(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    assert [u["kv_policy"] for u in usages] == ["kvzip", "kvzip"]
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [length, length]
 
 
 def test_metrics_carry_kvpress_series_beside_vllms(server: str, client: openai.OpenAI) -> None:

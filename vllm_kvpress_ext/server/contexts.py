@@ -46,17 +46,27 @@ def parse_context_policy(text: str) -> str | dict[str, Any]:
     return spec
 
 
-def context_policy(configured: str | dict[str, Any], requested: KVPolicy | None) -> KVPolicy | None:
-    """The policy that compresses a chat's default context for a request under `requested` (its own policy, or
-    the server's default), or None when the chat is not split (no compressing policy, a write gate, `none`)."""
+def context_spec(configured: str | dict[str, Any], requested: KVPolicy | None) -> str | dict[str, Any] | None:
+    """What compresses a chat's default context for a request under `requested` (its own policy, or the server's
+    default): `OWN_POLICY` (the request's own), the spec of the server's context policy at the request's budget,
+    or None when the chat is not split (no compressing policy, a write gate, `none`)."""
     if configured == NO_SPLIT or requested is None or not requested.compresses or requested.admits_during_prefill:
         return None
     if configured == OWN_POLICY or requested.question_agnostic:
-        return requested
+        return OWN_POLICY
     spec: dict[str, Any] = {"name": configured} if isinstance(configured, str) else dict(configured)
     if not any(spec.get(field) is not None for field in BUDGET_FIELDS):  # the request's budget, where it has one
         spec.update({field: getattr(requested, field) for field in BUDGET_FIELDS if hasattr(requested, field)})
     try:
-        return load_policy(spec)
+        load_policy(spec)
     except (PolicyConfigError, TypeError, ValueError):  # a budget the context policy does not take
-        return load_policy({k: v for k, v in spec.items() if k not in BUDGET_FIELDS})
+        return {k: v for k, v in spec.items() if k not in BUDGET_FIELDS}
+    return spec
+
+
+def context_policy(configured: str | dict[str, Any], requested: KVPolicy | None) -> KVPolicy | None:
+    """The policy `context_spec` chooses, as an instance (None: the chat is not split)."""
+    spec = context_spec(configured, requested)
+    if spec is None:
+        return None
+    return requested if spec == OWN_POLICY else load_policy(spec)

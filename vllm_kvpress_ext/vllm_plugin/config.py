@@ -160,6 +160,13 @@ def apply_native_config(vllm_config: Any) -> None:
         if refusal is not None:
             raise UnsupportedConfigError(refusal)
     check_prefix_caching_settings(dict(additional))
+    from vllm_kvpress_ext.policies.base import PolicyConfigError
+    from vllm_kvpress_ext.vllm_plugin.chat_context import context_policy_setting
+
+    try:
+        context_policy_setting(dict(additional))
+    except PolicyConfigError as exc:
+        raise UnsupportedConfigError(f"additional_config kv_context_policy: {exc}") from None
     vllm_config.parallel_config.worker_cls = NATIVE_WORKER_CLS
     # vLLM's scheduler, starting and preempting by the pool's reports (as on the plugin's own runner), which
     # must be the last step's: scheduling is synchronous.

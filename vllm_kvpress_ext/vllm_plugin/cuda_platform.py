@@ -15,8 +15,10 @@ from typing import Any
 from vllm.platforms.cuda import CudaPlatform
 from vllm.platforms.interface import PlatformEnum
 
+from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.vllm_plugin.config import UnsupportedConfigError, apply_kvpress_config, settle_runner
 from vllm_kvpress_ext.vllm_plugin.platform import prompt_length, validate_kvpress_request
+from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
 # vLLM picks NVML- or runtime-based device queries at import; subclass whichever it chose.
 _CudaBase: Any = CudaPlatform
@@ -24,6 +26,7 @@ _CudaBase: Any = CudaPlatform
 
 class KVPressCudaPlatform(_CudaBase):
     _enum = PlatformEnum.CUDA  # vLLM's CUDA code paths key on is_cuda(); this is CUDA with another worker
+    default_policy: KVPolicy | None = None  # the server's, for the requests that name no policy of their own
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
@@ -34,8 +37,9 @@ class KVPressCudaPlatform(_CudaBase):
                 "on a GPU the plugin's own runner serves Llama, Mistral, Qwen2 and Qwen3 models"
             )
         apply_kvpress_config(vllm_config)
+        cls.default_policy = default_policy(dict(vllm_config.additional_config or {}))
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
         super().validate_request(processed_inputs, params)
-        validate_kvpress_request(params, prompt_tokens=prompt_length(processed_inputs))
+        validate_kvpress_request(params, prompt_tokens=prompt_length(processed_inputs), default=cls.default_policy)

@@ -8,6 +8,8 @@
   `kv_bytes_peak`, `kv_retention`, `kv_tokens_kept`), the same fields the embedded server reports.
   Streams get them in their final usage chunk (`usage.py`, which also sums batched prompts and n
   samples).
+- A chat that names no context gets its default one: the messages before its last user message
+  (`chat_context.py`), compressed alone and reused by every later question about them.
 - A body that is not JSON goes to vLLM as sent, which answers it with its own 400; one nested too
   deeply for Python's parser (where vLLM's parse would fail the same way) is an OpenAI-shaped 400 here.
 
@@ -25,6 +27,7 @@ from typing import Any
 
 from vllm_kvpress_ext.api.errors import APIError, unsupported
 from vllm_kvpress_ext.api.policy_spec import policy_spec
+from vllm_kvpress_ext.vllm_plugin.chat_context import name_default_context
 from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD
 from vllm_kvpress_ext.vllm_plugin.metrics import choose_metrics_file, register_collector
 from vllm_kvpress_ext.vllm_plugin.usage import install_usage_hooks, usage_fields
@@ -144,6 +147,8 @@ class KVPressMiddleware:
                 payload = None  # not JSON: vLLM gets the body as sent and answers it with its own 400
             if isinstance(payload, dict):
                 payload = rewrite_request(payload)
+                if scope.get("path") == "/v1/chat/completions" and scope.get("app") is not None:
+                    await name_default_context(scope["app"].state, payload)
                 body = json.dumps(payload).encode()
         except RecursionError:
             # Nested deeper than Python's parser goes (vLLM's own parse would fail the same way); also a

@@ -16,9 +16,16 @@ import torch
 from vllm.exceptions import VLLMValidationError
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.vllm_plugin.config import NATIVE_ATTENTION_BACKEND, apply_kvpress_config, settle_runner
 from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD, ContextError, check_context
-from vllm_kvpress_ext.vllm_plugin.request_policy import RequestPolicyError, request_policy, unsupported_sampling
+from vllm_kvpress_ext.vllm_plugin.request_policy import (
+    RequestPolicyError,
+    default_policy,
+    policy_fields,
+    request_policy,
+    unsupported_sampling,
+)
 
 if TYPE_CHECKING:
     from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts
@@ -54,11 +61,13 @@ def validate_kvpress_request(
     facts: ModelFacts | None = None,
     prompt_tokens: int | None = None,
     contexts: bool = False,
+    default: KVPolicy | None = None,
 ) -> None:
     """Refuse, as HTTP 400, a bad per-request policy or a sampling feature the worker lacks. On vLLM's own
     runner (`runner="vllm"`) vLLM's sampler serves every sampling feature, and a policy that needs what that
     runner does not capture yet is refused by name (`native/support.py`). A named context (`kv_prefix_tokens`)
-    is checked against the prompt's `prompt_tokens` and whether this server keeps contexts (`contexts.py`)."""
+    is checked against the prompt's `prompt_tokens`, whether this server keeps contexts (`contexts.py`) and the
+    policy that compresses it (the request's, else the server's `default`)."""
     from vllm.sampling_params import SamplingParams
 
     if not isinstance(params, SamplingParams):
@@ -81,7 +90,7 @@ def validate_kvpress_request(
         check_context(
             params.extra_args,
             prompt_tokens if prompt_tokens is not None else 1 << 62,
-            policy,
+            policy if policy is not None or policy_fields(params.extra_args) else default,
             runner=runner,
             enabled=contexts,
             prompt_logprobs=params.prompt_logprobs is not None,
@@ -139,8 +148,10 @@ class KVPressCpuPlatform(Platform):
     runner: str = "project"
     # On vLLM's runner: what it captures for the served model (`native/support.py`), for the policies' refusals.
     facts: ModelFacts | None = None
-    # Whether named contexts are kept (`contexts.py`): vLLM's runner with prefix caching on.
+    # Whether named contexts are kept (`contexts.py`): vLLM's runner with prefix caching on; the server's default
+    # policy (what compresses a context a request names without a policy of its own).
     contexts: bool = False
+    default_policy: KVPolicy | None = None
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
@@ -151,10 +162,13 @@ class KVPressCpuPlatform(Platform):
             cls.facts = model_facts(str(vllm_config.model_config.model))
         apply_kvpress_config(vllm_config)
         cls.contexts = cls.runner == "vllm" and bool(vllm_config.cache_config.enable_prefix_caching)
+        cls.default_policy = default_policy(dict(vllm_config.additional_config or {}))
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
-        validate_kvpress_request(params, cls.runner, cls.facts, prompt_length(processed_inputs), cls.contexts)
+        validate_kvpress_request(
+            params, cls.runner, cls.facts, prompt_length(processed_inputs), cls.contexts, cls.default_policy
+        )
 
     @classmethod
     def get_attn_backend_cls(
