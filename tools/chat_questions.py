@@ -1,11 +1,13 @@
 """Several questions about one long context over chat, the way a document-QA client asks them.
 
-Starts one server (`kvpress serve` with a policy, or stock vLLM from another environment), sends one
+Starts one server (`kvpress serve` with a policy, `vllm serve` with this plugin and a policy, or stock vLLM
+from another environment), sends one
 `nl_niah_multikey` context as the first user message and each question as the second, in turn, with the
 openai client, and prints per question: seconds, `cached_tokens`, `usage.kv_policy`, and whether the
 answer holds the expected number. The questions after the first find the context in the server's cache.
 
     python tools/chat_questions.py --model DIR --server kvpress --kv-policy '{"name": "snapkv", "ratio": 0.25}'
+    python tools/chat_questions.py --model DIR --server plugin --kv-policy '{"name": "snapkv", "ratio": 0.25}'
     python tools/chat_questions.py --model DIR --server stock --stock-vllm STOCK/bin/vllm
 """
 
@@ -28,8 +30,10 @@ from vllm_kvpress_ext.tasks.natural.render import render_questions
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="an HF model directory both servers can load")
-    parser.add_argument("--server", choices=("kvpress", "stock"), required=True)
-    parser.add_argument("--kv-policy", default='{"name": "snapkv", "ratio": 0.25}', help="kvpress serve's policy")
+    parser.add_argument("--server", choices=("kvpress", "plugin", "stock"), required=True)
+    parser.add_argument(
+        "--kv-policy", default='{"name": "snapkv", "ratio": 0.25}', help="the policy of kvpress serve or the plugin"
+    )
     parser.add_argument("--stock-vllm", default="vllm", help="the stock server's `vllm` executable")
     parser.add_argument("--context-len", type=int, default=3700)
     parser.add_argument("--questions", type=int, default=3)
@@ -50,6 +54,11 @@ def main() -> None:
         command = [args.stock_vllm, "serve", model, "--dtype", "float32", "--port", port]
         command.append("--enable-prompt-tokens-details")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    elif args.server == "plugin":
+        vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+        command = [vllm, "serve", model, "--dtype", "float32", "--port", port, "--kv-policy", args.kv_policy]
+        command.append("--enable-prompt-tokens-details")
+        env = dict(os.environ)
     else:
         command = [sys.executable, "-m", "vllm_kvpress_ext.cli", "serve", model, "--dtype", "float32"]
         command += ["--port", port, "--kv-policy", args.kv_policy]

@@ -78,6 +78,14 @@ class _ContextBuild:
     held: list[Any] = field(default_factory=list)
 
 
+def _count_nothing_cached(request: Any) -> None:
+    """Have vLLM report no cached prompt tokens for `request` (its `prefill_stats`, from which the API process takes
+    `num_cached_tokens`)."""
+    stats = getattr(request, "prefill_stats", None)
+    if stats is not None:
+        stats.set(num_prompt_tokens=request.num_prompt_tokens, num_local_cached_tokens=0, num_external_cached_tokens=0)
+
+
 class _PoolGate:
     """vLLM's KV cache manager, except that `allocate_slots` first asks the scheduler's page budget."""
 
@@ -147,6 +155,9 @@ class KVPressScheduler(Scheduler):
         self.model_dir = str(config.model_config.model) if config is not None and config.model_config else ""
         self.context_builds: dict[str, _ContextBuild] = {}
         self.awaiting_context: dict[str, str] = {}
+        # Requests that waited for their context's build: they computed it (through the build) rather than found
+        # it cached, so vLLM's cached-token count for them is put back to 0.
+        self.waited_for_build: set[str] = set()
         self._contexts_of: dict[str, tuple[str, int, KVPolicy] | None] = {}
 
     # ------------------------------------------------------------------ budget
@@ -170,6 +181,9 @@ class KVPressScheduler(Scheduler):
             }
             for request_id in output.kvpress_attach:  # type: ignore[attr-defined]
                 self.awaiting_context.pop(request_id, None)
+                if request_id in self.waited_for_build:
+                    self.waited_for_build.discard(request_id)
+                    _count_nothing_cached(self.requests[request_id])
             output.kvpress_held = frozenset(self.awaiting_context.values())  # type: ignore[attr-defined]
         return output
 
@@ -260,6 +274,7 @@ class KVPressScheduler(Scheduler):
                     continue
                 if stored:
                     self._enqueue_waiting_request(request)
+                    self.waited_for_build.add(request.request_id)
                     continue
                 request.status = RequestStatus.FINISHED_ERROR
                 self._free_request(request)
@@ -521,6 +536,7 @@ class KVPressScheduler(Scheduler):
         """A finished request's session entry goes into the mirror now: the worker stores it first thing in
         the next step, before it attaches anything, so the next schedule may already promise it."""
         self._contexts_of.pop(request.request_id, None)
+        self.waited_for_build.discard(request.request_id)
         report, mirror = self.report, self.prefix_mirror
         written = report.prefix_sessions.pop(request.request_id, None) if report is not None else None
         if mirror is not None and written is not None:
