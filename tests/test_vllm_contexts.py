@@ -26,7 +26,9 @@ from vllm_utils import assert_no_page_leaked, in_process_engine, in_process_work
 
 from vllm_kvpress_ext.engine import LLM, ContextQuestion, KeptEntries, SamplingParams
 from vllm_kvpress_ext.policies import load_policy
+from vllm_kvpress_ext.policies.base import PolicyConfigError
 from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
+from vllm_kvpress_ext.vllm_plugin.chat_context import context_policy_setting
 from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD, ContextError, check_context
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures(in_process_engine.__name__)]
@@ -211,3 +213,17 @@ def test_stored_contexts_give_their_pages_up_before_a_request_fails(model: Path)
     finally:
         del llm
         gc.collect()
+
+
+def test_the_context_policy_setting_is_checked_as_kvpress_serves() -> None:
+    """`additional_config["kv_context_policy"]` takes what `kvpress serve --context-policy` takes; anything else
+    stops `vllm serve` at start (`apply_native_config` turns the error into an UnsupportedConfigError)."""
+    assert context_policy_setting({}) == "kvzip"
+    assert context_policy_setting({"kv_context_policy": "none"}) == "none"
+    assert context_policy_setting({"kv_context_policy": {"name": "expected_attention", "ratio": 0.5}}) == {
+        "name": "expected_attention",
+        "ratio": 0.5,
+    }
+    for bad in ("nonexistent", "wgkv", "full"):
+        with pytest.raises(PolicyConfigError):
+            context_policy_setting({"kv_context_policy": bad})

@@ -344,12 +344,26 @@ class NativePool:
         store, key = self.contexts, self.context_builds.get(request_id)
         if store is None or key is None or key in store.entries:
             return
+        if len(store.entries) >= store.capacity and all(entry.users for entry in store.entries.values()):
+            self._drop_a_held_context()
         tokens = tuple(self.prompt_tokens.get(request_id, ())[: seat.written])
         namespace = prefix_namespace(store.model_dir, seat.policy)
         entry = CachedPrefix(
             key, "", len(tokens), None, KVStats(), tokens=tokens, namespace=namespace, boundary=len(tokens)
         )
         store.keep_row(request_id, entry, copy.deepcopy(seat.state), KVStats())
+
+    def _drop_a_held_context(self) -> None:
+        """Free the store's least recently used context that only waiting requests want (none is seated on it), for
+        a new one: those requests find it gone and have it built again, rather than the new one being lost."""
+        assert self.contexts is not None
+        for key, entry in self.contexts.entries.items():
+            lease = self.held_contexts.get(key)
+            if lease is not None and entry.users == 1:
+                del self.held_contexts[key]
+                lease.release()
+                self.contexts.evict_one()
+                return
 
     def bind_gate(self, policy: KVPolicy | None, prompt_len: int, params: Any) -> Admission | None:
         """The request's write gate bound to the model and the pool (`engine/admission.py`), or None: its ring

@@ -74,15 +74,18 @@ class KVPressModelRunner(CPUModelRunner):
         windows = [layer.impl.sliding_window for layer in layers]
         additional: dict[str, Any] = dict(cast(dict[str, Any], self.vllm_config.additional_config or {}))
         prefix_caching = bool(self.cache_config.enable_prefix_caching)
-        # Stored named contexts hold rows of their own (vllm_plugin/contexts.py).
+        # Stored named contexts hold rows of their own (vllm_plugin/contexts.py): at least one more than the requests
+        # that may run at once, so that a new context always has a place, whichever contexts those requests read.
+        max_num_seqs = self.scheduler_config.max_num_seqs
         stored_contexts = int(additional.get(MAX_CACHED_PREFIXES_KEY, 16)) if prefix_caching else 0
+        stored_contexts = max(stored_contexts, max_num_seqs + 1) if prefix_caching else 0
         cache = PagedKVCache(
             len(layers),
             num_kv_heads,
             head_size,
             num_pages=self._pool_pages(page_size, head_size, dtype),
             page_size=page_size,
-            max_requests=self.scheduler_config.max_num_seqs + stored_contexts,
+            max_requests=max_num_seqs + stored_contexts,
             dtype=dtype,
             device=self.device,
             layer_windows=windows,  # a sliding-window layer is a ring of its window
