@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from model_utils import write_suite_model
+from model_utils import write_suite_gemma3, write_suite_model
 from vllm import LLM as VllmLLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
@@ -227,3 +227,33 @@ def test_the_context_policy_setting_is_checked_as_kvpress_serves() -> None:
     for bad in ("nonexistent", "wgkv", "full"):
         with pytest.raises(PolicyConfigError):
             context_policy_setting({"kv_context_policy": bad})
+
+
+@pytest.mark.parametrize("spec", [{"name": "snapkv", "ratio": 0.25}, {"name": "kvzip", "ratio": 0.25}])
+def test_a_context_on_gemma3_forks_its_rings_too(tmp_path: Path, spec: Any) -> None:
+    """A random Gemma 3 whose sliding-window layers (window 8) are rings: the stored context holds the rings of
+    its last 8 positions, and each question continues its own copy of them (copy-on-write), giving the embedded
+    engine's tokens and kept entries for (context, question)."""
+    _, gemma3 = write_suite_gemma3(tmp_path / "gemma3")
+    context = tokens(6, CONTEXT)
+    questions = [tokens(30 + i, 9 + 4 * i) for i in range(3)]
+    embedded = LLM(gemma3, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE)
+    ours = embedded_runs(embedded, context, questions, spec)
+    llm = native_llm(gemma3)
+    try:
+        pool = in_process_worker(llm).model_runner.pool
+        pool.kept_at_compression = {}
+        theirs = [
+            llm.generate([{"prompt_token_ids": context + q}], vllm_params(spec, CONTEXT), use_tqdm=False)[0]
+            for q in questions
+        ]
+        (built,) = pool.kept_at_compression.values()
+        for mine, output in zip(ours, theirs, strict=True):
+            assert mine.kv.kept_at_compression is not None
+            assert held_sets(built) == held_sets(mine.kv.kept_at_compression)
+            assert list(output.outputs[0].token_ids) == mine.output_token_ids
+        assert [o.num_cached_tokens for o in theirs] == [0, CONTEXT, CONTEXT]
+        assert_no_page_leaked(pool)
+    finally:
+        del llm
+        gc.collect()
