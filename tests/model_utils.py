@@ -29,6 +29,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from vllm_kvpress_ext.engine.kept import KeptEntries
 from vllm_kvpress_ext.models import ModelConfig
 
 TINY: dict[str, Any] = {
@@ -367,3 +368,9 @@ def write_random_gates(model: Path, window: int = 16, seed: int = 7) -> Path:
     with torch.no_grad():
         gates.w2.normal_(0.0, 3.0)
     return gates.save(default_gate_path(model), {"local_window": window})
+
+
+def held_sets(kept: KeptEntries) -> list[list[set[int]]]:
+    """The positions each (layer, KV head) holds, as sets: what two engines' kept entries are compared by."""
+    layers, heads = kept.lengths.shape
+    return [[set(kept.head(layer, head)) for head in range(heads)] for layer in range(layers)]

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 from gguf_utils import tiny_model, write_gguf
-from model_utils import run_recording, write_suite_model
+from model_utils import held_sets, run_recording, write_suite_model
 
-from vllm_kvpress_ext.engine import LLM, ContextQuestion, KeptEntries, RequestRejectedError, SamplingParams
+from vllm_kvpress_ext.engine import LLM, ContextQuestion, RequestRejectedError, SamplingParams
 from vllm_kvpress_ext.hub import catalog
 from vllm_kvpress_ext.models import load_config
 from vllm_kvpress_ext.models.write_gate import WriteGates
@@ -33,11 +33,6 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
 def token_ids(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(10, len(VOCABULARY)) for _ in range(n)]
-
-
-def held_sets(kept: KeptEntries) -> list[list[set[int]]]:
-    layers, heads = kept.lengths.shape
-    return [[set(kept.head(layer, head)) for head in range(heads)] for layer in range(layers)]
 
 
 @pytest.mark.parametrize(

@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 import torch
-from model_utils import write_suite_gemma3, write_suite_model
+from model_utils import held_sets, write_suite_gemma3, write_suite_model
 from vllm import LLM as VllmLLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
-from vllm_utils import assert_no_page_leaked, in_process_engine, in_process_worker
+from vllm_utils import assert_no_page_leaked, in_process_engine, in_process_worker, vllm_runner_llm
 
-from vllm_kvpress_ext.engine import LLM, ContextQuestion, KeptEntries, SamplingParams
+from vllm_kvpress_ext.engine import LLM, ContextQuestion, SamplingParams
 from vllm_kvpress_ext.policies import load_policy
 from vllm_kvpress_ext.policies.base import PolicyConfigError
 from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
@@ -48,17 +48,8 @@ def embedded(model: Path) -> LLM:
     return LLM(model, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE)
 
 
-def native_llm(model: Path, num_pages: int = 2048, **kwargs: Any) -> VllmLLM:
-    return VllmLLM(
-        str(model),
-        dtype="float32",
-        max_model_len=512,
-        max_num_seqs=4,
-        block_size=PAGE_SIZE,
-        skip_tokenizer_init=True,
-        additional_config={"kv_runner": "vllm", "kv_num_pages": num_pages},
-        **kwargs,
-    )
+def native_llm(model: Path, num_pages: int = 2048) -> VllmLLM:
+    return vllm_runner_llm(model, num_pages)  # prefix caching on, as by default: contexts are kept
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +63,6 @@ def native(model: Path) -> Iterator[VllmLLM]:
 def tokens(seed: int, count: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(10, len(VOCABULARY)) for _ in range(count)]
-
-
-def held_sets(kept: KeptEntries) -> list[list[set[int]]]:
-    layers, heads = kept.lengths.shape
-    return [[set(kept.head(layer, head)) for head in range(heads)] for layer in range(layers)]
 
 
 def vllm_params(spec: Any, boundary: int | None, **extra: Any) -> VllmSamplingParams:

@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 import torch
-from model_utils import write_phi3_twin, write_random_gates, write_suite_gemma3, write_suite_model
+from model_utils import held_sets, write_phi3_twin, write_random_gates, write_suite_gemma3, write_suite_model
 from vllm import LLM as VllmLLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.sampling_params import StructuredOutputsParams
-from vllm_utils import in_process_engine, in_process_worker
+from vllm_utils import in_process_engine, in_process_worker, vllm_runner_llm
 
-from vllm_kvpress_ext.engine import LLM, KeptEntries, SamplingParams
+from vllm_kvpress_ext.engine import LLM, SamplingParams
 from vllm_kvpress_ext.hub import catalog
 from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.write_gate import default_gate_path, shipped_gates
@@ -71,19 +71,11 @@ def embedded(model: Path) -> LLM:
 def native_llm(
     model: Path, max_num_batched_tokens: int | None = None, num_pages: int = 2048, **additional: Any
 ) -> VllmLLM:
-    return VllmLLM(
-        str(model),
-        dtype="float32",
-        max_model_len=512,
-        max_num_seqs=4,
-        max_num_batched_tokens=max_num_batched_tokens,
-        block_size=PAGE_SIZE,
-        skip_tokenizer_init=True,
-        # The embedded engines compared with run without a prefix store: each prompt here is prefilled whole, and
-        # no page is shared with kept blocks (whose 1/k shares would change `kv_bytes`). Reading kept blocks under
-        # a policy is tests/test_vllm_native_runner.py's.
-        enable_prefix_caching=False,
-        additional_config={"kv_runner": "vllm", "kv_num_pages": num_pages, **additional},
+    # The embedded engines compared with run without a prefix store: each prompt here is prefilled whole, and no
+    # page is shared with kept blocks (whose 1/k shares would change `kv_bytes`). Reading kept blocks under a
+    # policy is tests/test_vllm_native_runner.py's.
+    return vllm_runner_llm(
+        model, num_pages, additional, max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False
     )
 
 
@@ -99,11 +91,6 @@ def prompts() -> list[list[int]]:
     """Two 96-token prompts of random suite tokens."""
     rngs = [random.Random(seed) for seed in (0, 1)]
     return [[rng.randrange(10, len(VOCABULARY)) for _ in range(96)] for rng in rngs]
-
-
-def held_sets(kept: KeptEntries) -> list[list[set[int]]]:
-    layers, heads = kept.lengths.shape
-    return [[set(kept.head(layer, head)) for head in range(heads)] for layer in range(layers)]
 
 
 def native_pool(llm: VllmLLM) -> Any:
