@@ -131,6 +131,20 @@ def test_requests_sharing_a_context_in_one_batch_wait_for_one_build(embedded: LL
     assert_no_page_leaked(pool)
 
 
+def test_a_context_is_never_read_under_other_policy_parameters(native: VllmLLM) -> None:
+    """The same context under SnapKV at 0.25 and at 0.5: two contexts built, neither read by the other."""
+    pool = in_process_worker(native).model_runner.pool
+    stored = pool.contexts.stored
+    context = tokens(7, CONTEXT)
+    cached = []
+    for index, ratio in enumerate((0.25, 0.5, 0.25, 0.5)):
+        params = vllm_params({"name": "snapkv", "ratio": ratio}, CONTEXT)
+        output = native.generate([{"prompt_token_ids": context + tokens(40 + index, 6)}], params, use_tqdm=False)
+        cached.append(output[0].num_cached_tokens)
+    assert cached == [0, 0, CONTEXT, CONTEXT]
+    assert pool.contexts.stored == stored + 2
+
+
 def test_a_request_without_a_policy_ignores_its_context(native: VllmLLM) -> None:
     """`full` has nothing to compress: the boundary changes nothing (as in `kvpress serve`), and no context is
     built."""
