@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     except PolicyConfigError as exc:
         print(f"kvpress serve: --kv-policy: {exc}", file=sys.stderr)
         return 2
-    from vllm_kvpress_ext.server.contexts import parse_context_policy
+    from vllm_kvpress_ext.api.context_policy import parse_context_policy
 
     try:
         context_policy = parse_context_policy(args.context_policy)

@@ -290,7 +290,7 @@ class KVPolicy:
     file_fields: ClassVar[tuple[str, ...]] = ()
     #: Whether what it keeps of a context compressed alone serves questions asked after it: it chooses from the
     #: context itself, not from the attention of the prompt's last tokens (which, before the question, are the
-    #: context's own). Such a policy compresses a chat's context for reuse (`server/contexts.py`).
+    #: context's own). Such a policy compresses a chat's context for reuse (`api/context_policy.py`).
     question_agnostic: ClassVar[bool] = False
 
     @classmethod

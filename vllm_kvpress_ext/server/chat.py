@@ -11,9 +11,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from vllm_kvpress_ext.api.context_policy import NO_SPLIT
 from vllm_kvpress_ext.api.errors import bad_request, error_body, unsupported
 from vllm_kvpress_ext.engine.llm import chat_token_ids
-from vllm_kvpress_ext.server.contexts import NO_SPLIT
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
 from vllm_kvpress_ext.server.logprobs import StreamedLogprobs, chat_logprobs, vllm_prompt_logprobs
 from vllm_kvpress_ext.server.prompts import check_text
@@ -95,7 +95,7 @@ def _rendered_context(state: ServerState, messages: list[ChatMessage]) -> list[i
 
 def default_context(state: ServerState, body: ChatCompletionRequest, token_ids: list[int]) -> int | None:
     """A chat that names no context has the messages before its last user message as one, by default: their
-    rendered length, compressed alone by the policy `server/contexts.py` chooses, so that later questions about
+    rendered length, compressed alone by the policy `api/context_policy.py` chooses, so that later questions about
     them attach. With automatic matching it is a fallback: a stored prefix that matches wins (a later turn
     attaches to what the earlier one left). None with prefix caching off, `--context-policy none`, a context
     named by the client, a last message that is not the user's, a template that does not render the earlier

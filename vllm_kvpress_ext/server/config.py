@@ -107,7 +107,7 @@ class ServerConfig:
     enable_prefix_caching: bool = True
     max_cached_prefixes: int = 16
     prefix_matching: str = "named"  # "auto": longest stored prefix and multi-turn attach (docs/prefix_reuse.md)
-    # What compresses a chat's default context (the messages before the last user message): `server/contexts.py`.
+    # What compresses a chat's default context (the messages before the last user message): `api/context_policy.py`.
     context_policy: str | dict[str, Any] = "kvzip"
 
     def __post_init__(self) -> None:
@@ -131,7 +131,7 @@ class ServerConfig:
             modes = " or ".join(PREFIX_MATCHING_MODES)
             raise ValueError(f"prefix_matching must be {modes}, got {self.prefix_matching!r}")
         if isinstance(self.context_policy, str):  # parsed and checked once (a policy, `request` or `none`)
-            from vllm_kvpress_ext.server.contexts import parse_context_policy
+            from vllm_kvpress_ext.api.context_policy import parse_context_policy
 
             object.__setattr__(self, "context_policy", parse_context_policy(self.context_policy))
         if not 0 < self.port <= 65535:

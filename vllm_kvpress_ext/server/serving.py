@@ -18,13 +18,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from vllm_kvpress_ext.api.context_policy import context_policy
 from vllm_kvpress_ext.api.errors import APIError, bad_request, unsupported
 from vllm_kvpress_ext.api.policy_spec import policy_spec, resolve_policy
 from vllm_kvpress_ext.api.usage import combine_figures, kv_figures, usage_fields
 from vllm_kvpress_ext.engine import LLMEngine, RequestRejectedError, SamplingParams
 from vllm_kvpress_ext.policies import PolicyConfigError
 from vllm_kvpress_ext.server.config import ServerConfig
-from vllm_kvpress_ext.server.contexts import context_policy
 from vllm_kvpress_ext.server.engine_loop import (
     SHUTTING_DOWN,
     EngineLoop,

@@ -5,7 +5,7 @@ message (a system prompt, a document, earlier turns). This layer, in vLLM's API 
 vLLM's own renderer (the template, content format and options the request itself is rendered with) and names
 their rendered length as the request's `kv_prefix_tokens`, so the context is compressed alone and later
 questions about it attach to it (contexts.py). The policy that compresses it is the one `kvpress serve`'s
-`--context-policy` chooses (server/contexts.py): the request's own where it keeps what every later question
+`--context-policy` chooses (api/context_policy.py): the request's own where it keeps what every later question
 needs (KVzip, Expected Attention, StreamingLLM), else the server's context policy
 (`additional_config["kv_context_policy"]`, default KVzip) at the request's budget; `usage.kv_policy` names it.
 
@@ -24,10 +24,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_kvpress_ext.api.context_policy import NO_SPLIT, OWN_POLICY, context_spec, parse_context_policy
 from vllm_kvpress_ext.api.errors import APIError
 from vllm_kvpress_ext.api.policy_spec import policy_spec, resolve_policy
 from vllm_kvpress_ext.policies import KVPolicy
-from vllm_kvpress_ext.server.contexts import NO_SPLIT, OWN_POLICY, context_spec, parse_context_policy
 from vllm_kvpress_ext.vllm_plugin.config import RUNNER_KEY
 from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD, context_refusal
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, policy_fields
