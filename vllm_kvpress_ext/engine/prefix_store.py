@@ -387,14 +387,16 @@ class PrefixStore(PrefixIndex):
         self.stored += 1
         return True
 
-    def fork_entry(self, lease: PrefixLease, child_id: Hashable) -> int:
+    def fork_entry(self, lease: PrefixLease, child_id: Hashable, hit: bool = True) -> int:
         """A cache row for `child_id` reading the leased entry whole (pages shared, copy-on-write), counted as a
-        hit; the child holds the lease until it frees the row. Raises what `fork_request` raises."""
+        hit unless `hit` is False (a request that waited for the entry to be built); the child holds the lease
+        until it frees the row. Raises what `fork_request` raises."""
         entry = lease.entry
         row = self.cache.fork_request(entry.row_id, child_id)
         self.entries.move_to_end(entry.key)
-        self.hits += 1
-        self.tokens_reused += entry.length
+        if hit:
+            self.hits += 1
+            self.tokens_reused += entry.length
         return row
 
     def match(self, request: Request) -> tuple[CachedPrefix, int] | None:

@@ -10,7 +10,7 @@ needs (KVzip, Expected Attention, StreamingLLM), else the server's context polic
 (`additional_config["kv_context_policy"]`, default KVzip) at the request's budget; `usage.kv_policy` names it.
 
 No split (the request runs as sent) where it could not be right or would be refused: prefix caching off,
-`kv_context_policy: none`, the plugin's own runner, a request with no compressing policy or one a context
+`kv_context_policy: none`, a request with no compressing policy or one a context
 cannot serve (contexts.py), fewer than two messages, a last message that is not the user's, tools, a chat
 template or generation options of the request's own, prompt log-probabilities, a context the template does
 not render as a token prefix of the prompt, or a last message longer than what comes before it (a document
@@ -29,7 +29,7 @@ from vllm_kvpress_ext.api.errors import APIError
 from vllm_kvpress_ext.api.policy_spec import policy_spec, resolve_policy
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.vllm_plugin.config import RUNNER_KEY
-from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD, context_refusal
+from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD, context_refusal, contexts_kept
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, policy_fields
 
 logger = logging.getLogger("vllm.kvpress.chat_context")
@@ -46,14 +46,15 @@ class ChatContexts:
 
     configured: str | dict[str, Any]  # `kv_context_policy`, parsed (`NO_SPLIT`: off)
     default: KVPolicy | None  # the server's default policy
+    runner: str = "vllm"
 
     @classmethod
     def from_config(cls, vllm_config: Any) -> ChatContexts:
         additional = dict(getattr(vllm_config, "additional_config", None) or {})
-        prefix_caching = bool(getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", False))
-        if additional.get(RUNNER_KEY) != "vllm" or not prefix_caching:
-            return cls(NO_SPLIT, None)
-        return cls(context_policy_setting(additional), default_policy(additional))
+        runner = str(additional.get(RUNNER_KEY, "project"))
+        if vllm_config is None or not contexts_kept(vllm_config, runner):
+            return cls(NO_SPLIT, None, runner)
+        return cls(context_policy_setting(additional), default_policy(additional), runner)
 
 
 def context_policy_setting(additional: dict[str, Any]) -> str | dict[str, Any]:
@@ -100,7 +101,7 @@ async def name_default_context(app_state: Any, payload: dict[str, Any]) -> None:
     if spec is None:
         return
     policy = requested if spec == OWN_POLICY else resolve_policy(spec)
-    if policy is None or context_refusal(policy) is not None:
+    if policy is None or context_refusal(policy, settings.runner) is not None:
         return
     prompt = await _render(renderer, payload)
     context = await _render(renderer, {**payload, "messages": messages[:-1], "add_generation_prompt": False})

@@ -59,9 +59,9 @@ def named_boundary(extra_args: dict[str, Any] | None) -> int | None:
     return value
 
 
-def context_refusal(policy: KVPolicy | None) -> str | None:
-    """Why a context cannot be compressed alone under `policy` on vLLM's runner (None: it can, or there is
-    nothing to compress)."""
+def context_refusal(policy: KVPolicy | None, runner: str = "vllm") -> str | None:
+    """Why a context cannot be compressed alone under `policy` on `runner` (None: it can, or there is nothing to
+    compress). The plugin's own runner runs a question as decode steps where the policy acts at every one."""
     if policy is None:
         return None
     if policy.admits_during_prefill:
@@ -69,12 +69,24 @@ def context_refusal(policy: KVPolicy | None) -> str | None:
             f"{CONTEXT_FIELD} with {policy.name}: its write gate decides during the prefill, so its context is not "
             "kept for reuse; send the prompt without it"
         )
-    if policy.wants_decode_steps or policy.wants_decode_attention:
+    if runner == "vllm" and (policy.wants_decode_steps or policy.wants_decode_attention):
         return (
             f"{CONTEXT_FIELD} with {policy.name}: the question after the context would run as decode steps (the "
             "policy acts at every one), which vLLM's runner does not schedule; `kvpress serve` serves it"
         )
     return None
+
+
+def named_context(extra_args: dict[str, Any] | None, policy: KVPolicy | None, prompt_tokens: int) -> int | None:
+    """The boundary a request's policy compresses at (`compress_after`), or None: none named, nothing to compress,
+    or one the API process would have refused."""
+    try:
+        boundary = named_boundary(extra_args)
+    except ContextError:
+        return None
+    if boundary is None or policy is None or not 0 < boundary < prompt_tokens or policy.admits_during_prefill:
+        return None
+    return boundary
 
 
 def check_context(
@@ -97,15 +109,23 @@ def check_context(
         )
     if policy is None:
         return
-    if runner != "vllm":
-        raise ContextError(f"{CONTEXT_FIELD} is served on vLLM's runner (kv_runner: vllm), not on the plugin's own")
     if not enabled:
         raise ContextError(f"{CONTEXT_FIELD} needs prefix caching, which this server runs with turned off")
     if prompt_logprobs:
         raise ContextError(f"{CONTEXT_FIELD} with prompt_logprobs: the context's are never computed")
-    refusal = context_refusal(policy)
+    refusal = context_refusal(policy, runner)
     if refusal is not None:
         raise ContextError(refusal)
+
+
+def contexts_kept(vllm_config: Any, runner: str) -> bool:
+    """Whether this server keeps named contexts: prefix caching on (vLLM's on vLLM's runner; the plugin's store on
+    its own runner, where vLLM's is always off)."""
+    if runner == "vllm":
+        return bool(vllm_config.cache_config.enable_prefix_caching)
+    from vllm_kvpress_ext.vllm_plugin.config import prefix_matching_mode
+
+    return prefix_matching_mode(dict(vllm_config.additional_config or {})) is not None
 
 
 def context_key(model_dir: str, policy: KVPolicy, prompt: list[int], boundary: int) -> str:

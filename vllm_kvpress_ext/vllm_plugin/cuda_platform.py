@@ -17,6 +17,7 @@ from vllm.platforms.interface import PlatformEnum
 
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.vllm_plugin.config import UnsupportedConfigError, apply_kvpress_config, settle_runner
+from vllm_kvpress_ext.vllm_plugin.contexts import contexts_kept
 from vllm_kvpress_ext.vllm_plugin.platform import prompt_length, validate_kvpress_request
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
@@ -27,6 +28,7 @@ _CudaBase: Any = CudaPlatform
 class KVPressCudaPlatform(_CudaBase):
     _enum = PlatformEnum.CUDA  # vLLM's CUDA code paths key on is_cuda(); this is CUDA with another worker
     default_policy: KVPolicy | None = None  # the server's, for the requests that name no policy of their own
+    contexts: bool = False  # whether named contexts are kept (vllm_plugin/contexts.py)
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
@@ -38,8 +40,11 @@ class KVPressCudaPlatform(_CudaBase):
             )
         apply_kvpress_config(vllm_config)
         cls.default_policy = default_policy(dict(vllm_config.additional_config or {}))
+        cls.contexts = contexts_kept(vllm_config, "project")
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
         super().validate_request(processed_inputs, params)
-        validate_kvpress_request(params, prompt_tokens=prompt_length(processed_inputs), default=cls.default_policy)
+        validate_kvpress_request(
+            params, prompt_tokens=prompt_length(processed_inputs), contexts=cls.contexts, default=cls.default_policy
+        )

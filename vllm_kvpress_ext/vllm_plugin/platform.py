@@ -18,7 +18,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.vllm_plugin.config import NATIVE_ATTENTION_BACKEND, apply_kvpress_config, settle_runner
-from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD, ContextError, check_context
+from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD, ContextError, check_context, contexts_kept
 from vllm_kvpress_ext.vllm_plugin.request_policy import (
     RequestPolicyError,
     default_policy,
@@ -161,7 +161,7 @@ class KVPressCpuPlatform(Platform):
 
             cls.facts = model_facts(str(vllm_config.model_config.model))
         apply_kvpress_config(vllm_config)
-        cls.contexts = cls.runner == "vllm" and bool(vllm_config.cache_config.enable_prefix_caching)
+        cls.contexts = contexts_kept(vllm_config, cls.runner)
         cls.default_policy = default_policy(dict(vllm_config.additional_config or {}))
 
     @classmethod

@@ -58,6 +58,7 @@ from vllm_kvpress_ext.vllm_plugin.contexts import (
     context_key,
     context_refusal,
     named_boundary,
+    named_context,
 )
 from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics
 from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import readable_prefix
@@ -179,11 +180,14 @@ class KVPressScheduler(Scheduler):
             output.kvpress_contexts = {  # type: ignore[attr-defined]
                 new.req_id: builds[new.req_id].key for new in output.scheduled_new_reqs if new.req_id in builds
             }
+            built_for = set()
             for request_id in output.kvpress_attach:  # type: ignore[attr-defined]
                 self.awaiting_context.pop(request_id, None)
                 if request_id in self.waited_for_build:
                     self.waited_for_build.discard(request_id)
                     _count_nothing_cached(self.requests[request_id])
+                    built_for.add(request_id)
+            output.kvpress_built_for = frozenset(built_for)  # type: ignore[attr-defined]  # attaches, not cache hits
             output.kvpress_held = frozenset(self.awaiting_context.values())  # type: ignore[attr-defined]
         return output
 
@@ -306,8 +310,10 @@ class KVPressScheduler(Scheduler):
             if entry is None:
                 return None
             length = entry.length
-        else:
-            found = mirror.find(list(request.all_token_ids), self._policy_of(request), None)
+        else:  # the plugin's own runner: a named context, or (automatic matching) the longest stored prefix
+            policy = self._policy_of(request)
+            named = named_context(request.sampling_params.extra_args, policy, request.num_prompt_tokens)
+            found = mirror.find(list(request.all_token_ids), policy, named)
             if found is None:
                 return None
             entry, length = found

@@ -46,6 +46,7 @@ from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.vllm_plugin.config import MAX_CACHED_PREFIXES_KEY, prefix_matching_mode
+from vllm_kvpress_ext.vllm_plugin.contexts import named_context
 from vllm_kvpress_ext.vllm_plugin.gguf_model import gguf_source
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, request_policy
@@ -237,7 +238,11 @@ class KVPressWorker(WorkerBase):
             runner.prefix_store.evict_until(int(getattr(scheduler_output, "kvpress_reserved", 0)))
         failed = self._start_requests(scheduler_output, pinned)
         schedule, tails = self._schedule(scheduler_output, failed)
-        results = [runner.execute(schedule)] + [self._run_tail(request, count) for request, count in tails]
+        first = runner.execute(schedule)
+        gone = {failure.request.request_id for failure in first.failed}
+        results = [first] + [
+            self._run_tail(request, count) for request, count in tails if request.request_id not in gone
+        ]
         sampled: dict[str, int] = {}
         for result in results:
             if result.logits is not None:
@@ -273,7 +278,12 @@ class KVPressWorker(WorkerBase):
             computed = self.catch_up.pop(request_id, None)
             if request.status is RequestStatus.PREFILLING:
                 start = request.num_processed if computed is None else computed
-                schedule.prefill.append(ScheduledChunk(request, request.num_processed, start + count))
+                # A named context (`compress_after`): the chunk stops where the policy compresses, and the question
+                # after it runs over the compressed cache, in the same step.
+                end = min(start + count, request.prefill_target)
+                schedule.prefill.append(ScheduledChunk(request, request.num_processed, end))
+                if end < start + count:
+                    tails.append((request, start + count - end))
             elif count == 1:
                 schedule.decode.append(request)
             elif self.runner is not None and self.runner.runs_tail_as_chunk(request):
@@ -283,8 +293,12 @@ class KVPressWorker(WorkerBase):
         return schedule, tails
 
     def _run_tail(self, request: Request, count: int) -> RunnerOutput:
-        """`count` prompt tokens of an attached request, one decode step each (as after its own compression)."""
+        """`count` prompt tokens of a request that has compressed (after an attached prefix or its own context): one
+        prefill chunk where the runner allows it (`runs_tail_as_chunk`), else one decode step each."""
         assert self.runner is not None
+        if self.runner.runs_tail_as_chunk(request):
+            start = request.num_processed
+            return self.runner.execute(Schedule(prefill=[ScheduledChunk(request, start, start + count)]))
         result = RunnerOutput()
         for _ in range(count):
             result = self.runner.execute(Schedule(decode=[request]))
@@ -378,6 +392,7 @@ class KVPressWorker(WorkerBase):
                     policy,
                     max_model_len=self.model_config.max_model_len,
                     max_new_tokens=new.sampling_params.max_tokens,
+                    compress_after=named_context(new.sampling_params.extra_args, policy, len(new.prompt_token_ids)),
                 )
                 self._start(request, new.num_computed_tokens, plan)
                 plan = None

@@ -154,6 +154,7 @@ class NativePool:
         self.contexts = contexts
         self.context_builds: dict[str, str] = {}
         self.held_contexts: dict[str, PrefixLease] = {}
+        self.built_for: frozenset[str] = frozenset()
         self._reported_contexts: set[str] = set()
         # A prefix hit rebuilds each ring from the last window's blocks, a page per ring page: a window must be
         # whole pages for that (Gemma 2 and 3's are), else a model with rings keeps no blocks.
@@ -197,6 +198,8 @@ class NativePool:
         self.failed = {}
         self.context_builds.update(getattr(scheduler_output, "kvpress_contexts", None) or {})
         promised: dict[str, tuple[str, int]] = getattr(scheduler_output, "kvpress_attach", None) or {}
+        # Promised requests that waited for their context's build: they attach to it, but found nothing cached.
+        self.built_for = getattr(scheduler_output, "kvpress_built_for", None) or frozenset()
         for request_id in scheduler_output.finished_req_ids:
             self.release(request_id)
             self.prompts.pop(request_id, None)
@@ -322,7 +325,7 @@ class NativePool:
         assert self.contexts is not None
         self._forget_blocks(blocks)  # all new: whatever they held before is out of vLLM's prefix cache
         try:
-            row = self.contexts.fork_entry(lease, request_id)
+            row = self.contexts.fork_entry(lease, request_id, hit=request_id not in self.built_for)
         except (RuntimeError, PoolExhaustedError) as exc:  # no row free (more requests than max_num_seqs)
             lease.release()
             self.failed[request_id] = str(exc)
