@@ -1,4 +1,4 @@
-"""Named contexts on vLLM's runner: compressed once, without a question, for every prompt that starts with one.
+"""Named contexts in the vLLM plugin: compressed once, without a question, for every prompt that starts with one.
 
 A request names its context with `kv_prefix_tokens` = c, the body field `kvpress serve` reads (or
 `vllm_xargs.kv_prefix_tokens`). Its first c prompt tokens are the context. Its policy compresses the context
@@ -25,10 +25,13 @@ vLLM's scheduler cuts a prompt into chunks of its own choosing, never at c, so t
 A request so served produces the tokens and keeps the entries the embedded engine's run of the same request
 does (its policy compresses at c, then the question runs as a chunk): tests/test_vllm_contexts.py.
 
+The plugin's own runner needs no build: its worker stops the chunk vLLM scheduled at c, the runner compresses
+there, and the question runs in the same step (`KVPressWorker._schedule`); its prefix store keeps the context.
+
 Refused with a 400 that names the field: a boundary that is not an integer in [1, prompt tokens - 1]; a
-context under a policy that acts at every decode step (H2O, WG-KV's ring: the question would have to run as
-decode steps, which vLLM's runner does not schedule) or gates writes during the prefill (WG-KV); prompt
-log-probabilities (the context's are never computed); the plugin's own runner; prefix caching turned off. A
+context under a policy that gates writes during the prefill (WG-KV), or, on vLLM's runner, one that acts at
+every decode step (H2O: the question would have to run as decode steps, which vLLM's runner does not
+schedule); prompt log-probabilities (the context's are never computed); prefix caching turned off. A
 request without a compressing policy (`full`) has nothing to compress: its boundary is ignored, as in
 `kvpress serve`, and vLLM's own prefix caching serves its repeats.
 """
