@@ -148,8 +148,8 @@ class KVPressCpuPlatform(Platform):
     runner: str = "project"
     # On vLLM's runner: what it captures for the served model (`native/support.py`), for the policies' refusals.
     facts: ModelFacts | None = None
-    # Whether named contexts are kept (`contexts.py`): vLLM's runner with prefix caching on; the server's default
-    # policy (what compresses a context a request names without a policy of its own).
+    # Whether named contexts are kept (`contexts.py`: prefix caching on); the server's default policy (what
+    # compresses a context a request names without a policy of its own).
     contexts: bool = False
     default_policy: KVPolicy | None = None
 
