@@ -4,7 +4,8 @@
 - `policy_spec`: the operator's `--kv-policy` and each client's `kv_policy` / `vllm_xargs`, parsed and
   validated once, and the label (`usage.kv_policy`, metrics) a policy is reported under;
 - `usage`: the KV figures a response's `usage` carries, and how several engine requests' figures add up;
-- `metrics`: the `kvpress_*` series both servers export on `/metrics` (names, help, buckets).
+- `metrics`: the `kvpress_*` series both servers export on `/metrics` (names, help, buckets);
+- `context_policy`: which policy compresses a chat's default context.
 
 This module itself imports nothing heavy: command-line parsers read `OPERATOR_POLICY_HELP` from it.
 """
@@ -12,6 +13,9 @@ This module itself imports nothing heavy: command-line parsers read `OPERATOR_PO
 #: How a request finds a cached compressed prefix (docs/prefix_reuse.md): only by the context it names, or
 #: also by the longest stored prefix of its prompt ("auto", multi-turn attach).
 PREFIX_MATCHING_MODES = ("named", "auto")
+#: What compresses a chat's default context when the request's own policy is not question-agnostic, unless the
+#: operator says otherwise (`api/context_policy.py`; both servers).
+DEFAULT_CONTEXT_POLICY = "kvzip"
 
 #: What `--kv-policy` takes, in both servers' `--help`.
 OPERATOR_POLICY_HELP = (

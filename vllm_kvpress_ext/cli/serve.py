@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vllm_kvpress_ext.api import OPERATOR_POLICY_HELP, PREFIX_MATCHING_MODES
+from vllm_kvpress_ext.api import DEFAULT_CONTEXT_POLICY, OPERATOR_POLICY_HELP, PREFIX_MATCHING_MODES
 from vllm_kvpress_ext.cli.common import Subparsers, at_least, port, seconds, size
 from vllm_kvpress_ext.cli.models import resolve_model_arg
 
@@ -114,7 +114,7 @@ def _add_engine_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--context-policy",
-        default="kvzip",
+        default=DEFAULT_CONTEXT_POLICY,
         help="in chat, the messages before the last user message are a context by default (when the request "
         "names none and its policy compresses): compressed once on its own and reused by every later question "
         "about it. A request whose policy chooses from the context alone (kvzip, expected_attention, "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_kvpress_ext.api import PREFIX_MATCHING_MODES
+from vllm_kvpress_ext.api import DEFAULT_CONTEXT_POLICY, PREFIX_MATCHING_MODES
 from vllm_kvpress_ext.assets import DEFAULT_MODEL_DIR
 
 #: The model `kvpress serve` serves when no MODEL_DIR is given (shipped inside the package).
@@ -108,7 +108,7 @@ class ServerConfig:
     max_cached_prefixes: int = 16
     prefix_matching: str = "named"  # "auto": longest stored prefix and multi-turn attach (docs/prefix_reuse.md)
     # What compresses a chat's default context (the messages before the last user message): `api/context_policy.py`.
-    context_policy: str | dict[str, Any] = "kvzip"
+    context_policy: str | dict[str, Any] = DEFAULT_CONTEXT_POLICY
 
     def __post_init__(self) -> None:
         if self.num_pages is not None and self.kv_memory is not None:

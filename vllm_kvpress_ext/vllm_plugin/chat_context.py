@@ -24,6 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_kvpress_ext.api import DEFAULT_CONTEXT_POLICY
 from vllm_kvpress_ext.api.context_policy import NO_SPLIT, OWN_POLICY, context_spec, parse_context_policy
 from vllm_kvpress_ext.api.errors import APIError
 from vllm_kvpress_ext.api.policy_spec import policy_spec, resolve_policy
@@ -35,7 +36,6 @@ from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, policy_f
 logger = logging.getLogger("vllm.kvpress.chat_context")
 
 CONTEXT_POLICY_KEY = "kv_context_policy"
-DEFAULT_CONTEXT_POLICY = "kvzip"
 # Body fields with which the request's own rendering may differ from a render of its messages alone.
 _OWN_RENDERING = ("tools", "chat_template", "chat_template_kwargs", "continue_final_message", "documents")
 
