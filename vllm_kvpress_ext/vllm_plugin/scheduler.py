@@ -54,10 +54,8 @@ from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.vllm_plugin.config import RUNNER_KEY
 from vllm_kvpress_ext.vllm_plugin.contexts import (
     BUILD_PREFIX,
-    ContextError,
     context_key,
     context_refusal,
-    named_boundary,
     named_context,
 )
 from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics
@@ -197,24 +195,18 @@ class KVPressScheduler(Scheduler):
         """(key, boundary, policy) of the context `request` names, or None (none, or nothing to compress)."""
         request_id = request.request_id
         if request_id not in self._contexts_of:
-            named: tuple[str, int, KVPolicy] | None = None
-            try:
-                boundary = named_boundary(request.sampling_params.extra_args)
-            except ContextError:  # refused by the API process; a request from elsewhere runs without a context
-                boundary = None
             policy = self._policy_of(request)
+            boundary = named_context(request.sampling_params.extra_args, policy, request.num_prompt_tokens)
+            named: tuple[str, int, KVPolicy] | None = None
+            # The API process refused what vLLM's runner cannot serve; a request from elsewhere runs without one.
             if (
                 boundary is not None
-                and 0 < boundary < request.num_prompt_tokens
                 and policy is not None
                 and context_refusal(policy) is None
                 and request.sampling_params.prompt_logprobs is None
             ):
-                named = (
-                    context_key(self.model_dir, policy, list(request.prompt_token_ids), boundary),
-                    boundary,
-                    policy,
-                )
+                key = context_key(self.model_dir, policy, list(request.prompt_token_ids), boundary)
+                named = (key, boundary, policy)
             self._contexts_of[request_id] = named
         return self._contexts_of[request_id]
 

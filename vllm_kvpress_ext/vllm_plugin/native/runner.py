@@ -77,8 +77,9 @@ class KVPressModelRunner(CPUModelRunner):
         # Stored named contexts hold rows of their own (vllm_plugin/contexts.py): at least one more than the requests
         # that may run at once, so that a new context always has a place, whichever contexts those requests read.
         max_num_seqs = self.scheduler_config.max_num_seqs
-        stored_contexts = int(additional.get(MAX_CACHED_PREFIXES_KEY, 16)) if prefix_caching else 0
-        stored_contexts = max(stored_contexts, max_num_seqs + 1) if prefix_caching else 0
+        stored_contexts = (
+            max(int(additional.get(MAX_CACHED_PREFIXES_KEY, 16)), max_num_seqs + 1) if prefix_caching else 0
+        )
         cache = PagedKVCache(
             len(layers),
             num_kv_heads,
