@@ -1,5 +1,6 @@
 # Two commands matter on a fresh machine: `make serve` and `make test`. Both install first
-# (vllm==0.32.0 included, for the vLLM plugin and its tests: about 6 GB, several minutes).
+# (vllm==0.33.0 included, for the vLLM plugin and its tests, with the torch 2.14.0 it pins: about 9.5 GB,
+# docs/vllm.md says what that costs on a CPU machine).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,7 +8,11 @@ PY := $(VENV)/bin/python
 KVPRESS := $(VENV)/bin/kvpress
 # Re-install only when the dependency list changes; everything else is an editable install.
 STAMP := $(VENV)/.installed-stamp
-TORCH_VERSION ?= 2.13.0
+# vLLM 0.33.0 pins torch 2.14.0, which the package index carries as its CUDA build only; that build runs on
+# a CPU too (the CUDA libraries load, no GPU is needed). The kvpress venv below has no vLLM and takes the
+# smaller CPU build.
+TORCH_VERSION ?= 2.14.0
+CPU_TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
 .PHONY: install test test-fast test-avx2 check-kernels serve bench lint format clean mutation kvpress-venv images
@@ -19,17 +24,9 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
 		|| { echo "Python >= 3.11 is needed; $(PYTHON) is $$($(PYTHON) -V 2>&1). Try: make PYTHON=python3.11 ..."; exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@# Torch first: without CUDA the pinned CPU build is used, so pip never pulls the CUDA wheels.
-	@if ! $(PY) -c "import torch" 2>/dev/null; then \
-		if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
-			$(PY) -m pip install torch; \
-		else \
-			$(PY) -m pip install torch==$(TORCH_VERSION); \
-		fi; \
-	fi
-	$(PY) -m pip install -e '.[dev,triton,vllm]'
-	@# vLLM pulls torchvision/torchaudio/torchcodec built for another torch; on the CPU build transformers
-	@# then fails to import. Nothing here uses them.
+	$(PY) -m pip install torch==$(TORCH_VERSION) -e '.[dev,triton,vllm]'
+	@# vLLM pulls torchvision/torchaudio/torchcodec (torchaudio built for an older torch). Nothing here uses
+	@# them on a CPU; beside torch's CPU build they made transformers fail to import.
 	@if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1); then \
 		$(PY) -m pip uninstall -y torchvision torchaudio torchcodec; \
 	fi
@@ -91,7 +88,7 @@ $(KVPRESS_VENV)/.installed-stamp:
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 		$(KVPRESS_VENV)/bin/pip install torch; \
 	else \
-		$(KVPRESS_VENV)/bin/pip install torch==$(TORCH_VERSION); \
+		$(KVPRESS_VENV)/bin/pip install torch==$(CPU_TORCH_VERSION); \
 	fi
 	$(KVPRESS_VENV)/bin/pip install kvpress==0.5.5 'transformers<5.3'
 	@touch $@

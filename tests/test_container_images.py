@@ -83,6 +83,18 @@ def test_tool_takes_torch_from_the_wheels_alone_or_from_the_cpu_index(tmp_path: 
     assert tool.parse_args(["--ca-bundle", ""]).ca_bundle == ""
 
 
+def test_each_image_takes_its_own_torch_from_the_wheels_when_they_hold_it(tmp_path: Path) -> None:
+    """The CPU image pins torch 2.13.0 and the vLLM base the torch its vLLM pins: a wheels folder holding only
+    2.13.0's serves the first, and the second falls back to PyTorch's CPU index."""
+    tool = _tool()
+    (tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    args = tool.parse_args(["--torch-wheels", str(tmp_path)])
+    assert tool.torch_source(args, "Dockerfile.cpu") == {"TORCH_INDEX_URL": ""}
+    assert tool.torch_source(args, "Dockerfile.vllm-base") == {"TORCH_INDEX_URL": tool.CPU_TORCH_INDEX}
+    given = tool.parse_args(["--torch-wheels", str(tmp_path), "--torch-index-url", "https://example.invalid/simple"])
+    assert tool.torch_source(given, "Dockerfile.vllm-base") == {"TORCH_INDEX_URL": "https://example.invalid/simple"}
+
+
 def test_tool_runs_containers_without_cgroup_or_rlimit_settings() -> None:
     # runc on a cgroup-v1 machine without systemd: no ulimits, no pids limit, cgroupfs (docs/deploy.md).
     conf = _tool().CONTAINERS_CONF

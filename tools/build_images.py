@@ -5,7 +5,7 @@ package index (docs/deploy.md, "Build and run with podman"). In order, each step
 
 1. The Python base: Debian bookworm's python3 and venv from `debootstrap --variant=minbase`, trimmed
    (no apt lists, package cache, docs or locales) and imported as BASE_IMAGE.
-2. The vLLM base: docker/Dockerfile.vllm-base on it (vLLM 0.32.0 from the package index), VLLM_BASE_IMAGE.
+2. The vLLM base: docker/Dockerfile.vllm-base on it (vLLM 0.33.0 from the package index), VLLM_BASE_IMAGE.
 3. The CPU image and the vLLM image from docker/Dockerfile.cpu and docker/Dockerfile.vllm on those
    bases, torch from a folder of wheels (--torch-wheels) or an index (--torch-index-url), pip's CA
    bundle given as a build secret, never stored in a layer.
@@ -47,7 +47,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_IMAGE = "localhost/kvpress-base-python:3.11-bookworm"
-VLLM_BASE_IMAGE = "localhost/kvpress-vllm-base:0.32.0"
+VLLM_BASE_IMAGE = "localhost/kvpress-vllm-base:0.33.0"
 #: Debian packages of the Python base; everything else there is debootstrap's minbase.
 BASE_PACKAGES = ("python3", "python3-venv")
 #: Removed from the debootstrapped tree before import: nothing in the images reads them.
@@ -125,6 +125,21 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def torch_source(args: argparse.Namespace, dockerfile: str) -> dict[str, str]:
+    """TORCH_INDEX_URL for one Dockerfile: the one given, unless the wheels folder was meant to supply torch but
+    holds no wheel of the version that Dockerfile pins (the CPU image keeps torch 2.13.0, whose wheel lies here;
+    the vLLM base takes the torch its vLLM pins): then PyTorch's CPU index."""
+    pinned = re.search(r"^ARG TORCH_VERSION=(\S+)", (args.context / "docker" / dockerfile).read_text(), re.M)
+    wheels = Path(args.torch_wheels) if args.torch_wheels else None
+    if pinned and wheels and not args.torch_index_url and not any(wheels.glob(f"torch-{pinned.group(1)}[+-]*.whl")):
+        log(f"{dockerfile}: no torch {pinned.group(1)} wheel in {wheels}; torch comes from {CPU_TORCH_INDEX}")
+        return {"TORCH_INDEX_URL": CPU_TORCH_INDEX}
+    return {"TORCH_INDEX_URL": args.torch_index_url}
 
 
 def package_version() -> str:
@@ -401,7 +416,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--report", type=Path, help="write the checks, timings and sizes here as JSON")
     args = parser.parse_args(argv)
     if args.torch_index_url is None:
-        args.torch_index_url = "" if args.torch_wheels else "https://download.pytorch.org/whl/cpu"
+        args.torch_index_url = "" if args.torch_wheels else CPU_TORCH_INDEX
     return args
 
 
@@ -415,7 +430,6 @@ def main(argv: list[str]) -> int:
     version = package_version()
     cpu_image = f"localhost/vllm-kvpress-ext-cpu:{version}"
     vllm_image = f"localhost/vllm-kvpress-ext-vllm:{version}"
-    torch = {"TORCH_INDEX_URL": args.torch_index_url}
     with tempfile.TemporaryDirectory(prefix="kvpress-podman-") as scratch:
         conf = Path(scratch) / "containers.conf"
         conf.write_text(CONTAINERS_CONF)
@@ -426,14 +440,14 @@ def main(argv: list[str]) -> int:
                 make_base(podman, args.debian_mirror)
             report.seconds["base"] = round(time.monotonic() - started, 1)
             started = time.monotonic()
-            cpu_args = {"PYTHON_IMAGE": BASE_IMAGE, "VERSION": version, **torch}
+            cpu_args = {"PYTHON_IMAGE": BASE_IMAGE, "VERSION": version, **torch_source(args, "Dockerfile.cpu")}
             build(podman, args, "Dockerfile.cpu", cpu_image, cpu_args, no_cache=args.no_cache)
             report.seconds["cpu_build"] = round(time.monotonic() - started, 1)
             images = [BASE_IMAGE, cpu_image]
             if not args.skip_vllm:
                 started = time.monotonic()
                 if args.rebuild_bases or not podman.image_exists(VLLM_BASE_IMAGE):
-                    base_args = {"PYTHON_IMAGE": BASE_IMAGE, **torch}
+                    base_args = {"PYTHON_IMAGE": BASE_IMAGE, **torch_source(args, "Dockerfile.vllm-base")}
                     build(podman, args, "Dockerfile.vllm-base", VLLM_BASE_IMAGE, base_args, no_cache=True)
                 report.seconds["vllm_base"] = round(time.monotonic() - started, 1)
                 started = time.monotonic()
