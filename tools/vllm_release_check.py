@@ -11,12 +11,15 @@ with the torch it pins, this checkout (editable, with its own dependencies) and 
    `vllm_kvpress_ext/`, found by parsing the source) is imported in the new environment; the ones that
    moved or vanished are listed with where the plugin uses them. This is the list to read first: a
    release that renames one of them breaks the plugin at that line.
-2. **Tests.** The plugin's tests (`tests/test_vllm_*.py` by default) run there; each failure is listed
+2. **Patches.** Every vLLM internal the plugin overrides, wraps or replaces (`vllm_plugin/patches.py`,
+   with the parameters the pinned vLLM gives each) is looked up there; the ones that are gone or take
+   other parameters are listed.
+3. **Tests.** The plugin's tests (`tests/test_vllm_*.py` by default) run there; each failure is listed
    with its error and the last vLLM frame of its traceback, i.e. where the plugin met vLLM.
 
-The exit status is 0 when every name imports (a missing driver library, e.g. CUDA's on a CPU machine,
-is the machine's and does not count) and every test passes. Nothing in the project's own
-environment changes.
+The exit status is 0 when every name imports and every patched internal is unchanged (a missing driver
+library, e.g. CUDA's on a CPU machine, is the machine's and does not count) and every test passes.
+Nothing in the project's own environment changes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vllm_kvpress_ext"
 DEFAULT_TESTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_vllm_*.py"))
+# An error that is this machine's (a driver library missing, e.g. CUDA's on a CPU machine), not the release's.
+MACHINE = "cannot open shared object file"
 TEST_TOOLS = ["pytest>=8.0", "hypothesis>=6.100", "openai>=1.30", "httpx>=0.27", "accelerate>=1.0", "pyyaml", "tqdm"]
 
 
@@ -99,9 +104,20 @@ def check_imports(python: Path) -> list[str]:
     for key, error in sorted(failed.items()):
         module, name = key.split(":")
         # A missing driver library is this machine (no CUDA here), not the release.
-        machine = "  [the machine: no such library here]" if "cannot open shared object file" in error else ""
+        machine = "  [the machine: no such library here]" if MACHINE in error else ""
         lines.append(f"{key}  ({error}){machine}\n      used at {', '.join(wanted[(module, name)])}")
     return lines
+
+
+def check_patches(python: Path) -> list[str]:
+    """`vllm_plugin/patches.py`'s list against the new environment: every vLLM internal the plugin overrides,
+    wraps or replaces that is gone or takes other parameters there."""
+    probe = "import json\nfrom vllm_kvpress_ext.vllm_plugin.patches import drift\nprint(json.dumps(drift()))\n"
+    done = run([str(python), "-c", probe], capture_output=True)
+    if done.returncode != 0:
+        return [f"the patch probe itself failed:\n{done.stderr[-2000:]}"]
+    lines: list[str] = json.loads(done.stdout.strip().splitlines()[-1])
+    return [line + ("  [the machine: no such library here]" if MACHINE in line else "") for line in lines]
 
 
 def failures(report: str) -> dict[str, str]:
@@ -131,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n== vLLM {version}: {len(broken)} of the plugin's vLLM imports fail")
     for line in broken:
         print("  " + line)
+    drifted = check_patches(python)
+    print(f"\n== vLLM {version}: {len(drifted)} of the internals the plugin patches (vllm_plugin/patches.py) changed")
+    for line in drifted:
+        print("  " + line)
     tests = run(
         [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda", *args.tests, *args.pytest_args],
         cwd=ROOT,
@@ -143,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: {failure}")
     (venv / "last-report.txt").write_text(report)
     print(f"(the whole pytest output: {venv / 'last-report.txt'})")
-    moved = [line for line in broken if "[the machine:" not in line]
+    moved = [line for line in (*broken, *drifted) if "[the machine:" not in line]
     return 0 if not moved and tests.returncode == 0 else 1
 
 

@@ -37,41 +37,45 @@ def fold_into_additional_config(policy_arg: str | None, additional_config: dict[
 
 
 def install_kv_policy_flag() -> None:
-    """Wrap `EngineArgs.add_cli_args` / `from_cli_args` once per process."""
+    """Wrap `EngineArgs.add_cli_args`, `from_cli_args` and `create_engine_config` once per process."""
     from vllm.engine.arg_utils import EngineArgs
 
-    if getattr(EngineArgs, "_kvpress_flag_installed", False):
-        return
-    original_add = EngineArgs.__dict__["add_cli_args"].__func__
-    original_from = EngineArgs.__dict__["from_cli_args"].__func__
-    original_create = EngineArgs.create_engine_config
+    from vllm_kvpress_ext.vllm_plugin.patches import wrap
 
-    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from vllm_kvpress_ext.vllm_plugin.activation import plugin_active
-        from vllm_kvpress_ext.vllm_plugin.config import record_explicit_prefix_caching
+    def wrap_create(original: Any) -> Any:
+        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            from vllm_kvpress_ext.vllm_plugin.activation import plugin_active
+            from vllm_kvpress_ext.vllm_plugin.config import record_explicit_prefix_caching
 
-        if plugin_active():  # before vLLM replaces an unset enable_prefix_caching by its default
-            record_explicit_prefix_caching(self)
-        return original_create(self, *args, **kwargs)
+            if plugin_active():  # before vLLM replaces an unset enable_prefix_caching by its default
+                record_explicit_prefix_caching(self)
+            return original(self, *args, **kwargs)
 
-    def add_cli_args(parser: Any) -> Any:
-        parser = original_add(parser)
-        group = parser.add_argument_group("vllm-kvpress-ext")
-        group.add_argument("--kv-policy", dest="kv_policy", default=None, help=HELP)
-        return parser
+        return create_engine_config
 
-    def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
-        from vllm_kvpress_ext.vllm_plugin.activation import ENV, plugin_active
+    def wrap_add(original: Any) -> Any:
+        def add_cli_args(parser: Any) -> Any:
+            parser = original.__func__(parser)
+            group = parser.add_argument_group("vllm-kvpress-ext")
+            group.add_argument("--kv-policy", dest="kv_policy", default=None, help=HELP)
+            return parser
 
-        engine_args = original_from(cls, args)
-        policy = getattr(args, "kv_policy", None)
-        if policy is not None and not plugin_active():
-            # Never serve uncompressed while the user believes a policy is on.
-            raise PolicyConfigError(f"--kv-policy needs the vllm-kvpress-ext platform, which {ENV}=off turns off")
-        engine_args.additional_config = fold_into_additional_config(policy, engine_args.additional_config)
-        return engine_args
+        return staticmethod(add_cli_args)
 
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
-    EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign, assignment]
-    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
-    EngineArgs._kvpress_flag_installed = True  # type: ignore[attr-defined]
+    def wrap_from(original: Any) -> Any:
+        def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
+            from vllm_kvpress_ext.vllm_plugin.activation import ENV, plugin_active
+
+            engine_args = original.__func__(cls, args)
+            policy = getattr(args, "kv_policy", None)
+            if policy is not None and not plugin_active():
+                # Never serve uncompressed while the user believes a policy is on.
+                raise PolicyConfigError(f"--kv-policy needs the vllm-kvpress-ext platform, which {ENV}=off turns off")
+            engine_args.additional_config = fold_into_additional_config(policy, engine_args.additional_config)
+            return engine_args
+
+        return classmethod(from_cli_args)
+
+    wrap(EngineArgs, "add_cli_args", wrap_add, "cli_args")
+    wrap(EngineArgs, "from_cli_args", wrap_from, "cli_args")
+    wrap(EngineArgs, "create_engine_config", wrap_create, "cli_args")

@@ -1,6 +1,6 @@
 """`vllm serve model.gguf` (or a catalog name such as `smollm2-135m`) through the plugin.
 
-vLLM 0.32 reads no GGUF file: its config resolution (`vllm/transformers_utils/config.py`) looks for a
+vLLM (0.32, 0.33) reads no GGUF file: its config resolution (`vllm/transformers_utils/config.py`) looks for a
 `config.json` or `params.json` in a directory or hub repository, and its speculators probe parses the
 model path itself as a JSON config, so `vllm serve model.gguf` stops with transformers' "not a valid
 JSON file" error before any platform or worker runs. The plugin's worker loads the model itself (with
@@ -234,7 +234,7 @@ def refuse_without_plugin(engine_args: Any) -> None:
     model = str(engine_args.model)
     if model.lower().endswith(".gguf"):
         raise GGUFServeError(
-            f"vLLM 0.32 reads no GGUF files ({model}); vllm-kvpress-ext serves them when it is active: "
+            f"vLLM reads no GGUF files ({model}); vllm-kvpress-ext serves them when it is active: "
             "add --kv-policy (--kv-policy full serves the file uncompressed)"
         )
 
@@ -250,27 +250,29 @@ def install_gguf_models() -> None:
     from vllm.engine import arg_utils
     from vllm.engine.arg_utils import EngineArgs
 
-    if getattr(EngineArgs, "_kvpress_gguf_installed", False):
-        return
-    original = EngineArgs.create_engine_config
-    original_get_model_path = arg_utils.get_model_path
+    from vllm_kvpress_ext.vllm_plugin.patches import wrap
 
-    def get_model_path(model: Any, *args: Any, **kwargs: Any) -> Any:
-        from vllm_kvpress_ext.vllm_plugin.activation import plugin_active
+    def wrap_get_model_path(original: Any) -> Any:
+        def get_model_path(model: Any, *args: Any, **kwargs: Any) -> Any:
+            from vllm_kvpress_ext.vllm_plugin.activation import plugin_active
 
-        if plugin_active() and is_gguf_spec(str(model)):
-            return model  # resolved (pulled at most once, then from the local cache) by adapt_engine_args
-        return original_get_model_path(model, *args, **kwargs)
+            if plugin_active() and is_gguf_spec(str(model)):
+                return model  # resolved (pulled at most once, then from the local cache) by adapt_engine_args
+            return original(model, *args, **kwargs)
 
-    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from vllm_kvpress_ext.vllm_plugin.activation import mode, plugin_active
+        return get_model_path
 
-        if plugin_active():
-            adapt_engine_args(self)
-        elif mode() != "off":
-            refuse_without_plugin(self)
-        return original(self, *args, **kwargs)
+    def wrap_create(original: Any) -> Any:
+        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            from vllm_kvpress_ext.vllm_plugin.activation import mode, plugin_active
 
-    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
-    arg_utils.get_model_path = get_model_path
-    EngineArgs._kvpress_gguf_installed = True  # type: ignore[attr-defined]
+            if plugin_active():
+                adapt_engine_args(self)
+            elif mode() != "off":
+                refuse_without_plugin(self)
+            return original(self, *args, **kwargs)
+
+        return create_engine_config
+
+    wrap(EngineArgs, "create_engine_config", wrap_create, "gguf_model")
+    wrap(arg_utils, "get_model_path", wrap_get_model_path, "gguf_model")

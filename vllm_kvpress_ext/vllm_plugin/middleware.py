@@ -30,6 +30,7 @@ from vllm_kvpress_ext.api.policy_spec import policy_spec
 from vllm_kvpress_ext.vllm_plugin.chat_context import name_default_context
 from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD
 from vllm_kvpress_ext.vllm_plugin.metrics import choose_metrics_file, register_collector
+from vllm_kvpress_ext.vllm_plugin.patches import wrap
 from vllm_kvpress_ext.vllm_plugin.usage import install_usage_hooks, usage_fields
 
 Scope = MutableMapping[str, Any]
@@ -232,18 +233,16 @@ def install_into_api_server() -> None:
     choose_metrics_file()
     install_usage_hooks()
     try:
-        from vllm.entrypoints.launchers import app as app_module
         from vllm.entrypoints.launchers.api_server import entry
     except ImportError:  # pragma: no cover - vLLM without its API server
         return
-    if getattr(entry, "_kvpress_wrapped", False):
-        return
-    original = app_module.build_app
 
-    def build_app(*args: Any, **kwargs: Any) -> Any:
-        app = original(*args, **kwargs)
-        attach(app)
-        return app
+    def wrap_build_app(original: Any) -> Any:
+        def build_app(*args: Any, **kwargs: Any) -> Any:
+            app = original(*args, **kwargs)
+            attach(app)
+            return app
 
-    entry.build_app = build_app
-    entry._kvpress_wrapped = True  # type: ignore[attr-defined]
+        return build_app
+
+    wrap(entry, "build_app", wrap_build_app, "middleware")

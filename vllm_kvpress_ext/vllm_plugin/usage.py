@@ -12,7 +12,7 @@ non-streaming response, and only the first prompt's (`request_output_to_completi
 - streams with `stream_options.include_usage`: the final usage chunk (`"choices": []`) gets the same
   `kv_*` fields a non-streaming response has, summed over every request the stream served.
 
-All three wrap vLLM 0.32 internals (the plugin pins that version); each wrapper falls back to vLLM's
+All three wrap vLLM internals (listed in `patches.py`); each wrapper falls back to vLLM's
 own behaviour when what it looks for is absent.
 """
 
@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from vllm_kvpress_ext.api.usage import combine_figures, usage_fields
+from vllm_kvpress_ext.vllm_plugin.patches import wrap
 
 KEY = "kvpress"
 
@@ -49,31 +50,29 @@ def _install_parent_collection() -> None:
     """Children of one parent (`n > 1`) hand their figures to the parent; its finished output carries the sum."""
     from vllm.v1.engine.output_processor import RequestState
 
-    if getattr(RequestState, "_kvpress_wrapped", False):
-        return
-    original = RequestState.make_request_output
+    def wrap_make_request_output(original: Any) -> Any:
+        def make_request_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+            parent = getattr(self, "parent_req", None)
+            if parent is None:
+                return original(self, *args, **kwargs)
+            bound = inspect.signature(original).bind(self, *args, **kwargs)
+            params = bound.arguments.get("kv_transfer_params")
+            if isinstance(params, dict) and isinstance(params.get(KEY), dict):
+                # Each child's latest figures (a child that may stop on text reports them at every step).
+                collected: dict[str, dict[str, Any]] = parent.__dict__.setdefault("_kvpress_figures", {})
+                collected[self.request_id] = params[KEY]
+                bound.arguments["kv_transfer_params"] = _with_figures(params, None)
+            output: Any = original(*bound.args, **bound.kwargs)
+            if output is not None and getattr(output, "finished", False):
+                collected = parent.__dict__.get("_kvpress_figures") or {}
+                if collected:
+                    combined = combine_figures(list(collected.values()))
+                    output.kv_transfer_params = _with_figures(output.kv_transfer_params, combined)
+            return output
 
-    def make_request_output(self: Any, *args: Any, **kwargs: Any) -> Any:
-        parent = getattr(self, "parent_req", None)
-        if parent is None:
-            return original(self, *args, **kwargs)
-        bound = inspect.signature(original).bind(self, *args, **kwargs)
-        params = bound.arguments.get("kv_transfer_params")
-        if isinstance(params, dict) and isinstance(params.get(KEY), dict):
-            # Each child's latest figures (a child that may stop on text reports them at every step).
-            collected: dict[str, dict[str, Any]] = parent.__dict__.setdefault("_kvpress_figures", {})
-            collected[self.request_id] = params[KEY]
-            bound.arguments["kv_transfer_params"] = _with_figures(params, None)
-        output: Any = original(*bound.args, **bound.kwargs)
-        if output is not None and getattr(output, "finished", False):
-            collected = parent.__dict__.get("_kvpress_figures") or {}
-            if collected:
-                combined = combine_figures(list(collected.values()))
-                output.kv_transfer_params = _with_figures(output.kv_transfer_params, combined)
-        return output
+        return make_request_output
 
-    RequestState.make_request_output = make_request_output  # type: ignore[method-assign]
-    RequestState._kvpress_wrapped = True  # type: ignore[attr-defined]
+    wrap(RequestState, "make_request_output", wrap_make_request_output, "usage")
 
 
 # ---------------------------------------------------------------------------------------- batches
@@ -83,19 +82,19 @@ def _install_batch_combination() -> None:
     """A completion answering several prompts reports the sum of their figures, not the first prompt's."""
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-    if getattr(OpenAIServingCompletion, "_kvpress_batch_wrapped", False):
-        return
-    original = OpenAIServingCompletion.request_output_to_completion_response
+    def wrap_response(original: Any) -> Any:
+        def request_output_to_completion_response(
+            self: Any, final_res_batch: list[Any], *args: Any, **kwargs: Any
+        ) -> Any:
+            response = original(self, final_res_batch, *args, **kwargs)
+            figures = [f for f in (_figures_of(res) for res in final_res_batch) if f is not None]
+            if figures and hasattr(response, "kv_transfer_params"):
+                response.kv_transfer_params = _with_figures(response.kv_transfer_params, combine_figures(figures))
+            return response
 
-    def request_output_to_completion_response(self: Any, final_res_batch: list[Any], *args: Any, **kwargs: Any) -> Any:
-        response = original(self, final_res_batch, *args, **kwargs)
-        figures = [f for f in (_figures_of(res) for res in final_res_batch) if f is not None]
-        if figures and hasattr(response, "kv_transfer_params"):
-            response.kv_transfer_params = _with_figures(response.kv_transfer_params, combine_figures(figures))
-        return response
+        return request_output_to_completion_response
 
-    OpenAIServingCompletion.request_output_to_completion_response = request_output_to_completion_response  # type: ignore[method-assign]
-    OpenAIServingCompletion._kvpress_batch_wrapped = True  # type: ignore[attr-defined]
+    wrap(OpenAIServingCompletion, "request_output_to_completion_response", wrap_response, "usage")
 
 
 # ---------------------------------------------------------------------------------------- streams
@@ -151,10 +150,7 @@ def _install_stream_usage() -> None:
         (OpenAIServingCompletion, "completion_stream_generator"),
         (OpenAIServingChat, "chat_completion_stream_generator"),
     ):
-        if getattr(cls, f"_kvpress_{name}_wrapped", False):
-            continue
-        setattr(cls, name, _wrap_stream_generator(getattr(cls, name)))
-        setattr(cls, f"_kvpress_{name}_wrapped", True)
+        wrap(cls, name, _wrap_stream_generator, "usage")
 
 
 def install_usage_hooks() -> None:

@@ -16,8 +16,8 @@ runner reaches two of them outside the attention backend; a third replacement is
   it runs the dtype. Measured on SmolLM2-135M fp32, 16 requests of 256 + 32 tokens offline: the
   projections were 11.4 of 18.8 s with `F.linear`.
 
-`install()` applies them once per process; each replacement checks that vLLM still has what it
-replaces, so a vLLM release that moves them fails here, by name, instead of deep in a step.
+`install()` applies them once per process through `patches.wrap`, which checks that vLLM still has
+what it replaces, so a vLLM release that moves one fails here, by name, instead of deep in a step.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-_installed = False
+from vllm_kvpress_ext.vllm_plugin.patches import wrap
 
 
 def slot_mapping(
@@ -83,25 +83,12 @@ def _dispatch_projection(*args: Any, **kwargs: Any) -> Any:
 
 def install() -> None:
     """Apply the replacements above (idempotent)."""
-    global _installed
-    if _installed:
-        return
     import vllm.model_executor.layers.linear as linear_layers
     import vllm.model_executor.layers.vocab_parallel_embedding as vocabulary
     import vllm.v1.worker.block_table as block_table
     from vllm.v1.worker.gpu_worker import Worker
 
     for module in (linear_layers, vocabulary):
-        if not hasattr(module, "dispatch_unquantized_gemm"):
-            raise RuntimeError(f"{module.__name__} no longer has dispatch_unquantized_gemm: update native/adapter.py")
-        module.dispatch_unquantized_gemm = _dispatch_projection  # type: ignore[attr-defined]
-    if not hasattr(block_table, "_COMPUTE_SLOT_MAPPING_KERNEL"):
-        raise RuntimeError("vLLM's BlockTable no longer has _COMPUTE_SLOT_MAPPING_KERNEL: update native/adapter.py")
-    if not hasattr(Worker, "_maybe_get_memory_pool_context"):
-        raise RuntimeError("vLLM's Worker no longer has _maybe_get_memory_pool_context: update native/adapter.py")
-    if not isinstance(block_table._COMPUTE_SLOT_MAPPING_KERNEL, _SlotMappingKernel):
-        block_table._COMPUTE_SLOT_MAPPING_KERNEL = _SlotMappingKernel(  # type: ignore[assignment]
-            block_table._COMPUTE_SLOT_MAPPING_KERNEL
-        )
-    Worker._maybe_get_memory_pool_context = _no_memory_pool  # type: ignore[method-assign]
-    _installed = True
+        wrap(module, "dispatch_unquantized_gemm", lambda original: _dispatch_projection, "native.adapter")
+    wrap(block_table, "_COMPUTE_SLOT_MAPPING_KERNEL", _SlotMappingKernel, "native.adapter")
+    wrap(Worker, "_maybe_get_memory_pool_context", lambda original: _no_memory_pool, "native.adapter")
