@@ -219,6 +219,68 @@ def test_stored_contexts_give_their_pages_up_before_a_request_fails(model: Path)
         gc.collect()
 
 
+def test_a_full_store_drops_a_context_only_waiting_requests_want_and_builds_it_again(
+    embedded: LLM, model: Path
+) -> None:
+    """One request at a time and room for two stored contexts; three requests naming three contexts at once. The
+    third build finds both stored contexts held for requests still waiting: the older is dropped for it, and its
+    request has it built again. Every request gets the embedded engine's tokens, and no page is leaked."""
+    spec = {"name": "snapkv", "ratio": 0.25}
+    contexts = [tokens(200 + i, CONTEXT) for i in range(3)]
+    questions = [tokens(210 + i, 6) for i in range(3)]
+    ours = [embedded_runs(embedded, c, [q], spec)[0] for c, q in zip(contexts, questions, strict=True)]
+    llm = vllm_runner_llm(model, 2048, {"kv_max_cached_prefixes": 1}, max_num_seqs=1)
+    try:
+        pool = in_process_worker(llm).model_runner.pool
+        assert pool.contexts.capacity == 2  # max_num_seqs + 1
+        drops: list[int] = []
+        drop = pool._drop_a_held_context
+
+        def counted_drop() -> None:
+            drops.append(len(pool.held_contexts))
+            drop()
+
+        pool._drop_a_held_context = counted_drop
+        theirs = llm.generate(
+            [{"prompt_token_ids": c + q} for c, q in zip(contexts, questions, strict=True)],
+            [vllm_params(spec, CONTEXT)] * 3,
+            use_tqdm=False,
+        )
+        assert [list(o.outputs[0].token_ids) for o in theirs] == [m.output_token_ids for m in ours]
+        assert drops and all(held == 2 for held in drops)  # both stored contexts held, none seated
+        assert pool.contexts.stored == 3 + len(drops)  # each dropped context was built again
+        assert not pool.held_contexts and not pool.context_builds
+        assert_no_page_leaked(pool)
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_requests_held_for_a_build_that_stores_nothing_fail_and_the_server_goes_on(model: Path) -> None:
+    """A build whose compressed context is not stored (here: the store refuses it): the two requests held for
+    it end with an error instead of waiting forever, nothing they held is leaked, and the next request runs."""
+    llm = native_llm(model)
+    try:
+        pool = in_process_worker(llm).model_runner.pool
+        pool._keep_context = lambda request_id, seat: None
+        spec = {"name": "snapkv", "ratio": 0.25}
+        context = tokens(300, CONTEXT)
+        held = llm.generate(
+            [{"prompt_token_ids": context + tokens(301 + i, 5)} for i in range(2)],
+            [vllm_params(spec, CONTEXT)] * 2,
+            use_tqdm=False,
+        )
+        assert [(o.outputs[0].finish_reason, list(o.outputs[0].token_ids)) for o in held] == [("error", [])] * 2
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        assert not scheduler.context_builds and scheduler.get_num_unfinished_requests() == 0
+        (after,) = llm.generate([{"prompt_token_ids": tokens(302, 40)}], vllm_params(spec, None), use_tqdm=False)
+        assert after.outputs[0].finish_reason == "length" and len(after.outputs[0].token_ids) == NEW_TOKENS
+        assert_no_page_leaked(pool)
+    finally:
+        del llm
+        gc.collect()
+
+
 def test_the_context_policy_setting_is_checked_as_kvpress_serves() -> None:
     """`additional_config["kv_context_policy"]` takes what `kvpress serve --context-policy` takes; anything else
     stops `vllm serve` at start (`apply_native_config` turns the error into an UnsupportedConfigError)."""

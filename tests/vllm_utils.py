@@ -61,14 +61,15 @@ def embedded_greedy(
 
 def vllm_runner_llm(model: Path, num_pages: int = 2048, additional: dict[str, Any] | None = None, **kwargs: Any) -> Any:
     """An offline `vllm.LLM` on vLLM's runner over a pool of `num_pages` pages of PAGE_SIZE tokens (fp32, 512 tokens
-    per request, 4 at once, token ids in and out); `kwargs` are further `LLM` arguments."""
+    per request, 4 at once unless `max_num_seqs` says otherwise, token ids in and out); `kwargs` are further `LLM`
+    arguments."""
     from vllm import LLM
 
+    kwargs.setdefault("max_num_seqs", 4)
     return LLM(
         str(model),
         dtype="float32",
         max_model_len=512,
-        max_num_seqs=4,
         block_size=PAGE_SIZE,
         skip_tokenizer_init=True,
         additional_config={"kv_runner": "vllm", "kv_num_pages": num_pages, **(additional or {})},
