@@ -1,5 +1,5 @@
 # Two commands matter on a fresh machine: `make serve` and `make test`. Both install first
-# (vllm==0.33.0 included, for the vLLM plugin and its tests, with the torch 2.14.0 it pins: about 9.5 GB,
+# (vllm==0.33.0 included, for the vLLM plugin and its tests, with the torch 2.14.0 it pins: about 10.5 GB,
 # docs/vllm.md says what that costs on a CPU machine).
 SHELL := /bin/bash
 PYTHON ?= python3
