@@ -41,6 +41,8 @@ def paged_cache(
         (16, 2, 8, 128, 129),  # two register-held column groups of 64
         (256, 1, 2, 32, 600),
         (8, 2, 4, 96, 700),  # a column group of 64 and 32 columns past it; three blocks, the last partial
+        (4, 1, 7, 40, 90),  # queries in a batch of four and one of three; 40 columns, 8 past a band of 32
+        (2, 2, 5, 72, 33),  # a batch of four and one of one (its band of 64 and 8 past it); an odd key count
     ],
 )
 @pytest.mark.parametrize("ring", [False, True])
