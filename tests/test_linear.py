@@ -118,6 +118,35 @@ def test_gradients_take_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     assert x.grad is not None and layer.weight.grad is not None and not calls
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (37, 64), (2, 5, 64), (0, 64)])
+def test_a_packed_weight_gives_what_the_plain_one_gives(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Packed where oneDNN runs the dtype on this CPU (any row count, with and without a bias); not packed where it
+    does not, so that `linear` keeps serving the plain weight."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    weight = torch.randn(96, 64, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    packed = linear_module.pack_weight(weight)
+    if not linear_module.onednn_runs(dtype):
+        assert packed is None
+        return
+    assert packed is not None and packed.is_mkldnn and packed.shape == weight.shape
+    rtol, atol = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 5e-2)
+    for bias in (None, b):
+        got = linear_module.packed_linear(x, packed, bias)
+        assert got.shape == (*shape[:-1], 96) and got.dtype == dtype
+        torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=rtol, atol=atol)
+
+
+def test_nothing_is_packed_that_onednn_would_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert linear_module.pack_weight(torch.randn(8, 16).half()) is None  # no fp16 inner product to pack for
+    assert linear_module.pack_weight(torch.randn(16)) is None
+    assert linear_module.pack_weight(torch.empty(8, 16, device="meta")) is None
+    monkeypatch.setattr(linear_module, "ONEDNN_ENABLED", False)
+    assert linear_module.pack_weight(torch.randn(8, 16)) is None
+
+
 def test_disabled_is_exactly_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear_module, "ONEDNN_ENABLED", False)
     x, weight = torch.randn(5, 16), torch.randn(7, 16)

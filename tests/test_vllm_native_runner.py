@@ -21,7 +21,9 @@ from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm_utils import assert_no_page_leaked, in_process_engine, in_process_worker
 
+from vllm_kvpress_ext.models.linear import ONEDNN_ENABLED
 from vllm_kvpress_ext.policies import load_policy
+from vllm_kvpress_ext.vllm_plugin.native.adapter import PACKED_WEIGHT
 from vllm_kvpress_ext.vllm_plugin.native.support import native_rope
 
 # vLLM's engine core in this process, so the tests can read its scheduler and worker.
@@ -390,6 +392,44 @@ def test_phi3s_rope_read_from_its_config_is_the_one_vllm_applies(checkpoints: Ch
             half = rotary.rotary_dim // 2
             torch.testing.assert_close(cos[:, :half].float(), table[:, :half], rtol=0, atol=1e-5)
             torch.testing.assert_close(sin[:, :half].float(), table[:, half:], rtol=0, atol=1e-5)
+    finally:
+        del llm
+        gc.collect()
+
+
+@pytest.mark.skipif(not ONEDNN_ENABLED, reason="torch without oneDNN")
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])  # a bias on the QKV projection; a head tied to the embedding
+def test_projections_run_from_packed_weights_and_free_the_plain_ones(name: str, checkpoints: Checkpoints) -> None:
+    """Once loaded, every projection's weight is packed for oneDNN and its plain copy freed; the vocabulary head is
+    packed and keeps its weight (Gemma 3's is the embedding). The tokens stay HF's, and the query rows that GVote
+    projects synthetic hidden states through equal the checkpoint's `q_proj` (Qwen2's, with its bias)."""
+    from safetensors.torch import load_file
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    path, expected = checkpoints(name)
+    llm = native_llm(path)
+    try:
+        params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+        runner = in_process_worker(llm).model_runner
+        modules = list(runner.model.modules())
+        projections = [m for m in modules if isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod)]
+        assert len(projections) == 4 * COMMON["num_hidden_layers"]  # QKV, output, gate-up and down of each layer
+        assert all(PACKED_WEIGHT in m.__dict__ and m.weight.numel() == 0 for m in projections)
+        (head,) = [m for m in modules if isinstance(m, ParallelLMHead)]
+        assert PACKED_WEIGHT in head.__dict__ and head.weight.shape[1] == COMMON["hidden_size"]
+        if name != "qwen2":
+            return
+        checkpoint = load_file(path / "model.safetensors")
+        hidden = torch.randn(5, COMMON["hidden_size"], generator=torch.Generator().manual_seed(0))
+        heads, head_dim = COMMON["num_attention_heads"], COMMON["hidden_size"] // COMMON["num_attention_heads"]
+        assert runner.pool.query_projections is not None
+        for layer, project in enumerate(runner.pool.query_projections):
+            prefix = f"model.layers.{layer}.self_attn.q_proj"
+            want = torch.nn.functional.linear(hidden, checkpoint[f"{prefix}.weight"], checkpoint[f"{prefix}.bias"])
+            torch.testing.assert_close(project(hidden), want.view(5, heads, head_dim), rtol=1e-5, atol=1e-5)
     finally:
         del llm
         gc.collect()

@@ -14,7 +14,11 @@ runner reaches two of them outside the attention backend; a third replacement is
   `dispatch_unquantized_gemm`, which gives an out-of-tree platform `F.linear` (MKL's sgemm on a CPU).
   `projection` sends the CPU's to `models/linear.py`, the embedded engine's projection: oneDNN where
   it runs the dtype. Measured on SmolLM2-135M fp32, 16 requests of 256 + 32 tokens offline: the
-  projections were 11.4 of 18.8 s with `F.linear`.
+  projections were 11.4 of 18.8 s with `F.linear`. Once the weights are loaded, `pack_projections`
+  packs each projection's weight into oneDNN's blocked layout and drops the plain copy, as vLLM's
+  CPU build does (`dispatch_cpu_unquantized_gemm`): a decode step's projections run 20 to 25 %
+  faster, in the same memory. The vocabulary head keeps its plain weight too (the embedding may be
+  the same tensor).
 
 `install()` applies them once per process through `patches.wrap`, which checks that vLLM still has
 what it replaces, so a vLLM release that moves one fails here, by name, instead of deep in a step.
@@ -70,11 +74,47 @@ def _no_memory_pool(self: Any, tag: str | None = None, **kwargs: Any) -> context
     return contextlib.nullcontext()
 
 
-def projection(layer: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """vLLM's unquantized GEMM signature, computed by the embedded engine's projection."""
-    from vllm_kvpress_ext.models.linear import linear
+# The attribute of a vLLM layer holding its weight packed for oneDNN (`pack_projections`).
+PACKED_WEIGHT = "kvpress_packed_weight"
 
+
+def projection(layer: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """vLLM's unquantized GEMM signature, computed by the embedded engine's projection: from the layer's packed
+    weight where `pack_projections` made one."""
+    from vllm_kvpress_ext.models.linear import linear, packed_linear
+
+    packed = layer.__dict__.get(PACKED_WEIGHT)
+    if packed is not None:
+        return packed_linear(x, packed, bias)
     return linear(x, weight, bias)
+
+
+def pack_projections(model: torch.nn.Module) -> int:
+    """Pack the weight of every unquantized projection of `model` and of its vocabulary head for oneDNN
+    (`models/linear.pack_weight`), dropping the projections' plain weights; returns how many were packed. A
+    weight oneDNN cannot run here (its dtype on this CPU) stays as it is, for `linear`."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+
+    from vllm_kvpress_ext.models.linear import pack_weight
+
+    packed_count = 0
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        head = isinstance(layer, ParallelLMHead) and isinstance(method, UnquantizedEmbeddingMethod)
+        if not (head or isinstance(method, UnquantizedLinearMethod)):
+            continue
+        weight = layer.weight
+        if not isinstance(weight, torch.Tensor):
+            continue
+        packed = pack_weight(weight)  # None for a meta tensor, or a dtype oneDNN does not run here
+        if packed is None:
+            continue
+        layer.__dict__[PACKED_WEIGHT] = packed
+        if not head:  # nothing else reads a projection's weight once it is packed: free it
+            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+        packed_count += 1
+    return packed_count
 
 
 def _dispatch_projection(*args: Any, **kwargs: Any) -> Any:

@@ -78,16 +78,19 @@ def _llama_layout(attention: Any) -> bool:
 
 
 def _query_projection(attention: Any) -> QueryProjection:
+    from vllm_kvpress_ext.vllm_plugin.native.adapter import projection
+
     qkv = attention.qkv_proj
     heads, head_dim = int(attention.num_heads), int(attention.head_dim)
     rows = heads * head_dim
-    weight = qkv.weight[:rows]
-    bias = qkv.bias[:rows] if getattr(qkv, "bias", None) is not None else None
     norm = getattr(attention, "q_norm", None)
 
     def project(hidden: torch.Tensor) -> torch.Tensor:
-        h = hidden.to(device=weight.device, dtype=weight.dtype)
-        queries = torch.nn.functional.linear(h, weight, bias).view(-1, heads, head_dim)
+        # The whole fused product, then its query columns: the weight may be packed (`adapter.pack_projections`),
+        # whose rows cannot be sliced; the keys and values computed besides cost less than a second weight copy.
+        h = hidden.to(device=qkv.weight.device, dtype=qkv.weight.dtype)
+        fused = projection(qkv, h, qkv.weight, getattr(qkv, "bias", None))
+        queries = fused[:, :rows].reshape(-1, heads, head_dim)
         if norm is not None:
             queries = norm.forward_native(queries.reshape(-1, head_dim)).view(-1, heads, head_dim)
         return queries

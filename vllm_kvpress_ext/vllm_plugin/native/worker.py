@@ -21,6 +21,7 @@ Memory: vLLM's block planner is told it has room for every block its scheduler c
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from typing import Any
 
@@ -31,6 +32,8 @@ from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_kvpress_ext.vllm_plugin.native import adapter
 from vllm_kvpress_ext.vllm_plugin.native.runner import KVPressModelRunner
+
+logger = logging.getLogger("vllm.kvpress.worker")
 
 
 class VllmRunnerWorker(Worker):
@@ -55,6 +58,9 @@ class VllmRunnerWorker(Worker):
         threads = torch.get_num_threads()
         super().load_model(load_dummy_weights=load_dummy_weights)
         torch.set_num_threads(threads)
+        # On the thread that runs the model: packing probes oneDNN's kernel for the dtype there first.
+        packed = adapter.pack_projections(self.model_runner.get_model())
+        logger.info("vllm-kvpress-ext: %d projection weights packed for oneDNN", packed)
 
     def determine_available_memory(self) -> int:
         """Room for every block vLLM's scheduler could plan (max_num_seqs requests of max_model_len tokens)
