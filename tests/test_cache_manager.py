@@ -707,6 +707,34 @@ def test_usage_of_a_ring_request_in_a_later_row_of_a_deeper_cache() -> None:
     assert cache.pages_per_head("r").dtype == torch.int64
 
 
+def test_usages_of_many_rows_are_each_rows_own() -> None:
+    """One pass over several rows (a ring row, a forked row sharing its parent's pages, a plain one) gives each the
+    figures it has alone, the shared pages' bytes split between their holders."""
+    cache = cache_of(2, 1, pages=48, rows=4)
+    prefill(cache, "plain", 5)
+    prefill(cache, "parent", 9)
+    cache.fork_request("parent", "child")
+    prefill(cache, "ring", 6)
+    admitted = torch.zeros(2, 1, 6, dtype=torch.bool)
+    admitted[0, 0, :2] = True
+    cache.start_ring("ring", 4, admitted)
+    ids = ["ring", "child", "plain", "parent"]
+    together = cache.usages(ids)
+    assert [u.pages for u in together] == [1 + 2 * 2, 10, 6, 10]  # pages of 2 tokens, 2 layers
+    assert together[1].bytes == together[3].bytes == 5 * cache.pool.bytes_per_page  # 10 pages, each held twice
+    for request_id, usage in zip(ids, together, strict=True):
+        alone = cache.usage(request_id)
+        assert (usage.pages, usage.bytes, usage.tokens, usage.ring_tokens) == (
+            alone.pages,
+            alone.bytes,
+            alone.tokens,
+            alone.ring_tokens,
+        )
+        assert torch.equal(usage.global_tokens, alone.global_tokens)
+    assert sum(u.bytes for u in together) == (cache.pool.num_pages - cache.pool.num_free) * cache.pool.bytes_per_page
+    assert cache.usages([]) == []
+
+
 def test_slot_and_position_queries_are_int64() -> None:
     cache = cache_of(1, 2, pages=16)
     row = cache.add_request("a")

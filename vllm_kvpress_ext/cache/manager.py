@@ -973,22 +973,34 @@ class PagedKVCache:
     # ------------------------------------------------------------------ accounting
 
     def usage(self, request_id: Hashable) -> CacheUsage:
-        row = self.row_of(request_id)
-        lens = self.seq_lens[:, row].to(torch.int64)
-        ring_pages = int((self.ring_tables[:, row] >= 0).sum())
-        pages = int(_ceil_div(lens, self.page_size).sum()) + ring_pages
-        ring_tokens = int(self.ring_lens([row])[0])
-        ringed = int((self.ring_tables[:, row, 0, :1] >= 0).sum())  # layers with a local ring (not sliding ones)
-        tokens = int(lens.sum()) + ring_tokens * ringed * self.num_kv_heads
-        held = torch.cat([self.block_tables[:, row].reshape(-1), self.ring_tables[:, row].reshape(-1)])
-        share = float((1.0 / self.pool.refcounts(held[held >= 0]).double()).sum())
-        return CacheUsage(
-            pages=pages,
-            bytes=round(share * self.pool.bytes_per_page),
-            tokens=tokens,
-            global_tokens=lens,
-            ring_tokens=ring_tokens,
-        )
+        return self.usages([request_id])[0]
+
+    def usages(self, request_ids: Sequence[Hashable]) -> list[CacheUsage]:
+        """`usage` of each request, in one pass over their rows (a served step reports every request's)."""
+        if not request_ids:
+            return []
+        rows = torch.tensor([self.row_of(request_id) for request_id in request_ids], dtype=torch.int64)
+        lens = self.seq_lens[:, rows].to(torch.int64).transpose(0, 1).contiguous()  # [R, L, H]
+        rings = self.ring_tables[:, rows].transpose(0, 1)  # [R, L, H, Pr]
+        pages = _ceil_div(lens, self.page_size).sum(dim=(1, 2)) + (rings >= 0).sum(dim=(1, 2, 3))
+        ring_tokens = self.ring_lens(rows)
+        ringed = (rings[:, :, 0, :1] >= 0).sum(dim=(1, 2))  # layers with a local ring (not sliding ones)
+        tokens = lens.sum(dim=(1, 2)) + ring_tokens * ringed * self.num_kv_heads
+        held = torch.cat([self.block_tables[:, rows].transpose(0, 1).flatten(1), rings.flatten(1)], dim=1)
+        listed = held >= 0
+        holders = self.pool.refcounts(held.clamp(min=0)).double()
+        share = torch.where(listed, 1.0 / holders, 0.0).sum(dim=1)
+        bytes_held = torch.round(share * self.pool.bytes_per_page)
+        return [
+            CacheUsage(
+                pages=int(pages[i]),
+                bytes=int(bytes_held[i]),
+                tokens=int(tokens[i]),
+                global_tokens=lens[i],
+                ring_tokens=int(ring_tokens[i]),
+            )
+            for i in range(len(request_ids))
+        ]
 
     def peak_pages(self, request_id: Hashable) -> int:
         """Most pages the request has held at once since it was added (exact: updated at every allocation)."""

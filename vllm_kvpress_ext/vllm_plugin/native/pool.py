@@ -819,8 +819,7 @@ class NativePool:
                 starts_block = seat.aligned and cache.has_sliding_layers and seat.written % cache.page_size == 0
                 spill = cache.sliding_layers.numel() * cache.num_kv_heads if starts_block else 0
                 report.decode_pages[request_id] = int(pages) + spill
-        for request_id, seat in self.seats.items():
-            usage = cache.usage(request_id)
+        for (request_id, seat), usage in zip(self.seats.items(), cache.usages(list(self.seats)), strict=True):
             report.pages_held[request_id] = usage.pages + sum(pages.numel() for pages in seat.spill.values())
             if seat.written < seat.prompt_len:
                 continue
