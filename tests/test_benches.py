@@ -145,9 +145,11 @@ def test_bench_capacity_samples_sharing_the_prompt_hold_more_at_once() -> None:
 
 
 def test_bench_linear_times_both_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
     from model_utils import write_suite_model
 
     from vllm_kvpress_ext.bench.linear_bench import LinearBenchConfig, run_linear_bench
+    from vllm_kvpress_ext.models import linear as linear_module
 
     model = write_suite_model(tmp_path / "model")
     results = run_linear_bench(LinearBenchConfig(model=str(model), rows=(1, 3), repeats=1))
@@ -155,6 +157,10 @@ def test_bench_linear_times_both_paths(tmp_path: Path, capsys: pytest.CaptureFix
     assert "14 projections" in out and "F.linear / oneDNN" in out  # 2 layers x 7 projections
     assert [r["rows"] for r in results] == [1, 3]
     assert all(r["f_linear_ms"] > 0 and r["onednn_ms"] > 0 for r in results)
+    if linear_module.onednn_runs(torch.float32):  # the packed weights' path, the one vLLM's runner takes
+        assert "oneDNN / packed" in out and all(r["packed_ms"] > 0 for r in results)
+    run_linear_bench(LinearBenchConfig(model=str(model), rows=(2,), repeats=1, head=True))
+    assert "14 projections and the vocabulary head" in capsys.readouterr().out
     with pytest.raises(ValueError, match="row counts"):
         LinearBenchConfig(model=str(model), rows=(0,))
 

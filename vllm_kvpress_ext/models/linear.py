@@ -126,11 +126,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 #: The row count oneDNN is told to expect when a weight is packed (`pack_weight`): the blocked layout it picks
-#: serves every row count, this one only steers the choice. SmolLM2-135M's 211 projections at fp32, 2 threads,
-#: ms per pass, plain weight / packed for 32 / 128 / 512 rows (Xeon with AVX-512): 1 row 30.2 / 25.6 / 24.5 /
-#: 24.0; 16 rows 47.7 / 38.5 / 36.1 / 35.5; 64 rows 83.4 / 79.1 / 76.7 / 76.2; 2,048 rows 1,823 / 1,649 / 1,658
-#: / 1,674; with `ONEDNN_MAX_CPU_ISA=AVX2` 16 rows 55.9 / 55.7 / 52.3 / 51.8, 2,048 rows 2,597 / 2,556 / 2,491 /
-#: 2,494. 128 is within noise of the best everywhere.
+#: serves every row count, this one only steers the choice. Timed over SmolLM2-135M's 210 projections and its
+#: head (fp32, 2 threads, a Xeon with AVX-512, passes as `kvpress bench linear --head` makes), ms a pass, plain
+#: weight / packed for 32 / 128 / 512 rows: 1 row 30.2 / 25.6 / 24.5 / 24.0; 16 rows 47.7 / 38.5 / 36.1 / 35.5;
+#: 64 rows 83.4 / 79.1 / 76.7 / 76.2; 2,048 rows 1,823 / 1,649 / 1,658 / 1,674; with `ONEDNN_MAX_CPU_ISA=AVX2`,
+#: 16 rows 55.9 / 55.7 / 52.3 / 51.8 and 2,048 rows 2,597 / 2,556 / 2,491 / 2,494. 128 is within noise of the
+#: best everywhere.
 PACKED_FOR_ROWS = 128
 
 
@@ -139,8 +140,9 @@ def pack_weight(weight: Tensor) -> Tensor | None:
     `packed_linear`; None where oneDNN does not run its dtype on this CPU (`linear` serves it then).
 
     A plain weight is reordered (or read strided) by oneDNN on every call; packed, a decode step's projections
-    run 20 to 25 % faster (`PACKED_FOR_ROWS`). vLLM's CPU build packs its projections the same way. The packed
-    tensor is opaque (`torch._mkldnn` layout): nothing but `packed_linear` reads it."""
+    run 1.2x (SmolLM2-135M) to 1.3x (Gemma 3 270M) faster at 16 rows (`kvpress bench linear --head`). vLLM's CPU
+    build packs its projections the same way. The packed tensor is opaque (`torch._mkldnn` layout): nothing but
+    `packed_linear` reads it."""
     if not (ONEDNN_ENABLED and weight.is_cpu and weight.dim() == 2 and onednn_runs(weight.dtype)):
         return None
     try:

@@ -13,8 +13,9 @@ def register(bench_sub: Subparsers) -> None:
         "linear",
         help="the model's projections through F.linear vs oneDNN (what models/linear.py chose), per row count",
         description="One pass over every projection of every layer of the model, with its own weights, in "
-        "forward order, per row count: torch's F.linear against the oneDNN path the engine uses on the CPU, "
-        "interleaved, median of --repeats; milliseconds, their ratio and GFLOP/s.",
+        "forward order, per row count: torch's F.linear against the oneDNN path the engine uses on the CPU and, "
+        "where oneDNN runs the dtype, oneDNN on the weights packed into its own layout (the path of vLLM's "
+        "runner under the plugin), interleaved, median of --repeats; milliseconds, their ratios and GFLOP/s.",
     )
     lb.add_argument("--model", default="smollm2-135m", help="model directory, .gguf file or catalog name")
     lb.add_argument(
@@ -22,6 +23,7 @@ def register(bench_sub: Subparsers) -> None:
     )
     lb.add_argument("--repeats", type=int, default=5, help="timed passes per row count and op (default: 5)")
     lb.add_argument("--dtype", default="float32", help="model dtype (default: float32)")
+    lb.add_argument("--head", action="store_true", help="the vocabulary head too (the embedding where it is tied)")
     lb.set_defaults(handler=run)
 
 
@@ -33,7 +35,9 @@ def run(args: argparse.Namespace) -> int:
     if not ok:
         return 1
     try:
-        run_linear_bench(LinearBenchConfig(model=args.model, rows=args.rows, repeats=args.repeats, dtype=args.dtype))
+        run_linear_bench(
+            LinearBenchConfig(model=args.model, rows=args.rows, repeats=args.repeats, dtype=args.dtype, head=args.head)
+        )
     except ValueError as exc:
         print(f"kvpress bench linear: {exc}", file=sys.stderr)
         return 2
