@@ -126,14 +126,19 @@ def native_llm(
     )
 
 
+def greedy_tokens(llm: LLM) -> list[list[int]]:
+    """`llm`'s greedy continuation of each of PROMPTS, NEW_TOKENS tokens each."""
+    params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_vllms_model_code_equals_transformers_token_for_token(name: str, checkpoints: Checkpoints) -> None:
     path, expected = checkpoints(name)
     llm = native_llm(path)
     try:
-        params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+        assert greedy_tokens(llm) == expected
         assert type(llm.llm_engine.model_config).__name__ == "ModelConfig"
     finally:
         del llm
@@ -410,9 +415,7 @@ def test_projections_run_from_packed_weights_and_free_the_plain_ones(name: str, 
     path, expected = checkpoints(name)
     llm = native_llm(path)
     try:
-        params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+        assert greedy_tokens(llm) == expected
         runner = in_process_worker(llm).model_runner
         modules = list(runner.model.modules())
         projections = [m for m in modules if isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod)]
