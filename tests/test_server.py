@@ -411,9 +411,21 @@ def test_32_concurrent_streams_complete_and_free_the_pool(server: LiveServer, ht
         ("/v1/completions", {"prompt": " ".join(["the"] * 1100)}, 400, "prompt"),
         ("/v1/completions", {"prompt": [1, 2, 100000]}, 400, "prompt"),
         ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
-        ("/v1/completions", {"prompt": "a", "n": 129}, 400, "n"),
-        ("/v1/completions", {"prompt": ["a"] * 100, "n": 3}, 400, "n"),
-        ("/v1/completions", {"prompt": ["a"] * 257}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "a", "n": 16385}, 400, "n"),  # vLLM's VLLM_MAX_N_SEQUENCES
+        ("/v1/completions", {"prompt": ["a"] * 10, "n": 2000}, 400, "n"),
+        ("/v1/completions", {"prompt": ["a"] * 1025}, 400, "prompt"),  # vLLM's VLLM_MAX_COMPLETION_PROMPTS
+        ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ("/v1/completions", {"prompt": "a", "temperature": 2.5}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 1025}, 400, "max_tokens"),  # beyond max_model_len
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"},
+            400,
+            "tool_choice",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "best_of": 2}, 400, "best_of"),
         ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
         ("/v1/completions", {"prompt": [[1, 2], [1, 2, 100000]]}, 400, "prompt"),
         ("/v1/completions", {"prompt": "a", "best_of": 2}, 400, "best_of"),
@@ -435,7 +447,7 @@ def test_32_concurrent_streams_complete_and_free_the_pool(server: LiveServer, ht
         ),
         ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
-        ("/v1/completions", {"prompt": "a", "not_a_field": 1}, 400, "not_a_field"),
+        ("/v1/completions", {"prompt": "a", "kv_polcy": "snapkv"}, 400, "kv_polcy"),
         ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "a"}]}, 400, "messages"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),

@@ -119,10 +119,18 @@ def in_process_engine() -> Iterator[None]:
 @contextmanager
 def vllm_server(args: list[str], log_path: Path, env_extra: dict[str, str] | None = None) -> Iterator[str]:
     """`vllm serve ARGS` on a free loopback port until healthy; yields its URL, stops it (SIGINT) after."""
+    with http_server([str(Path(sys.executable).with_name("vllm")), "serve", *args], log_path, env_extra) as url:
+        yield url
+
+
+@contextmanager
+def http_server(command: list[str], log_path: Path, env_extra: dict[str, str] | None = None) -> Iterator[str]:
+    """`COMMAND --host 127.0.0.1 --port P` (`vllm serve`, `kvpress serve`) until healthy; yields its URL, stops it
+    (SIGINT) after."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_TARGET_DEVICE", "KVPRESS_VLLM", "VLLM_PLUGINS")}
     env.update(env_extra or {})
-    command = [str(Path(sys.executable).with_name("vllm")), "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    command = [*command, "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -130,14 +138,14 @@ def vllm_server(args: list[str], log_path: Path, env_extra: dict[str, str] | Non
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             if process.poll() is not None:
-                pytest.fail(f"vllm serve exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+                pytest.fail(f"{command[:2]} exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
+                pytest.fail(f"{command[:2]} not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
             time.sleep(1)
         yield url
     finally:

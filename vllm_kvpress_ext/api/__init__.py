@@ -10,6 +10,10 @@
 This module itself imports nothing heavy: command-line parsers read `OPERATOR_POLICY_HELP` from it.
 """
 
+#: This project's namespace in request bodies: both servers refuse an unknown field in it (a misspelt `kv_polcy`
+#: would otherwise serve an uncompressed request), where they ignore other unknown fields as vLLM does.
+KV_PREFIX = "kv_"
+
 #: How a request finds a cached compressed prefix (docs/prefix_reuse.md): only by the context it names, or
 #: also by the longest stored prefix of its prompt ("auto", multi-turn attach).
 PREFIX_MATCHING_MODES = ("named", "auto")

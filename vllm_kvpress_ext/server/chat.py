@@ -21,6 +21,7 @@ from vllm_kvpress_ext.server.protocol import ChatCompletionRequest, ChatMessage
 from vllm_kvpress_ext.server.serving import (
     ServerState,
     abort_all,
+    check_max_tokens,
     check_model,
     check_unsupported,
     final_response,
@@ -37,6 +38,9 @@ from vllm_kvpress_ext.server.streaming import DONE, AbortingStreamingResponse, T
 def _message_dict(index: int, message: ChatMessage) -> dict[str, str]:
     """A message as the chat template wants it: role and plain-text content."""
     content = message.content
+    if content is None and message.role != "assistant":  # vLLM refuses it too; an assistant turn may be empty
+        param = f"messages.{index}.content"
+        raise bad_request(f"{param}: a {message.role} message needs content", param=param)
     if content is None:
         text = ""
     elif isinstance(content, str):
@@ -127,8 +131,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.stream and body.prompt_logprobs is not None:
         raise unsupported("prompt_logprobs", "prompt_logprobs are not supported with stream=true")
+    if body.echo and body.messages[-1].role == "assistant":
+        raise unsupported("echo", "echoing the last assistant message is not supported")
+    if body.tool_choice not in (None, "none") and body.tools is None:
+        raise bad_request("When using `tool_choice`, `tools` must be set.", param="tool_choice")
     if body.tools:
         raise unsupported("tools", "tool calling is not supported")
+    for param in ("max_tokens", "max_completion_tokens"):
+        check_max_tokens(state, getattr(body, param), param)
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise unsupported("response_format", "only the text response format is supported")
     token_ids = await asyncio.to_thread(chat_prompt, state, body.messages)  # off the event loop

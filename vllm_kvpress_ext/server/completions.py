@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from vllm_kvpress_ext.api import limits
 from vllm_kvpress_ext.api.errors import bad_request, error_body, unsupported
 from vllm_kvpress_ext.server.engine_loop import EngineStepError, RequestHandle, Update
 from vllm_kvpress_ext.server.logprobs import StreamedLogprobs, completion_logprobs, vllm_prompt_logprobs
@@ -25,6 +26,7 @@ from vllm_kvpress_ext.server.protocol import CompletionRequest
 from vllm_kvpress_ext.server.serving import (
     ServerState,
     abort_all,
+    check_max_tokens,
     check_model,
     check_unsupported,
     final_response,
@@ -36,9 +38,6 @@ from vllm_kvpress_ext.server.serving import (
     usage,
 )
 from vllm_kvpress_ext.server.streaming import DONE, AbortingStreamingResponse, TextDeltas, sse
-
-#: Prompts one request may batch: each is an engine request, so a batch is bounded like the queue is.
-MAX_PROMPTS = 256
 
 Prompt = str | list[int] | list[str] | list[list[int]]
 
@@ -55,8 +54,11 @@ def _one_prompt(state: ServerState, prompt: str | list[int], param: str) -> list
 def prompt_batch(state: ServerState, prompt: Prompt) -> list[list[int]]:
     """The request's prompts as token ids: one for a string or a token list, several for a batch."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) > MAX_PROMPTS:
-            raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+        if len(prompt) > limits.max_prompts():
+            raise bad_request(
+                f"at most {limits.max_prompts()} prompts per request, got {len(prompt)} (VLLM_MAX_COMPLETION_PROMPTS)",
+                param="prompt",
+            )
         return [_one_prompt(state, p, "prompt") for p in prompt]
     return [_one_prompt(state, prompt, "prompt")]  # type: ignore[arg-type]
 
@@ -64,8 +66,6 @@ def prompt_batch(state: ServerState, prompt: Prompt) -> list[list[int]]:
 def _check_request(body: CompletionRequest) -> bool:
     """Refuse what this endpoint cannot do; True for a prompt-scoring request (`max_tokens=0` with `echo`)."""
     check_unsupported(body)
-    if body.best_of not in (None, 1):
-        raise unsupported("best_of", "only best_of=1 is supported")
     if body.suffix:
         raise unsupported("suffix", "suffix is not supported")
     if body.stream and body.max_tokens == 0:
@@ -83,6 +83,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state: ServerState = request.app.state.kvpress
     check_model(state, body.model)
     score_only = _check_request(body)
+    check_max_tokens(state, body.max_tokens, "max_tokens")
     # Off the event loop: a long prompt must not stall other connections (or /health) while it tokenizes.
     prompts = await asyncio.to_thread(prompt_batch, state, body.prompt)
     # The engine always generates at least one token; a prompt-scoring request's is dropped below.

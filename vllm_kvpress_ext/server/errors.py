@@ -37,6 +37,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             ctx = err.get("ctx") or {}
             parts.append(f"malformed JSON body: {ctx.get('error', err.get('msg', 'invalid JSON'))}")
             continue  # its location is a character offset, not a parameter
+        if err.get("type") == "unknown_kv_field":  # protocol._SamplingFields: names the field itself
+            first_param = first_param or (err.get("ctx") or {}).get("name")
+            parts.append(str(err.get("msg")))
+            continue
         first_param = first_param or param
         if param is None and err.get("type") != "missing":
             parts.append("the request body must be a JSON object")

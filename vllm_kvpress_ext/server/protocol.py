@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints, as pydantic models.
 
-Unknown fields are rejected (`extra="forbid"`, answered 400 naming the field) rather than silently
-ignored: a misspelt `kv_polcy` would otherwise serve an uncompressed request and nobody would
-notice. vLLM's sampling extensions are implemented (`top_k`, `min_p`, `repetition_penalty`,
+Unknown fields are accepted, logged and ignored, as vLLM's server does (a client written against vLLM,
+or a newer OpenAI SDK, sends fields this server does not know), except in this project's own `kv_`
+namespace: an unknown `kv_*` field is a 400 naming it in both servers, since a misspelt `kv_polcy`
+would otherwise serve an uncompressed request and nobody would notice. vLLM's sampling extensions
+are implemented (`top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `ignore_eos`, `skip_special_tokens`, `stop_token_ids`, `vllm_xargs`; OpenAI's presence
 and frequency penalties too). vLLM extensions this engine has no use for (`use_beam_search`,
 `length_penalty`, `include_stop_str_in_output`, ...) are accepted at their neutral value
@@ -21,11 +23,17 @@ fixed by OpenAI's API and building them directly keeps the hot streaming path fr
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic_core import PydanticCustomError
 
+from vllm_kvpress_ext.api import KV_PREFIX
+from vllm_kvpress_ext.api.limits import MAX_TEMPERATURE
 from vllm_kvpress_ext.engine.sampling_params import MAX_LOGPROBS
+
+logger = logging.getLogger(__name__)
 
 PolicyField = str | dict[str, Any] | None
 
@@ -72,10 +80,24 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = [key for key in data if key not in cls.model_fields]
+            refused = [key for key in unknown if isinstance(key, str) and key.startswith(KV_PREFIX)]
+            if refused:
+                raise PydanticCustomError(
+                    "unknown_kv_field", "unrecognized request argument supplied: {name}", {"name": refused[0]}
+                )
+            if unknown:
+                logger.warning("request fields ignored (this server does not know them): %s", ", ".join(unknown))
+        return data
 
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0, description="below 1e-5: greedy")
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE, description="below 1e-5: greedy")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, description="vLLM extension; 0 or -1 disables it")
     min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="vLLM extension; 0 disables it")
@@ -87,7 +109,10 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool | None = Field(default=None, description="vLLM extension (default true)")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=1, ge=1, le=128, description="samples per prompt; they share the compressed prompt")
+    n: int | None = Field(
+        default=1, ge=1, description="samples per prompt, at most vLLM's limit; they share the compressed prompt"
+    )
+    best_of: int | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, description="vLLM extension; 1 = off")
@@ -136,7 +161,6 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0, description="0 only with echo: score the prompt")
     echo: StrictBool | None = False
-    best_of: int | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
@@ -170,6 +194,7 @@ class ChatCompletionRequest(_SamplingFields):
         "rendered length); fewer than the messages, and the chat template must render them as a token prefix",
     )
     max_tokens: int | None = Field(default=None, ge=1)
+    echo: StrictBool | None = Field(default=False, description="vLLM extension; refused after an assistant message")
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from vllm_kvpress_ext.api import limits
 from vllm_kvpress_ext.api.context_policy import context_policy
 from vllm_kvpress_ext.api.errors import APIError, bad_request, unsupported
 from vllm_kvpress_ext.api.policy_spec import policy_spec, resolve_policy
@@ -73,6 +74,16 @@ class ServerState:
         return self.engine.max_model_len
 
 
+def check_max_tokens(state: ServerState, max_tokens: int | None, param: str) -> None:
+    """vLLM refuses an output longer than the model's context, whatever the prompt."""
+    if max_tokens is not None and max_tokens > state.max_model_len:
+        raise bad_request(
+            f"{param}={max_tokens} cannot be greater than max_model_len={state.max_model_len}. "
+            "Please request fewer output tokens.",
+            param=param,
+        )
+
+
 def check_model(state: ServerState, model: str | None) -> None:
     """Clients must name the served model (or omit it); anything else is OpenAI's 404."""
     if model is not None and model != state.model_name:
@@ -85,7 +96,15 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse OpenAI parameters this server does not implement instead of silently ignoring them."""
+    """Refuse OpenAI parameters this server does not implement instead of silently ignoring them, and what
+    vLLM's server refuses (`api/limits.py`), with vLLM's words where it has them."""
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("Stream options can only be defined when `stream=True`.", param="stream_options")
+    stops = [] if body.stop is None or isinstance(body.stop, str) else body.stop
+    if len(stops) > limits.max_stop_strings():
+        raise bad_request(f"stop: at most {limits.max_stop_strings()} strings, got {len(stops)}", param="stop")
+    if body.best_of not in (None, 1):
+        raise unsupported("best_of", "only best_of=1 is supported")
     for name, neutral in NEUTRAL_ONLY.items():
         value = getattr(body, name, None)
         if value is not None and value not in neutral:
@@ -133,10 +152,6 @@ def sampling_params(
         raise bad_request(str(exc)) from None
 
 
-#: Engine requests one HTTP request may start (prompts x n): each holds its own pages and queue slot.
-MAX_CHOICES = 256
-
-
 def sample_params(
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
@@ -147,8 +162,13 @@ def sample_params(
     """One `SamplingParams` per sample (`n`): with a seed, sample j is seeded `seed + j`, as vLLM seeds
     the n children of a request, so each sample is reproducible alone and the n differ."""
     n = 1 if body.n is None else body.n
-    if n * prompts > MAX_CHOICES:
-        raise bad_request(f"n x prompts may be at most {MAX_CHOICES}, got {n} x {prompts}", param="n")
+    # vLLM's bound on n; here it bounds the engine requests one HTTP request starts (prompts x n) too: each
+    # holds its own pages and queue slot.
+    most = limits.max_samples()
+    if n > most:
+        raise bad_request(f"n must be at most {most}, got {n} (VLLM_MAX_N_SEQUENCES)", param="n")
+    if n * prompts > most:
+        raise bad_request(f"n x prompts may be at most {most}, got {n} x {prompts}", param="n")
     params = sampling_params(body, max_tokens, logprobs, prompt_logprobs)
     if n == 1 or params.seed is None:
         return [params] * n

@@ -25,6 +25,7 @@ import multiprocessing
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from vllm_kvpress_ext.api import KV_PREFIX
 from vllm_kvpress_ext.api.errors import APIError, unsupported
 from vllm_kvpress_ext.api.policy_spec import policy_spec
 from vllm_kvpress_ext.vllm_plugin.chat_context import name_default_context
@@ -47,6 +48,10 @@ PATHS = ("/v1/completions", "/v1/chat/completions")
 REFUSED_CONTEXT_FIELDS = ("kv_prefix_messages",)
 
 
+#: The top-level `kv_*` fields a request may carry: the policy, the context, and vLLM's own transfer parameters.
+KNOWN_KV_FIELDS = ("kv_policy", CONTEXT_FIELD, "kv_transfer_params", *REFUSED_CONTEXT_FIELDS)
+
+
 def rewrite_request(payload: dict[str, Any]) -> dict[str, Any]:
     """Fold a top-level `kv_policy` and `kv_prefix_tokens` into `vllm_xargs` (raises `APIError` when they disagree
     or are invalid), and refuse the context fields the plugin does not serve."""
@@ -56,6 +61,13 @@ def rewrite_request(payload: dict[str, Any]) -> dict[str, Any]:
                 field,
                 "naming a context by its messages is served by `kvpress serve`; the plugin takes kv_prefix_tokens",
             )
+    # vLLM ignores fields it does not know; in this project's namespace that would hide a misspelt policy field.
+    unknown = [key for key in payload if key.startswith(KV_PREFIX) and key not in KNOWN_KV_FIELDS]
+    if unknown:
+        raise APIError(400, f"unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+    # vLLM accepts best_of and serves n samples as if it were not there; `kvpress serve` refuses it too.
+    if payload.get("best_of") not in (None, 1):
+        raise unsupported("best_of", "only best_of=1 is supported")
     if "kv_policy" not in payload and CONTEXT_FIELD not in payload:
         return payload
     raw_xargs = payload.get("vllm_xargs")

@@ -1,0 +1,42 @@
+"""The request limits both servers enforce: vLLM's own, so a request `vllm serve` takes `kvpress serve` takes too.
+
+vLLM reads three of them from the environment (`vllm/envs.py`); they are read here from the same variables,
+with vLLM's defaults, so that an operator who raises one raises it for both servers. The rest are bounds vLLM
+writes into its request checks (`vllm/sampling_params.py`).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _from_env(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def max_samples() -> int:
+    """`n`, samples per prompt (`VLLM_MAX_N_SEQUENCES`)."""
+    return _from_env("VLLM_MAX_N_SEQUENCES", 16384)
+
+
+def max_prompts() -> int:
+    """Prompts in one completions request (`VLLM_MAX_COMPLETION_PROMPTS`)."""
+    return _from_env("VLLM_MAX_COMPLETION_PROMPTS", 1024)
+
+
+def max_stop_strings() -> int:
+    """Strings in `stop` (`VLLM_MAX_STOP_STRINGS`)."""
+    return _from_env("VLLM_MAX_STOP_STRINGS", 4)
+
+
+#: `temperature` lies in [0, MAX_TEMPERATURE].
+MAX_TEMPERATURE = 2.0
