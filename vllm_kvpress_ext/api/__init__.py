@@ -5,7 +5,8 @@
   validated once, and the label (`usage.kv_policy`, metrics) a policy is reported under;
 - `usage`: the KV figures a response's `usage` carries, and how several engine requests' figures add up;
 - `metrics`: the `kvpress_*` series both servers export on `/metrics` (names, help, buckets);
-- `context_policy`: which policy compresses a chat's default context.
+- `context_policy`: which policy compresses a chat's default context;
+- `limits`: vLLM's request limits (`n`, prompts, stop strings, temperature), which both servers enforce.
 
 This module itself imports nothing heavy: command-line parsers read `OPERATOR_POLICY_HELP` from it.
 """
