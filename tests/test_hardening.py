@@ -135,7 +135,7 @@ def test_a_policy_that_raises_fails_only_its_own_request(
         assert started.wait(60)
         for policy in ({"name": "h2o", "ratio": 0.5}, {"name": "xkv", "profile": "half"}):
             error = assert_error(complete(http, kv_policy=policy, max_tokens=8), 500)
-            assert error["code"] == "engine_error" and "policy bug" in error["message"]
+            assert error["code"] == 500 and error["type"] == "InternalServerError" and "policy bug" in error["message"]
         for text, reason, done in (s.result() for s in streams):
             assert done and reason == "length" and text == alone["choices"][0]["text"]
     wait_for(lambda: pool_empty(http))
@@ -206,7 +206,7 @@ def test_the_largest_gvote_settings_stay_cheap(http: httpx.Client) -> None:
 def test_large_bodies_get_413_and_health_keeps_answering(server: LiveServer, http: httpx.Client) -> None:
     big = {"prompt": "the " * 100_000}  # 400 kB > the fixture's 256 KiB limit
     error = assert_error(http.post("/v1/completions", json=big), 413)
-    assert error["code"] == "request_too_large"
+    assert error["code"] == 413
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: the limit counts the body as it arrives
         yield b'{"prompt": "'
@@ -225,7 +225,7 @@ def test_large_bodies_get_413_and_health_keeps_answering(server: LiveServer, htt
         pending = pool.submit(lambda: httpx.post(f"{server.url}/v1/completions", json=long_prompt, timeout=60))
         assert http.get("/health").status_code == 200
         error = assert_error(pending.result(), 400, "prompt")
-    assert error["code"] == "invalid_prompt" and "limit" in error["message"]
+    assert error["code"] == 400 and "limit" in error["message"]
     assert complete(http).status_code == 200
 
 
@@ -248,7 +248,7 @@ def test_a_client_still_sending_reads_the_413(server: LiveServer) -> None:
 
     declared, streamed, after = asyncio.run(post_twice())
     for response in (declared, streamed):
-        assert assert_error(response, 413)["code"] == "request_too_large"
+        assert assert_error(response, 413)["code"] == 413
         assert response.headers.get("connection") != "close"  # read to its end: the connection is reused
     assert after.status_code == 200
 
@@ -312,7 +312,7 @@ def test_bad_inputs_are_400_and_errors_keep_the_connection(
     assert error["param"] == "kv_policy"
     raw = b'{"prompt": "abc\\ud800", "max_tokens": 2}'
     r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
-    assert assert_error(r, 400, "prompt")["code"] == "invalid_prompt"
+    assert assert_error(r, 400, "prompt")["code"] == 400
     chat = b'{"messages": [{"role": "user", "content": "abc\\ud800"}]}'
     assert_error(http.post("/v1/chat/completions", content=chat, headers={"content-type": "application/json"}), 400)
 
@@ -323,7 +323,7 @@ def test_bad_inputs_are_400_and_errors_keep_the_connection(
 
     monkeypatch.setattr(completions, "new_id", broken)
     r = complete(http)
-    assert assert_error(r, 500)["type"] == "server_error" and r.headers.get("connection") != "close"
+    assert assert_error(r, 500)["type"] == "InternalServerError" and r.headers.get("connection") != "close"
     monkeypatch.undo()
     assert complete(http).status_code == 200  # same client, same keep-alive connection
     wait_for(lambda: pool_empty(http))
@@ -395,7 +395,8 @@ def test_sigterm_drains_streams_then_exits_0(model_dir: Path, grace: float) -> N
         if grace:
             assert last["choices"][0]["finish_reason"] == "length"  # finished whole
         else:
-            assert last["error"]["code"] == "server_shutting_down"  # the documented error event, not a cut
+            # the documented error event, not a cut: 503, the server going away
+            assert last["error"]["code"] == 503 and "shut down" in last["error"]["message"]
 
 
 # ---------------------------------------------------------------------- 7. CLI usage errors
@@ -437,7 +438,7 @@ def test_cli_cuda_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_empty_prompt_echo_zero_and_405(http: httpx.Client) -> None:
-    assert assert_error(complete(http, prompt=""), 400, "prompt")["code"] == "invalid_prompt"
+    assert assert_error(complete(http, prompt=""), 400, "prompt")["type"] == "BadRequestError"
     assert_error(complete(http, echo=0), 400, "echo")
     assert_error(complete(http, max_tokens=2.0), 400, "max_tokens")  # no silent conversions
     assert_error(complete(http, top_k="3"), 400, "top_k")
@@ -684,4 +685,4 @@ def test_openai_fields_that_would_change_the_answer_are_refused_by_name(
 ) -> None:
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, field: value}
     error = assert_error(http.post("/v1/chat/completions", json=body), 400, field)
-    assert error["code"] == "unsupported_parameter"
+    assert error["code"] == 400 and "not supported" in error["message"]

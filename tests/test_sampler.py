@@ -8,6 +8,7 @@ renormalised probabilities within a few standard errors.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -103,3 +104,33 @@ def test_greedy_rows_ignore_the_filters_and_the_generator() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
     greedy = SamplingParams(temperature=0.0, top_k=1, top_p=0.1)
     assert sample(logits, [Row(greedy), Row(greedy)]) == [1, 0]
+
+
+def test_a_logit_bias_moves_greedy_and_sampled_rows_alike() -> None:
+    """A bias is added to its token's logit: +log(4) on token 2 (p 0.02 -> weight 0.08) in a sampled row, and
+    in greedy rows +100 picks a token however unlikely, -100 on the argmax picks the runner-up."""
+    biased = SamplingParams(temperature=1.0, logit_bias=((2, math.log(4.0)),))
+    weights = [p * (4.0 if t == 2 else 1.0) for t, p in enumerate(PROBS)]
+    check_distribution(draw(biased), {t: w / sum(weights) for t, w in enumerate(weights)})
+    rows = [
+        Row(SamplingParams(temperature=0.0)),
+        Row(SamplingParams(temperature=0.0, logit_bias=((2, 100.0),))),
+        Row(SamplingParams(temperature=0.0, logit_bias=((1, -100.0),))),
+        Row(SamplingParams(temperature=0.0, logit_bias=((99, 100.0),))),  # beyond this vocabulary: nothing moves
+    ]
+    assert sample(LOGITS.expand(len(rows), -1).clone(), rows) == [1, 2, 4, 1]
+
+
+def test_the_bias_comes_before_the_penalties() -> None:
+    """vLLM's order: a bias that makes token 0 the argmax, then a repetition penalty on token 0 (already in the
+    output) that divides its now positive logit, leaving token 1 the argmax again."""
+    logits = torch.tensor([1.0, 2.0, 0.0])
+    params = SamplingParams(temperature=0.0, logit_bias=((0, 2.0),), repetition_penalty=4.0)
+    assert sample(logits.view(1, -1), [Row(params, output_token_ids=[0])]) == [1]  # (1 + 2) / 4 < 2
+    assert sample(logits.view(1, -1), [Row(dataclasses.replace(params, repetition_penalty=1.0))]) == [0]
+
+
+@pytest.mark.parametrize("bias", [((-1, 1.0),), ((True, 1.0),), ((3, 100.5),), ((3, float("nan")),), ((3, -101.0),)])
+def test_a_bad_logit_bias_is_refused(bias: tuple[tuple[int, float], ...]) -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

@@ -23,6 +23,7 @@ import openai
 import pytest
 import uvicorn
 
+from vllm_kvpress_ext.api.errors import error_type
 from vllm_kvpress_ext.cli import main
 from vllm_kvpress_ext.engine import LLM, LLMEngine, SamplingParams
 from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
@@ -176,6 +177,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
+    assert error["code"] == status and error["type"] == error_type(status)  # as vLLM's server fills them
     if param is not None:
         assert error["param"] == param
     return error
@@ -448,6 +450,8 @@ def test_32_concurrent_streams_complete_and_free_the_pool(server: LiveServer, ht
         ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": "a", "kv_polcy": "snapkv"}, 400, "kv_polcy"),
+        ("/v1/completions", {"prompt": "a", "logit_bias": {str(len(VOCABULARY)): 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "a", "logit_bias": {"trout": 1}}, 400, "logit_bias"),
         ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "a"}]}, 400, "messages"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -495,7 +499,7 @@ def test_engine_failure_is_500_and_the_server_keeps_serving(
     errors_before = metric(http, "kvpress_requests_total", 'status="error"')
     failures["left"] = 1
     error = assert_error(http.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 3}), 500)
-    assert error["type"] == "server_error" and "injected failure" in error["message"]
+    assert error["type"] == "InternalServerError" and "injected failure" in error["message"]
     wait_for(lambda: pool_empty(http))
     assert_serving(http)
 
@@ -504,7 +508,7 @@ def test_engine_failure_is_500_and_the_server_keeps_serving(
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         events = list(sse_events(r.iter_lines()))
     assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["error"]["type"] == "server_error"
+    assert json.loads(events[-2])["error"]["type"] == "InternalServerError"
     assert metric(http, "kvpress_requests_total", 'status="error"') == errors_before + 2
     wait_for(lambda: pool_empty(http))
     assert http.get("/health").status_code == 200
@@ -575,7 +579,7 @@ def test_queue_full_and_pool_too_small(model_dir: Path, monkeypatch: pytest.Monk
             with client.stream("POST", "/v1/completions", json=long_body) as waiting:
                 assert waiting.status_code == 200  # accepted into the queue
                 error = assert_error(client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}), 429)
-                assert error["type"] == "rate_limit_error" and error["code"] == "queue_full"
+                assert error["type"] == "Too Many Requests" and error["code"] == 429
                 assert metric(client, "kvpress_requests_total", 'status="queue_full"') == 1
                 assert metric(client, "kvpress_requests_running") == metric(client, "kvpress_requests_waiting") == 1
                 assert held.steps == 1
@@ -726,6 +730,18 @@ def test_n_samples_are_seeded_like_vllms_children(server: LiveServer, http: http
     assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
     assert batch["choices"][0]["text"] == batch["choices"][1]["text"]  # greedy: the samples agree
     wait_for(lambda: pool_empty(http))
+
+
+def test_logit_bias_moves_the_tokens_it_names(http: httpx.Client) -> None:
+    """+100 on "trout" makes greedy decoding say it every step (200 is clamped to 100, as vLLM clamps);
+    -100 on greedy's own tokens makes it say other ones."""
+    trout = VOCABULARY.index("trout")
+    greedy = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    assert _complete(http, **greedy, logit_bias={str(trout): 100})["choices"][0]["text"].split() == ["trout"] * 3
+    assert _complete(http, **greedy, logit_bias={str(trout): 200})["choices"][0]["text"].split() == ["trout"] * 3
+    plain = _complete(http, **greedy)["choices"][0]["text"].split()
+    banned = {str(VOCABULARY.index(word)): -100 for word in plain}
+    assert not set(_complete(http, **greedy, logit_bias=banned)["choices"][0]["text"].split()) & set(plain)
 
 
 def test_chat_with_n_streams_every_choice(http: httpx.Client) -> None:

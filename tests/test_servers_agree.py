@@ -1,10 +1,11 @@
 """`kvpress serve` and `vllm serve` with the plugin answer the same unusual requests the same way.
 
 Both servers run the bundled model with SnapKV as the default policy and the same context length. Each
-request below goes to both, and both must answer with the status written beside it; where they refuse, both
-bodies have OpenAI's error shape. The statuses are vLLM's (`api/limits.py` reads vLLM's limits), except in
-this project's `kv_` namespace and for `best_of`, which both refuse by name. What one engine implements and
-the other refuses (`logit_bias`, structured output, tools) is not here: docs/server.md lists it.
+request below goes to both, and both must answer with the status written beside it; where they refuse,
+both bodies have OpenAI's error shape, filled as vLLM fills it (`code` the status). The statuses are
+vLLM's (`api/limits.py` reads vLLM's limits), except in this project's `kv_` namespace and for `best_of`,
+which both refuse by name. What one engine implements and the other refuses (structured output, tools) is
+not here: docs/server.md lists it.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
+from http import HTTPStatus
 from typing import Any
 
 import httpx
 import pytest
 from vllm_utils import MODEL_DIR, http_server, vllm_server
+
+from vllm_kvpress_ext.api.errors import error_type
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +77,8 @@ CASES: dict[str, tuple[tuple[str, Any], int]] = {
     "seed a string": (completion(seed="x"), 400),
     "presence_penalty 3": (completion(presence_penalty=3), 400),
     "frequency_penalty -3": (completion(frequency_penalty=-3), 400),
+    "logit_bias 200": (completion(logit_bias={"5": 200}), 200),
+    "logit_bias beyond the vocabulary": (completion(logit_bias={"99999999": 1}), 400),
     "suffix": (completion(suffix="x"), 400),
     "min_tokens above max_tokens": (completion(min_tokens=10, max_tokens=2), 400),
     "user": (completion(user="u"), 200),
@@ -135,4 +141,18 @@ def test_both_servers_answer_each_unusual_request_alike(servers: dict[str, str])
                 error = response.json().get("error")
                 if not isinstance(error, dict) or sorted(error) != ["code", "message", "param", "type"]:
                     wrong.append(f"{name}: {server}'s error is not OpenAI-shaped: {response.text[:200]}")
+                # vLLM names a schema violation by its HTTP phrase and its own checks' failures by class.
+                elif error["code"] != status or error["type"] not in (error_type(status), HTTPStatus(status).phrase):
+                    wrong.append(f"{name}: {server}'s error is not filled as vLLM fills it: {response.text[:200]}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_both_servers_apply_a_logit_bias_alike(servers: dict[str, str]) -> None:
+    """+100 on one token: greedy decoding on either server says it at every step, the same text on both."""
+    path, body = completion(prompt=[1, 2, 3], max_tokens=3, temperature=0, ignore_eos=True, logit_bias={"7": 100})
+    texts = {server: _send(url, path, body).json()["choices"][0]["text"] for server, url in servers.items()}
+    plain = {
+        server: _send(url, path, {**body, "logit_bias": None}).json()["choices"][0]["text"]
+        for server, url in servers.items()
+    }
+    assert len(set(texts.values())) == 1 and texts != plain, (texts, plain)

@@ -182,6 +182,21 @@ def test_penalties_min_p_and_min_tokens_match_the_embedded_engine(parity_llm: LL
     assert len(want.output_token_ids) >= 6
 
 
+def test_a_logit_bias_gives_the_embedded_engines_tokens(parity_llm: LLM) -> None:
+    """A bias that bans greedy's first token and favours its second: the same tokens through vLLM as in the
+    engine, and not the unbiased ones."""
+    prompt = retrieval_prompts(1, seed=9470)[0].token_ids
+    plain = embedded_greedy([prompt], ["snapkv"], 8, PARITY_POOL)[0].output_token_ids
+    bias = {plain[0]: -100.0, plain[1]: 2.0}
+    vllm_params = VllmSamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias=bias)
+    ours = parity_llm.generate([{"prompt_token_ids": prompt}], vllm_params, use_tqdm=False)[0]
+    engine = LLMEngine(MODEL_DIR, dtype=torch.float32, num_pages=PARITY_POOL, page_size=16)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias=tuple(bias.items()))
+    request_id = engine.add_request(prompt, params, policy="snapkv")  # the LLM's default policy
+    want = next(o for _ in range(100) for o in engine.step() if o.finished and o.request_id == request_id)
+    assert list(ours.outputs[0].token_ids) == want.output_token_ids != plain
+
+
 def test_logprobs_equal_the_embedded_engines(parity_llm: LLM) -> None:
     """Sampled-token and prompt log-probabilities through vLLM's engine core, scheduler and output
     processor are the embedded engine's (the same runner and sampler compute them)."""

@@ -133,7 +133,6 @@ def test_bad_request_policies_are_validation_errors(extra_args: dict[str, Any], 
         {"logprobs": 21},
         {"prompt_logprobs": 21},
         {"repetition_penalty": 150.0},
-        {"logit_bias": {3: 1.0}},
         {"allowed_token_ids": [1, 2]},
     ],
 )
@@ -167,6 +166,12 @@ def test_penalties_min_p_and_min_tokens_reach_the_runners_sampler() -> None:
     # What vLLM would stop on is what the sampler holds back until min_tokens are out.
     assert set(params.stop_token_ids) == vllm_params.all_stop_token_ids == {5, 7}
     assert runner_sampling_params(VllmSamplingParams(stop_token_ids=[5])).stop_token_ids == ()
+
+
+def test_a_logit_bias_reaches_the_runners_sampler() -> None:
+    vllm_params = VllmSamplingParams(max_tokens=4, logit_bias={3: 1.5, 9: -100.0})
+    validate_kvpress_request(vllm_params)
+    assert runner_sampling_params(vllm_params).logit_bias == ((3, 1.5), (9, -100.0))
 
 
 def test_the_body_kv_policy_moves_into_vllm_xargs() -> None:

@@ -43,7 +43,7 @@ _XARGS_PARAM_PREFIX = "kv_"  # vllm_xargs.kv_ratio -> the policy's `ratio`
 
 
 def _policy_error(message: str, param: str) -> APIError:
-    return bad_request(message, param=param, code="invalid_kv_policy")
+    return bad_request(message, param=param)
 
 
 def _from_string(text: str, param: str) -> str | dict[str, Any]:

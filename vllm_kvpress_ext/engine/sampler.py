@@ -1,7 +1,8 @@
 """Turn the last-position logits of a batch into next tokens.
 
-Rows that need nothing but an argmax (greedy, no penalty, no `min_tokens` pending) are one argmax for
-the whole batch. Other rows get, in vLLM's order: `min_tokens` suppression, penalties, then (sampled
+Rows that need nothing but an argmax (greedy, no penalty or logit bias, no `min_tokens` pending) are one
+argmax for the whole batch. Other rows get, in vLLM's order: `min_tokens` suppression, the logit bias,
+penalties, then (sampled
 rows) temperature, top-k, top-p and min-p, and a draw from their own `torch.Generator` (seeded per
 request, so a seeded request gives the same tokens whatever else shares its batch).
 
@@ -45,6 +46,18 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
         counts = counts.to(device=out.device, dtype=out.dtype)
         out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(out.dtype)
     return out
+
+
+def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits `[V]` with each `logit_bias` value added to its token's logit (a token beyond the vocabulary has
+    none to move: the servers refuse it before it gets here)."""
+    vocab = logits.shape[-1]
+    pairs = [(token, bias) for token, bias in params.logit_bias if token < vocab]
+    if not pairs:
+        return logits
+    tokens = torch.tensor([token for token, _ in pairs], dtype=torch.int64, device=logits.device)
+    biases = torch.tensor([bias for _, bias in pairs], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(-1, tokens, biases)
 
 
 def suppress_stops(logits: torch.Tensor, params: SamplingParams, produced: int, eos: Collection[int]) -> torch.Tensor:
@@ -93,11 +106,13 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingState], eos: Collect
     for i, r in enumerate(requests):
         p = r.params
         pending_min = len(r.output_token_ids) < p.min_tokens
-        if p.greedy and not p.penalized and not pending_min:
+        if p.plain_argmax and not pending_min:
             continue
         row = logits[i]
         if pending_min:
             row = suppress_stops(row, p, len(r.output_token_ids), eos)
+        if p.logit_bias:
+            row = apply_logit_bias(row, p)
         if p.penalized:
             row = apply_penalties(row, p, r.prompt_token_ids, r.output_token_ids)
         tokens[i] = int(torch.argmax(row).item()) if p.greedy else _draw(filter_logits(row, p), r.generator)

@@ -12,6 +12,9 @@ GREEDY_TEMPERATURE = 1e-5
 #: The largest value a penalty may take: beyond it a penalty only turns logits into infinities.
 MAX_PENALTY = 100.0
 
+#: A logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range; vLLM's server clamps to it).
+MAX_LOGIT_BIAS = 100.0
+
 #: Most alternatives per token a request may ask for (`logprobs`, `prompt_logprobs`): vLLM's default cap.
 MAX_LOGPROBS = 20
 
@@ -36,9 +39,10 @@ class SamplingParams:
     `stop_token_ids` until that many tokens are out. `stop` strings end generation and are not included
     in the returned text; `stop_token_ids` and EOS (unless `ignore_eos`) end it with the token included
     in `output_token_ids` but not in the text. `skip_special_tokens` drops special tokens from the text.
-    `return_kept` asks for the positions every (layer, KV head) held when the request finished
-    (`RequestOutput.kv.kept`) and right after its policy compressed (`kv.kept_at_compression`), as
-    `KeptEntries`; each costs a pass over the request's tables.
+    `logit_bias` pairs (token id, bias in [-100, 100]) add each bias to its token's logit before the
+    penalties, as vLLM's logits processor does. `return_kept` asks for the positions every (layer, KV head)
+    held when the request finished (`RequestOutput.kv.kept`) and right after its policy compressed
+    (`kv.kept_at_compression`), as `KeptEntries`; each costs a pass over the request's tables.
 
     `logprobs` (None: off) returns, for every generated token, its log-probability and the `logprobs`
     most likely tokens' (0: the sampled token's only); `prompt_logprobs` does the same for every prompt
@@ -60,6 +64,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     return_kept: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -90,6 +95,11 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        object.__setattr__(self, "logit_bias", tuple((token, bias) for token, bias in self.logit_bias))
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias token ids must be non-negative integers, got {token!r}")
+            _finite_in("a logit_bias value", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         if not isinstance(self.return_kept, bool):
             raise ValueError(f"return_kept must be True or False, got {self.return_kept!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -106,3 +116,8 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy with nothing that moves a logit first: the batch's one argmax serves it."""
+        return self.greedy and not self.penalized and not self.logit_bias

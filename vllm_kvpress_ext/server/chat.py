@@ -148,7 +148,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     context = await asyncio.to_thread(default_context, state, body, token_ids)
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = requested or max(1, state.max_model_len - len(token_ids))
-    samples = sample_params(body, max_tokens, 1, top_logprobs, body.prompt_logprobs)
+    samples = sample_params(body, max_tokens, state.vocab_size, 1, top_logprobs, body.prompt_logprobs)
     handles = await submit_all(state, body, [token_ids], samples, arrival, "messages", context)
     completion_id = new_id("chatcmpl")
     created = int(time.time())
@@ -228,5 +228,5 @@ async def _stream(
         if with_usage:
             yield sse({**payload(obj), "usage": usage(prompt_tokens, finals)})
     except EngineStepError as exc:
-        yield sse(error_body(str(exc), type="server_error", code=exc.code))
+        yield sse(error_body(str(exc), status=exc.status))
     yield DONE

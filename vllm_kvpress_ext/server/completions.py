@@ -91,7 +91,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     # The prompt's logprobs feed echo's legacy lists and vLLM's `prompt_logprobs`: the larger top-k serves both.
     wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
     prompt_logprobs = max(wanted) if wanted else None
-    samples = sample_params(body, max_tokens, len(prompts), body.logprobs, prompt_logprobs)
+    samples = sample_params(body, max_tokens, state.vocab_size, len(prompts), body.logprobs, prompt_logprobs)
     handles = await submit_all(state, body, prompts, samples, arrival, "prompt")
     prompt_tokens = sum(len(p) for p in prompts)
     view = _Choices(body, state, prompts, len(samples), new_id("cmpl"), int(time.time()))
@@ -210,5 +210,5 @@ async def _stream(
         if with_usage:
             yield sse({**payload(), "usage": usage(prompt_tokens, finals)})
     except EngineStepError as exc:
-        yield sse(error_body(str(exc), type="server_error", code=exc.code))
+        yield sse(error_body(str(exc), status=exc.status))
     yield DONE

@@ -80,6 +80,11 @@ class EngineStepError(Exception):
         super().__init__(message)
         self.code = code
 
+    @property
+    def status(self) -> int:
+        """The HTTP status a client sees: the server going away is 503 (try again), an engine failure 500."""
+        return 503 if self.code == SHUTTING_DOWN else 500
+
 
 SHUTTING_DOWN = "server_shutting_down"
 

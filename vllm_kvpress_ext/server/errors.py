@@ -1,4 +1,4 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+"""Errors in vLLM's OpenAI-compatible shape (`api/errors.py`): `{"error": {"message", "type", "param", "code"}}`.
 
 OpenAI clients (the official SDK included) read `error.message` to build their exceptions, so
 every path out of the server that is not a success -- our own checks, FastAPI's schema
@@ -74,15 +74,13 @@ def install_error_handlers(app: FastAPI, on_rejected: Any = None) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        code = {413: "request_too_large", 405: "method_not_allowed"}.get(exc.status_code)
         # exc.headers carries e.g. the `Allow` header of a 405.
         return JSONResponse(
-            error_body(str(exc.detail), type=kind, code=code), status_code=exc.status_code, headers=exc.headers
+            error_body(str(exc.detail), status=exc.status_code), status_code=exc.status_code, headers=exc.headers
         )
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving a request")
         # The type only: an exception's text may quote data (a file, a prompt) that is not the client's.
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", type="server_error"), status_code=500)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", status=500), status_code=500)

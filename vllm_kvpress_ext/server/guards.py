@@ -66,7 +66,7 @@ class BodySizeLimit:
                 return False
 
     async def _reject(self, send: Send, body_read: bool) -> None:
-        body = json.dumps(error_body(self._message(), code="request_too_large")).encode()
+        body = json.dumps(error_body(self._message(), status=413)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if not body_read:
             headers.append((b"connection", b"close"))  # unread body bytes: the connection cannot be reused
@@ -119,7 +119,7 @@ class GuardedRoute(APIRoute):
                 raise  # answered by the app's handlers (or the size limit), connection intact
             except Exception as exc:
                 logger.exception("unhandled error while serving %s", request.url.path)
-                body: dict[str, Any] = error_body(f"internal error: {type(exc).__name__}", type="server_error")
+                body: dict[str, Any] = error_body(f"internal error: {type(exc).__name__}", status=500)
                 return JSONResponse(body, status_code=500)
 
         return guarded

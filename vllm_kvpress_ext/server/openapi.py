@@ -19,11 +19,11 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None
-    code: str | None
+    code: int
 
 
 class ErrorResponse(BaseModel):
-    """OpenAI's error body, sent with every non-2xx status."""
+    """OpenAI's error body as vLLM fills it (`code` the status), sent with every non-2xx status."""
 
     error: ErrorDetail
 

@@ -15,12 +15,12 @@ PROBE_CHARS_PER_TOKEN = 8
 def check_text(text: str, param: str, *, allow_empty: bool = False) -> None:
     """400 for text a tokenizer cannot take: lone UTF-16 surrogates (`"\\ud800"` in JSON), or nothing at all."""
     if not text and not allow_empty:
-        raise bad_request(f"{param} is empty", param=param, code="invalid_prompt")
+        raise bad_request(f"{param} is empty", param=param)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         message = f"{param} is not valid Unicode: a lone surrogate at character {exc.start}"
-        raise bad_request(message, param=param, code="invalid_prompt") from None
+        raise bad_request(message, param=param) from None
 
 
 def encode_bounded(tokenizer: Any, text: str, max_model_len: int) -> list[int]:
@@ -32,6 +32,5 @@ def encode_bounded(tokenizer: Any, text: str, max_model_len: int) -> list[int]:
             raise bad_request(
                 f"prompt has more than {head} tokens; the model's limit is {max_model_len} (prompt + output)",
                 param="prompt",
-                code="invalid_prompt",
             )
     return [int(t) for t in tokenizer.encode(text)]

@@ -38,7 +38,7 @@ def _state(request: Request) -> ServerState:
 @router.get("/health", summary="200 while the engine loop runs, 503 otherwise", responses=HEALTH_RESPONSES)
 async def health(request: Request) -> Response:
     if not _state(request).loop.alive:
-        return JSONResponse(error_body("the engine loop is not running", type="server_error"), status_code=503)
+        return JSONResponse(error_body("the engine loop is not running", status=503), status_code=503)
     return JSONResponse({"status": "ok"})
 
 

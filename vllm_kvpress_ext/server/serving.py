@@ -24,10 +24,10 @@ from vllm_kvpress_ext.api.errors import APIError, bad_request, unsupported
 from vllm_kvpress_ext.api.policy_spec import policy_spec, resolve_policy
 from vllm_kvpress_ext.api.usage import combine_figures, kv_figures, usage_fields
 from vllm_kvpress_ext.engine import LLMEngine, RequestRejectedError, SamplingParams
+from vllm_kvpress_ext.engine.sampling_params import MAX_LOGIT_BIAS
 from vllm_kvpress_ext.policies import PolicyConfigError
 from vllm_kvpress_ext.server.config import ServerConfig
 from vllm_kvpress_ext.server.engine_loop import (
-    SHUTTING_DOWN,
     EngineLoop,
     EngineStepError,
     EngineUnavailableError,
@@ -73,6 +73,10 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.engine.config.vocab_size)
+
 
 def check_max_tokens(state: ServerState, max_tokens: int | None, param: str) -> None:
     """vLLM refuses an output longer than the model's context, whatever the prompt."""
@@ -91,7 +95,6 @@ def check_model(state: ServerState, model: str | None) -> None:
             404,
             f"The model `{model}` does not exist; this server serves `{state.model_name}`",
             param="model",
-            code="model_not_found",
         )
 
 
@@ -110,8 +113,6 @@ def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
         if value is not None and value not in neutral:
             allowed = " or ".join(repr(v) for v in (None, *neutral))
             raise unsupported(name, f"only {allowed} is supported, got {value!r}")
-    if body.logit_bias:
-        raise unsupported("logit_bias", "logit_bias is not supported")
     for name in CHANGES_THE_RESULT:
         value = getattr(body, name, None)
         if value is not None and not (name == "modalities" and value == ["text"]):
@@ -121,9 +122,26 @@ def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
         logger.info("request fields accepted and ignored (they do not change the answer): %s", ", ".join(ignored))
 
 
+def logit_bias(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs: ids in the vocabulary, biases clamped to [-100, 100] as vLLM does."""
+    pairs = []
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise bad_request(
+                f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})", param="logit_bias"
+            )
+        pairs.append((token, min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, bias))))
+    return tuple(pairs)
+
+
 def sampling_params(
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
+    vocab_size: int,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
@@ -145,6 +163,7 @@ def sampling_params(
             frequency_penalty=body.frequency_penalty or 0.0,
             min_tokens=body.min_tokens or 0,
             skip_special_tokens=body.skip_special_tokens is not False,
+            logit_bias=logit_bias(body, vocab_size),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
@@ -155,6 +174,7 @@ def sampling_params(
 def sample_params(
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
+    vocab_size: int,
     prompts: int,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
@@ -169,7 +189,7 @@ def sample_params(
         raise bad_request(f"n must be at most {most}, got {n} (VLLM_MAX_N_SEQUENCES)", param="n")
     if n * prompts > most:
         raise bad_request(f"n x prompts may be at most {most}, got {n} x {prompts}", param="n")
-    params = sampling_params(body, max_tokens, logprobs, prompt_logprobs)
+    params = sampling_params(body, max_tokens, vocab_size, logprobs, prompt_logprobs)
     if n == 1 or params.seed is None:
         return [params] * n
     return [dataclasses.replace(params, seed=(params.seed + j) % 2**64) for j in range(n)]
@@ -212,13 +232,13 @@ async def submit(
             )
         return await state.loop.submit_samples(token_ids, params, policy, arrival, boundary)
     except QueueFullError as exc:
-        raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+        raise APIError(429, str(exc)) from None
     except RequestRejectedError as exc:
-        raise bad_request(str(exc), param=prompt_param, code="invalid_prompt") from None
+        raise bad_request(str(exc), param=prompt_param) from None
     except PolicyConfigError as exc:
-        raise bad_request(str(exc), param="kv_policy", code="invalid_kv_policy") from None
+        raise bad_request(str(exc), param="kv_policy") from None
     except EngineUnavailableError as exc:
-        raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
+        raise APIError(503, str(exc)) from None
     except ValueError as exc:
         raise bad_request(str(exc)) from None
 
@@ -351,8 +371,7 @@ def abort_all(handles: list[RequestHandle]) -> Callable[[], None]:
 
 
 def engine_failure(exc: EngineStepError) -> APIError:
-    status = 503 if exc.code == SHUTTING_DOWN else 500
-    return APIError(status, str(exc), type="server_error", code=exc.code)
+    return APIError(exc.status, str(exc))
 
 
 async def final_response(

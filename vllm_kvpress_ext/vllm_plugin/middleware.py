@@ -119,14 +119,8 @@ def rewrite_response(payload: dict[str, Any]) -> dict[str, Any]:
     return payload
 
 
-def _error_body(exc: APIError) -> bytes:
-    return json.dumps(
-        {"error": {"message": str(exc), "type": "BadRequestError", "param": exc.param, "code": exc.status}}
-    ).encode()
-
-
 async def _send_error(send: Send, exc: APIError) -> None:
-    error = _error_body(exc)
+    error = json.dumps(exc.body()).encode()
     headers = _with_length([(b"content-type", b"application/json")], len(error))
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": error})

@@ -65,7 +65,6 @@ def unsupported_sampling(params: Any) -> tuple[str, str] | None:
     except ValueError as exc:
         return str(exc).split(" ", 1)[0], f"{exc} with the vllm-kvpress-ext worker"
     checks: list[tuple[str, bool]] = [
-        ("logit_bias", bool(params.logit_bias)),
         ("allowed_token_ids", bool(params.allowed_token_ids)),
         ("bad_words", bool(params.bad_words)),
         ("structured_outputs", params.structured_outputs is not None),

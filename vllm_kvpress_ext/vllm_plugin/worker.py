@@ -80,6 +80,8 @@ def runner_sampling_params(params: Any) -> SamplingParams:
         presence_penalty=float(params.presence_penalty),
         frequency_penalty=float(params.frequency_penalty),
         min_tokens=int(params.min_tokens),
+        # vLLM's server has turned the keys into ids and clamped the values to [-100, 100].
+        logit_bias=tuple((int(token), float(bias)) for token, bias in (params.logit_bias or {}).items()),
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
     )
