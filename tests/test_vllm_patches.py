@@ -29,7 +29,7 @@ from vllm_kvpress_ext.vllm_plugin.patches import (
 PLUGIN = Path(patches.__file__).parent
 MACHINE = "cannot open shared object file"  # vLLM's CUDA module without a CUDA driver: this machine's
 # Plugin modules whose classes subclass vLLM's (the CUDA platform needs a driver to import).
-SUBCLASSING = ("scheduler", "worker", "platform", "native.worker", "native.runner", "native.attention")
+SUBCLASSING = ("scheduler", "worker", "platform", "native.worker", "native.runner", "native.attention", "native.moe")
 
 
 def overrides() -> set[tuple[str, str]]:

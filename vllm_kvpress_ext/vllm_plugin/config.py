@@ -135,6 +135,22 @@ def settle_runner(vllm_config: Any, on_gpu: bool = False) -> str:
     return runner
 
 
+def moe_refusal(architectures: list[str], quantization: str | None) -> str | None:
+    """Why vLLM's runner cannot run this mixture-of-experts model on the plugin's CPU platform, or None: vLLM's
+    fused-MoE layer has no experts kernel or router op there, and the plugin's torch stand-ins
+    (`native/moe.py`) cover plain top-k routed SiLU experts only."""
+    from vllm_kvpress_ext.vllm_plugin.native.support import SUPPORTED_MOE
+
+    if quantization is not None:
+        return f"kv_runner 'vllm' runs mixture-of-experts models unquantized only on this platform, not {quantization}"
+    if not set(architectures) & set(SUPPORTED_MOE):
+        return (
+            f"kv_runner 'vllm' runs the mixture-of-experts layers of {', '.join(SUPPORTED_MOE)} on this platform, "
+            f"not {', '.join(architectures) or 'this model'}'s (shared experts or grouped routing)"
+        )
+    return None
+
+
 def apply_native_config(vllm_config: Any) -> None:
     """vLLM's runner with the plugin's worker, pool, attention backend and scheduler: eager, synchronous,
     every custom op on its torch path; a default policy this runner cannot serve yet is refused at start."""
@@ -143,12 +159,9 @@ def apply_native_config(vllm_config: Any) -> None:
     refuse_unsupported(vllm_config)
     model = vllm_config.model_config
     if model is not None and getattr(model, "is_moe", False):
-        # Measured: vLLM 0.32's unquantized fused-MoE layer selects no experts kernel on an out-of-tree
-        # platform, and its forward fails on the missing kernel (docs/architecture.md).
-        raise UnsupportedConfigError(
-            "kv_runner 'vllm' cannot run mixture-of-experts models on this platform yet: vLLM's fused-MoE layer "
-            "has no kernel for it"
-        )
+        refusal = moe_refusal(list(getattr(model, "architectures", None) or []), model.quantization)
+        if refusal is not None:
+            raise UnsupportedConfigError(refusal)
     additional = vllm_config.additional_config or {}
     if "kv_policy" in additional:
         from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts, model_facts, native_refusal

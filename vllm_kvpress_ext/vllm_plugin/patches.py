@@ -252,6 +252,30 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch("vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context", REPLACED, "native.adapter", "self, tag"),
     Patch(
+        "vllm.model_executor.layers.fused_moe.router.fused_topk_router:FusedTopKRouter._compute_routing",
+        WRAPPED,
+        "native.moe",
+        "self, hidden_states, router_logits, indices_type, *, input_ids=",
+    ),
+    Patch(
+        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.forward_native",
+        OVERRIDDEN,
+        "native.moe",
+        "self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input",
+    ),
+    Patch(
+        "vllm.model_executor.custom_op:CustomOp.forward_oot",
+        OVERRIDDEN,
+        "native.moe",
+        "self, *args, **kwargs",
+    ),
+    Patch(
+        "vllm.model_executor.layers.fused_moe.fused_moe_method_base:FusedMoEMethodBase.is_monolithic",
+        OVERRIDDEN,
+        "native.moe",
+        "self",
+    ),
+    Patch(
         "vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks",
         PROXIED,
         "scheduler",

@@ -50,6 +50,11 @@ class LayerProjections:
     keys: KeySplit  # the module's output `[S, (Hq + 2 Hkv) d]` -> keys before RoPE `[S, Hkv, d]`
 
 
+#: Mixture-of-experts architectures vLLM's runner runs on the plugin's CPU platform (`native/moe.py`): top-k
+#: softmax routing over SiLU experts, no shared expert.
+SUPPORTED_MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
 def layer_projections(model: torch.nn.Module, num_layers: int) -> list[LayerProjections] | None:
     """Per layer, vLLM's fused QKV projection, the query projection it holds (with the layer's query norm where
     it has one, as Qwen3) and the split of its output into the keys before RoPE (with the key norm); None where

@@ -30,7 +30,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from vllm_kvpress_ext.vllm_plugin.native import adapter
+from vllm_kvpress_ext.vllm_plugin.native import adapter, moe
 from vllm_kvpress_ext.vllm_plugin.native.runner import KVPressModelRunner
 
 logger = logging.getLogger("vllm.kvpress.worker")
@@ -43,6 +43,7 @@ class VllmRunnerWorker(Worker):
         from vllm.utils.torch_utils import set_random_seed
 
         adapter.install()
+        moe.register()
         self.device = torch.device("cpu")
         self.parallel_config.disable_custom_all_reduce = True
         init_worker_distributed_environment(
