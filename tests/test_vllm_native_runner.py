@@ -293,42 +293,25 @@ def test_a_default_write_gate_that_cannot_run_stops_the_engine_at_start(checkpoi
         native_llm(path, kv_policy="wgkv")
 
 
-@pytest.mark.parametrize(
-    ("name", "served", "refused"),
-    [
-        # GVote's votes keep all of this near-uniform model's prompt; the Phi-3 twin of a sharper one keeps what the
-        # embedded engine keeps, GVote included (test_vllm_native_policies.py).
-        ("phi3", ["expected_attention", "kvzip", "wgkv"], []),
-        (
-            "olmo2",
-            ["expected_attention", "kvzip"],
-            [("gvote", "the hidden states' statistics"), ("wgkv", "write-time admission gates")],
-        ),
-    ],
-)
+# GVote's votes keep all of these near-uniform models' prompts (it is run below, not held to keep less); the Phi-3
+# twin of a sharper one keeps what the embedded engine keeps, GVote included (test_vllm_native_policies.py).
+@pytest.mark.parametrize("name", ["phi3", "olmo2"])
 def test_policies_needing_the_rope_run_where_the_config_gives_it(
-    checkpoints: Checkpoints,
-    name: str,
-    served: list[str | dict[str, Any]],
-    refused: list[tuple[str, str]],
-    tmp_path: Path,
+    checkpoints: Checkpoints, name: str, tmp_path: Path
 ) -> None:
     """Phi-3 and OLMo-2, which the project's model code does not implement, rotate with the RoPE their config
-    describes (`ROPE_ARCHITECTURES`): Expected Attention and KVzip run on both. Phi-3 runs on vLLM's Llama
-    implementation, whose fused QKV projection the runner hooks, so WG-KV (and GVote) run there too; OLMo-2 runs
-    on vLLM's Transformers backend, without that projection, and refuses them by name."""
+    describes (`ROPE_ARCHITECTURES`): Expected Attention, KVzip and WG-KV (whose gates read the keys before RoPE
+    off the hooked QKV projection) run on both: Phi-3 on vLLM's Llama implementation, OLMo-2 on vLLM's
+    Transformers backend, whose query and key norms span all heads (what the hook reads is checked against
+    HF's modules in test_the_hooked_projection_reads_olmo2s_normed_queries_and_keys)."""
     path = with_suite_vocabulary(checkpoints(name)[0], tmp_path / name)  # KVzip's pass writes its prompt with it
     write_random_gates(path)
     llm = native_llm(path)
     try:
         pool = in_process_worker(llm).model_runner.pool
-        for spec in served:
-            policy = spec if isinstance(spec, str) else spec["name"]
+        for policy in ("expected_attention", "kvzip", "wgkv"):
             params = VllmSamplingParams(
-                max_tokens=NEW_TOKENS,
-                temperature=0.0,
-                ignore_eos=True,
-                extra_args={"kv_policy": spec if isinstance(spec, str) else json.dumps(spec)},
+                max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, extra_args={"kv_policy": policy}
             )
             outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
             long = outputs[-1]  # 197 tokens: every policy's default keeps less than all of it
@@ -336,10 +319,46 @@ def test_policies_needing_the_rope_run_where_the_config_gives_it(
             figures = long.kv_transfer_params["kvpress"]
             assert figures["policy"] == policy and figures["kv_tokens_kept"] < figures["kv_tokens_full"], policy
             assert_no_page_leaked(pool)
-        for policy, missing in refused:
-            params = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": policy})
-            with pytest.raises(VLLMValidationError, match=f"kv_policy '{policy}' needs {missing}"):
-                llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+        # GVote votes to keep all of this near-uniform model's prompt: it runs, its queries off the hooked projection.
+        params = VllmSamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, extra_args={"kv_policy": "gvote"})
+        gvote = llm.generate([{"prompt_token_ids": PROMPTS[-1]}], params, use_tqdm=False)[0]
+        assert (
+            len(gvote.outputs[0].token_ids) == NEW_TOKENS and gvote.kv_transfer_params["kvpress"]["policy"] == "gvote"
+        )
+        assert_no_page_leaked(pool)
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_the_hooked_projection_reads_olmo2s_normed_queries_and_keys(checkpoints: Checkpoints) -> None:
+    """OLMo-2 normalises its queries and keys over all heads at once, before RoPE. What the runner reads off vLLM's
+    fused projection (GVote's queries, WG-KV's keys) equals that, computed here from the checkpoint's tensors."""
+    from safetensors.torch import load_file
+
+    from vllm_kvpress_ext.vllm_plugin.native.adapter import projection
+    from vllm_kvpress_ext.vllm_plugin.native.support import layer_projections
+
+    path, _ = checkpoints("olmo2")
+    tensors = load_file(str(path / "model.safetensors"))
+    eps = json.loads((path / "config.json").read_text())["rms_norm_eps"]
+    hidden = torch.randn(5, COMMON["hidden_size"], generator=torch.Generator().manual_seed(3))
+
+    def normed(name: str, layer: int, heads: int) -> torch.Tensor:
+        prefix = f"model.layers.{layer}.self_attn."
+        x = hidden @ tensors[prefix + f"{name}_proj.weight"].T
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * tensors[prefix + f"{name}_norm.weight"]
+        return x.view(5, heads, -1)
+
+    llm = native_llm(path)
+    try:
+        model = in_process_worker(llm).model_runner.model
+        found = layer_projections(model, COMMON["num_hidden_layers"])
+        assert found is not None
+        for layer, hooked in enumerate(found):
+            fused = projection(hooked.module, hidden, hooked.module.weight, None)
+            torch.testing.assert_close(hooked.queries(hidden), normed("q", layer, COMMON["num_attention_heads"]))
+            torch.testing.assert_close(hooked.keys(fused), normed("k", layer, COMMON["num_key_value_heads"]))
     finally:
         del llm
         gc.collect()

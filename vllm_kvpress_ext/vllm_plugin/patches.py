@@ -258,6 +258,12 @@ PATCHES: tuple[Patch, ...] = (
         "self, hidden_states, router_logits, indices_type, *, input_ids=",
     ),
     Patch(
+        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.name",
+        OVERRIDDEN,
+        "native.moe",
+        None,
+    ),
+    Patch(
         "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.forward_native",
         OVERRIDDEN,
         "native.moe",

@@ -34,6 +34,9 @@ from vllm_kvpress_ext.vllm_plugin.patches import wrap
 class TorchExpertsMethod(UnquantizedFusedMoEMethod):
     """vLLM's unquantized MoE method with the experts computed in torch (the weights stay as vLLM loaded them)."""
 
+    # What `register_oot` names it: vLLM's class name, under which `CustomOp.__new__` finds the replacement.
+    name = UnquantizedFusedMoEMethod.__name__
+
     @property
     def is_monolithic(self) -> bool:
         return False  # routing first (the router above), then `apply` with the chosen experts

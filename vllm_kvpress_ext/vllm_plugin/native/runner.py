@@ -44,6 +44,11 @@ from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 logger = logging.getLogger("vllm.kvpress.runner")
 
 
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """`x` as `[T, features]`, whatever batch dimensions lead."""
+    return x.reshape(-1, x.shape[-1])
+
+
 class KVPressModelRunner(CPUModelRunner):
     pool: NativePool | None = None
 
@@ -148,12 +153,13 @@ class KVPressModelRunner(CPUModelRunner):
         if projections is None:
             return
         for layer, projection in enumerate(projections):
+            # `[T, ...]` as the pool reads them: vLLM's Transformers backend runs HF's modules, with a batch of one.
             projection.module.register_forward_pre_hook(
-                lambda _module, args, layer=layer: pool.record_hidden(layer, args[0])
+                lambda _module, args, layer=layer: pool.record_hidden(layer, _tokens(args[0]))
             )
             projection.module.register_forward_hook(
                 lambda _module, _args, output, layer=layer, split=projection.keys: pool.record_keys(
-                    layer, output[0] if isinstance(output, tuple) else output, split
+                    layer, _tokens(output[0] if isinstance(output, tuple) else output), split
                 )
             )
         pool.query_projections = [projection.queries for projection in projections]

@@ -17,7 +17,8 @@ KVzip's pass runs vLLM's model with the embedded engine's reconstruction attenti
 
 Outside those, for a few architectures whose vLLM implementation applies the same full-width RoPE as their
 config describes (`ROPE_ARCHITECTURES`: Phi-3, OLMo-2), the project reads that RoPE from the config, and where
-vLLM lays the model out as its Llama family (Phi-3) hooks the projection too. On any other model Expected
+vLLM fuses the model's projections into one `qkv_proj` (Phi-3 on vLLM's Llama implementation, OLMo-2 on its
+Transformers backend, whose query and key norms span all heads) hooks the projection too. On any other model Expected
 Attention, GVote and WG-KV are refused by name (`native_refusal`), and KVzip where the attention has a logit
 soft cap, which its pass does not apply.
 """
@@ -72,21 +73,50 @@ def layer_projections(model: torch.nn.Module, num_layers: int) -> list[LayerProj
     ]
 
 
+def _head_counts(attention: Any) -> tuple[int, int, int] | None:
+    """(query heads, KV heads, head size) of a fused `qkv_proj`: the attention module's own (vLLM's Llama family)
+    or its projection's (vLLM's Transformers backend, whose modules are HF's with `qkv_proj` fused in)."""
+    qkv = getattr(attention, "qkv_proj", None)
+    for source in (attention, qkv):
+        if source is not None and all(hasattr(source, n) for n in ("num_heads", "num_kv_heads")):
+            head_dim = getattr(attention, "head_dim", None) or getattr(qkv, "head_size", None)
+            if head_dim is not None:
+                return int(source.num_heads), int(source.num_kv_heads), int(head_dim)
+    return None
+
+
 def _llama_layout(attention: Any) -> bool:
-    """vLLM's Llama-family attention: a fused `qkv_proj` holding queries, keys and values in that order, the head
-    counts and size it splits them by, and query/key norms (if any) per head. Not, for one, vLLM's Transformers
-    backend, which fuses HF's projections into a `qkv_proj` but keeps HF's attention (OLMo-2: norms over all heads)."""
-    if not all(hasattr(attention, name) for name in ("qkv_proj", "num_heads", "num_kv_heads", "head_dim")):
+    """A fused `qkv_proj` holding queries, keys and values in that order, the head counts and size it splits them
+    by, and query/key norms (if any) either per head (vLLM's Llama family, Qwen3) or over all of the layer's
+    query or key heads at once (OLMo-2, on vLLM's Transformers backend)."""
+    counts = _head_counts(attention)
+    if counts is None:
         return False
-    norms = [getattr(attention, name, None) for name in ("q_norm", "k_norm")]
-    return all(norm is None or norm.weight.numel() == attention.head_dim for norm in norms)
+    heads, kv_heads, head_dim = counts
+    widths = {"q_norm": (head_dim, heads * head_dim), "k_norm": (head_dim, kv_heads * head_dim)}
+    return all(
+        getattr(attention, name, None) is None or getattr(attention, name).weight.numel() in allowed
+        for name, allowed in widths.items()
+    )
+
+
+def _normed(norm: Any, x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """`x [T, heads * head_dim]` through a query or key norm (per head, or over all heads at once), as `[T, heads,
+    head_dim]`."""
+    if norm is not None and norm.weight.numel() == head_dim:
+        return norm.forward_native(x.reshape(-1, head_dim)).view(-1, heads, head_dim)
+    if norm is not None:
+        x = norm.forward_native(x)
+    return x.reshape(-1, heads, head_dim)
 
 
 def _query_projection(attention: Any) -> QueryProjection:
     from vllm_kvpress_ext.vllm_plugin.native.adapter import projection
 
     qkv = attention.qkv_proj
-    heads, head_dim = int(attention.num_heads), int(attention.head_dim)
+    counts = _head_counts(attention)
+    assert counts is not None
+    heads, _, head_dim = counts
     rows = heads * head_dim
     norm = getattr(attention, "q_norm", None)
 
@@ -95,24 +125,20 @@ def _query_projection(attention: Any) -> QueryProjection:
         # whose rows cannot be sliced; the keys and values computed besides cost less than a second weight copy.
         h = hidden.to(device=qkv.weight.device, dtype=qkv.weight.dtype)
         fused = projection(qkv, h, qkv.weight, getattr(qkv, "bias", None))
-        queries = fused[:, :rows].reshape(-1, heads, head_dim)
-        if norm is not None:
-            queries = norm.forward_native(queries.reshape(-1, head_dim)).view(-1, heads, head_dim)
-        return queries
+        return _normed(norm, fused[:, :rows], heads, head_dim)
 
     return project
 
 
 def _key_split(attention: Any) -> KeySplit:
-    heads, kv_heads, head_dim = int(attention.num_heads), int(attention.num_kv_heads), int(attention.head_dim)
+    counts = _head_counts(attention)
+    assert counts is not None
+    heads, kv_heads, head_dim = counts
     begin, end = heads * head_dim, (heads + kv_heads) * head_dim
     norm = getattr(attention, "k_norm", None)
 
     def split(qkv: torch.Tensor) -> torch.Tensor:
-        keys = qkv[:, begin:end].reshape(-1, kv_heads, head_dim)
-        if norm is not None:
-            keys = norm.forward_native(keys.reshape(-1, head_dim)).view(-1, kv_heads, head_dim)
-        return keys
+        return _normed(norm, qkv[:, begin:end], kv_heads, head_dim)
 
     return split
 
@@ -120,9 +146,9 @@ def _key_split(attention: Any) -> KeySplit:
 # Architectures the project's own model code does not implement, whose vLLM implementation rotates queries and keys
 # with the full-width "rotate_half" RoPE their config describes (as the Llama family's), each with whether vLLM lays
 # it out as its Llama family (a fused `qkv_proj`, a query norm per head or none), whose projection the runner hooks.
-# Phi-3 runs on vLLM's Llama implementation; OLMo-2 on vLLM's Transformers backend, HF's own modules (its query norm
-# spans all heads).
-ROPE_ARCHITECTURES: dict[str, bool] = {"Phi3ForCausalLM": True, "Olmo2ForCausalLM": False}
+# Phi-3 runs on vLLM's Llama implementation; OLMo-2 on vLLM's Transformers backend, HF's own modules with the
+# projections fused into a `qkv_proj` (its query and key norms span all heads).
+ROPE_ARCHITECTURES: dict[str, bool] = {"Phi3ForCausalLM": True, "Olmo2ForCausalLM": True}
 
 
 @dataclass(frozen=True)
