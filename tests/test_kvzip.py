@@ -62,6 +62,37 @@ def test_the_attention_normaliser_serves_the_scores(monkeypatch: pytest.MonkeyPa
     torch.testing.assert_close(served, alone, rtol=1e-5, atol=1e-6)
 
 
+def test_a_soft_cap_caps_the_logits_of_the_attention_and_the_scores() -> None:
+    """Gemma 2's cap: attention and scores are those of the softmax over `cap * tanh(logit / cap)`, written out
+    densely here in float64 (the sinks, the span and the own keys up to each query, one softmax per query)."""
+    g = torch.Generator().manual_seed(1)
+    m, hq, hkv, d, cap, scale = 6, 4, 2, 8, 2.0, 0.9  # logits of several units: the cap bends them
+    queries, own = torch.randn(m, hq, d, generator=g), torch.randn(m, hkv, d, generator=g)
+    values, cached = torch.randn(m, hkv, d, generator=g), torch.randn(hkv, 9, d, generator=g)
+    sinks, span = cached[:, :2], cached[:, 5:]
+    out, lse = attention_with_lse(
+        queries.transpose(0, 1), own.transpose(0, 1), values.transpose(0, 1), True, scale, cap
+    )
+    scores = reconstruction_chunk_scores(queries, own, sinks, span, scale, lse.transpose(0, 1), soft_cap=cap)
+    alone = reconstruction_chunk_scores(queries, own, sinks, span, scale, soft_cap=cap, query_block=4)
+    want_out = torch.zeros(hq, m, d, dtype=torch.float64)
+    want = torch.zeros(hkv, span.shape[1], dtype=torch.float64)
+    for h in range(hq):
+        g_ = h // (hq // hkv)
+        for i in range(m):
+            keys = torch.cat([sinks[g_], span[g_], own[: i + 1, g_]]).double()
+            logits = keys @ queries[i, h].double() * scale
+            probs = torch.softmax(cap * torch.tanh(logits / cap), dim=0)
+            want[g_] = torch.maximum(want[g_], probs[2 : 2 + span.shape[1]])
+            own_logits = own[: i + 1, g_].double() @ queries[i, h].double() * scale
+            own_probs = torch.softmax(cap * torch.tanh(own_logits / cap), dim=0)
+            want_out[h, i] = own_probs @ values[: i + 1, g_].double()
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(scores.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(alone.double(), want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(reconstruction_chunk_scores(queries, own, sinks, span, scale).double(), want, atol=1e-3)
+
+
 def dense_reference(engine: LLMEngine, tokens: list[int], policy: KVzipPolicy) -> torch.Tensor:
     """The paper's scores from whole dense forwards: the prompt then each chunk's input, in one causal pass.
 

@@ -262,7 +262,6 @@ def test_vllms_sampling_features_work_under_compression(checkpoints: Checkpoints
         ("expected_attention", "the queries before RoPE"),
         ("gvote", "the hidden states' statistics"),
         ("wgkv", "write-time admission gates"),
-        ("kvzip", "a reconstruction pass over the prompt"),  # its pass has no soft cap
     ],
 )
 def test_a_policy_needing_the_projects_rope_is_refused_elsewhere(
@@ -270,8 +269,7 @@ def test_a_policy_needing_the_projects_rope_is_refused_elsewhere(
 ) -> None:
     """Expected Attention and GVote use the project's RoPE (and GVote the query rows of vLLM's QKV projection),
     WG-KV the keys before RoPE off that projection's output, all known where the project parses the config (the
-    Llama family, Gemma 3); KVzip's pass attends without a logit soft cap. On Gemma 2 they are refused by name, at
-    start and per request."""
+    Llama family, Gemma 3). On Gemma 2 they are refused by name, at start and per request."""
     path, _ = checkpoints("gemma2")
     with pytest.raises(ValueError, match=f"kv_policy '{policy}' needs {missing}"):
         native_llm(path, kv_policy=policy)
@@ -280,6 +278,39 @@ def test_a_policy_needing_the_projects_rope_is_refused_elsewhere(
         params = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": policy})
         with pytest.raises(VLLMValidationError, match=f"needs {missing}"):
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_kvzip_runs_under_gemma2s_soft_cap(
+    checkpoints: Checkpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVzip's pass applies each layer's logit soft cap, as Gemma 2's attention does (the capped attention and
+    scores are checked against a dense reference in test_kvzip.py): the global layer's scores are taken under
+    the cap, the layer is compressed, the sliding one stays a ring, and every page comes back."""
+    from vllm_kvpress_ext.engine import reconstruction
+
+    caps: list[float | None] = []
+    scores = reconstruction.reconstruction_chunk_scores
+
+    def spied(*args: Any, **kwargs: Any) -> torch.Tensor:
+        caps.append(kwargs.get("soft_cap"))
+        return scores(*args, **kwargs)
+
+    monkeypatch.setattr(reconstruction, "reconstruction_chunk_scores", spied)
+    path = with_suite_vocabulary(checkpoints("gemma2")[0], tmp_path / "gemma2")  # its pass writes its prompt with it
+    llm = native_llm(path)
+    try:
+        pool = in_process_worker(llm).model_runner.pool
+        assert pool.soft_caps == [2.0, 2.0]
+        params = VllmSamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, extra_args={"kv_policy": "kvzip"})
+        long = llm.generate([{"prompt_token_ids": PROMPTS[-1]}], params, use_tqdm=False)[0]
+        figures = long.kv_transfer_params["kvpress"]
+        assert len(long.outputs[0].token_ids) == NEW_TOKENS and figures["policy"] == "kvzip"
+        assert figures["kv_tokens_kept"] < figures["kv_tokens_full"] / 2
+        assert caps and set(caps) == {2.0}
+        assert_no_page_leaked(pool)
     finally:
         del llm
         gc.collect()

@@ -106,6 +106,11 @@ def chunk_inputs(
     return chunks
 
 
+def capped(logits: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
+    """Attention logits under a logit soft cap (Gemma 2): `soft_cap * tanh(logits / soft_cap)`; unchanged without."""
+    return logits if soft_cap is None else soft_cap * torch.tanh(logits / soft_cap)
+
+
 def reconstruction_chunk_scores(
     queries: torch.Tensor,
     own_keys: torch.Tensor,
@@ -114,6 +119,7 @@ def reconstruction_chunk_scores(
     scale: float,
     own_lse: torch.Tensor | None = None,
     query_block: int = QUERY_BLOCK,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Scores `[Hkv, c]` of a chunk's c cached entries from its reconstruction queries.
 
@@ -125,7 +131,8 @@ def reconstruction_chunk_scores(
     `query_block` at a time, so no `[Hq, m, c]` block is ever built.
 
     The maximum is taken on log-probabilities, max_i exp(x_ij - lse_i) = exp(max_i (x_ij - lse_i)), so
-    only the scores themselves are exponentiated beyond the normalisers.
+    only the scores themselves are exponentiated beyond the normalisers. With `soft_cap` the logits are
+    capped (`capped`) before the softmax, as the model's attention caps them.
     """
     m, num_q_heads, _ = queries.shape
     num_kv_heads, span = sink_keys.shape[0], span_keys.shape[1]
@@ -137,12 +144,12 @@ def reconstruction_chunk_scores(
     for first in range(0, m, query_block):
         last = min(m, first + query_block)
         q = queries[first:last].float().transpose(0, 1)  # [Hq, b, d]
-        logits = torch.matmul(q, cached.transpose(1, 2)) * scale  # [Hq, b, S + c]
+        logits = capped(torch.matmul(q, cached.transpose(1, 2)) * scale, soft_cap)  # [Hq, b, S + c]
         if own is None:
             assert own_lse is not None
             own_block = own_lse[first:last].float().transpose(0, 1)  # [Hq, b]
         else:
-            own_logits = torch.matmul(q, own[:, :last].transpose(1, 2)) * scale  # [Hq, b, last]
+            own_logits = capped(torch.matmul(q, own[:, :last].transpose(1, 2)) * scale, soft_cap)  # [Hq, b, last]
             future = torch.arange(last, device=q.device).view(1, -1) > torch.arange(first, last, device=q.device).view(
                 -1, 1
             )
@@ -153,12 +160,18 @@ def reconstruction_chunk_scores(
 
 
 def attention_with_lse(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool, scale: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    causal: bool,
+    scale: float,
+    soft_cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of query `[Hq, m, d]` over keys / values `[Hkv, N, d]` (causal: query i sees keys 0..i) and each
-    query's log-sum-exp `[Hq, m]` (float32): torch's CPU flash kernel where it exists, else an explicit softmax."""
+    query's log-sum-exp `[Hq, m]` (float32): torch's CPU flash kernel where it exists and no `soft_cap` applies,
+    else an explicit softmax (of the capped logits)."""
     flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if flash is not None and query.device.type == "cpu":
+    if flash is not None and query.device.type == "cpu" and soft_cap is None:
         out, lse = flash(query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), 0.0, causal, scale=scale)[:2]
         return out[0], lse[0].float()
     group = query.shape[0] // keys.shape[0]
@@ -168,7 +181,7 @@ def attention_with_lse(
     outs, lses = [], []
     for first in range(0, m, QUERY_BLOCK):  # query blocks: no [Hq, m, N] logits at once
         last = min(m, first + QUERY_BLOCK)
-        logits = torch.matmul(query[:, first:last].float(), expanded_keys) * scale
+        logits = capped(torch.matmul(query[:, first:last].float(), expanded_keys) * scale, soft_cap)
         if causal:
             rows = torch.arange(first, last, device=query.device).view(-1, 1)
             logits = logits.masked_fill(torch.arange(n, device=query.device).view(1, -1) > rows, float("-inf"))
@@ -190,8 +203,10 @@ class ReconstructionContext:
         scale: float,
         scores: list[torch.Tensor],
         prompt_length: int,
+        soft_caps: list[float | None] | None = None,
     ) -> None:
         self.cache = cache
+        self.soft_caps = soft_caps  # per layer, the attention's logit soft cap (Gemma 2), as the model applies it
         self.prompt_length = prompt_length  # the chunk's queries sit right after the prompt
         self.row = row
         self.span = span
@@ -209,6 +224,7 @@ class ReconstructionContext:
         k_pre_rope: torch.Tensor,
     ) -> torch.Tensor:
         cache = self.cache
+        soft_cap = self.soft_caps[layer_idx] if self.soft_caps is not None else None
         keys, values, positions, valid = gather_paged(
             cache.pool.kv,
             cache.pool.positions,
@@ -228,6 +244,7 @@ class ReconstructionContext:
                 torch.cat([positions[0, held].to(chunk_positions.dtype), chunk_positions]),
                 window,
                 self.scale,
+                soft_cap=soft_cap,
             )
         n = keys.shape[1]
         if not bool(valid.all()) or not torch.equal(positions[0].long(), torch.arange(n, device=positions.device)):
@@ -236,8 +253,8 @@ class ReconstructionContext:
         # Every cached prompt entry lies before all of the chunk's queries; the chunk's own keys are causal.
         # The two attentions merge by their log-sum-exps, and the own part's serves the scores too.
         queries = q.transpose(0, 1)  # [Hq, m, d]
-        cached_out, cached_lse = attention_with_lse(queries, keys, values, False, self.scale)
-        own_out, own_lse = attention_with_lse(queries, k.transpose(0, 1), v.transpose(0, 1), True, self.scale)
+        cached_out, cached_lse = attention_with_lse(queries, keys, values, False, self.scale, soft_cap)
+        own_out, own_lse = attention_with_lse(queries, k.transpose(0, 1), v.transpose(0, 1), True, self.scale, soft_cap)
         total = torch.logaddexp(cached_lse, own_lse).unsqueeze(-1)
         out = cached_out * torch.exp(cached_lse.unsqueeze(-1) - total) + own_out * torch.exp(
             own_lse.unsqueeze(-1) - total
@@ -245,7 +262,7 @@ class ReconstructionContext:
         start, end = self.span
         sinks = min(self.spec.sink_tokens, start)
         self.scores[layer_idx][:, start:end] = reconstruction_chunk_scores(
-            q, k, keys[:, :sinks], keys[:, start:end], self.scale, own_lse.transpose(0, 1)
+            q, k, keys[:, :sinks], keys[:, start:end], self.scale, own_lse.transpose(0, 1), soft_cap=soft_cap
         ).to(self.scores[layer_idx].device)
         return out.transpose(0, 1).to(q.dtype)
 
@@ -263,14 +280,18 @@ def score_prompt(
     prompts: ReconstructionPrompts,
     scale: float,
     forward: ChunkForward,
+    soft_caps: list[float | None] | None = None,
 ) -> list[torch.Tensor]:
     """Per layer `[Hkv, n]` float32 scores of a row's n cached prompt entries (`tokens`), one chunk's forward at a
-    time through `forward` (the model of whichever runner hosts the row); the first S are +inf (kept)."""
+    time through `forward` (the model of whichever runner hosts the row); the first S are +inf (kept).
+    `soft_caps`: each layer's logit soft cap, where the model's attention has one (Gemma 2)."""
     n = len(tokens)
     scores = [torch.zeros(cache.num_kv_heads, n, dtype=torch.float32) for _ in range(cache.num_layers)]
     for start, end, ids in chunk_inputs(tokens, spec, prompts):
         forward(
-            ReconstructionContext(cache, row, (start, end), spec, scale, scores, n), ids, torch.arange(n, n + len(ids))
+            ReconstructionContext(cache, row, (start, end), spec, scale, scores, n, soft_caps),
+            ids,
+            torch.arange(n, n + len(ids)),
         )
     for layer in scores:
         layer[:, : spec.sink_tokens] = float("inf")

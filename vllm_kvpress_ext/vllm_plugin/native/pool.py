@@ -173,8 +173,8 @@ class NativePool:
         self.model_path: Path | None = None
         self.max_model_len: int | None = None
         self.gate_store = GateStore()
-        # Whether a layer's attention has a logit soft cap (Gemma 2), set by the runner (`ModelFacts`).
-        self.soft_capped = False
+        # Each layer's attention logit soft cap (Gemma 2), or None: set by the runner.
+        self.soft_caps: list[float | None] = []
         self.num_q_heads = num_q_heads
         self.scale = scale
         self.default_policy = default_policy
@@ -256,7 +256,9 @@ class NativePool:
             self.failed[request_id] = str(exc)
             return
         facts = ModelFacts(
-            rope=self.rotary is not None, projections=self.query_projections is not None, soft_capped=self.soft_capped
+            rope=self.rotary is not None,
+            projections=self.query_projections is not None,
+            soft_capped=any(cap is not None for cap in self.soft_caps),
         )
         refusal = native_refusal(policy, facts)
         if refusal is not None:
@@ -757,6 +759,7 @@ class NativePool:
                 prompts,
                 self.scale,
                 self.reconstruction_forward,
+                self.soft_caps,
             )
         finally:
             self.reconstructing = False

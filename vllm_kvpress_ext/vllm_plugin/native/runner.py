@@ -115,7 +115,7 @@ class KVPressModelRunner(CPUModelRunner):
         # Where WG-KV looks for the model's write gates: beside the model, or a GGUF file's shipped ones.
         pool.model_path = gguf_source(self.model_config.model) or Path(self.model_config.model)
         pool.max_model_len = int(self.model_config.max_model_len)
-        pool.soft_capped = any(layer.impl.logits_soft_cap is not None for layer in layers)
+        pool.soft_caps = [layer.impl.logits_soft_cap for layer in layers]
         if pool.default_policy is not None and pool.default_policy.admits_during_prefill:
             # A default write gate that cannot run here (no gates for this model, gates of another) would fail every
             # request: `vllm serve` stops at start with the reason.

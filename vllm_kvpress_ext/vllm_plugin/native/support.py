@@ -13,14 +13,14 @@ model (`layer_projections`), and the runner hooks it:
 - its output holds each key before RoPE, which WG-KV's write gates read.
 
 KVzip's pass runs vLLM's model with the embedded engine's reconstruction attention
-(`NativePool._score_by_reconstruction`), on any model.
+(`NativePool._score_by_reconstruction`), on any model, under each layer's logit soft cap where it has one.
 
 Outside those, for a few architectures whose vLLM implementation applies the same full-width RoPE as their
 config describes (`ROPE_ARCHITECTURES`: Phi-3, OLMo-2), the project reads that RoPE from the config, and where
 vLLM fuses the model's projections into one `qkv_proj` (Phi-3 on vLLM's Llama implementation, OLMo-2 on its
 Transformers backend, whose query and key norms span all heads) hooks the projection too. On any other model Expected
-Attention, GVote and WG-KV are refused by name (`native_refusal`), and KVzip where the attention has a logit
-soft cap, which its pass does not apply.
+Attention, GVote and WG-KV are refused by name (`native_refusal`), and WG-KV where the attention has a logit
+soft cap, which the backend's ring path does not apply.
 """
 
 from __future__ import annotations
@@ -226,9 +226,8 @@ def native_refusal(policy: KVPolicy | None, facts: ModelFacts) -> str | None:
             ("the hidden states' statistics", spec.hidden_stats and not (facts.projections and facts.rope)),
             ("the keys before RoPE", spec.keys_pre_rope),
             ("the queries before RoPE", (spec.query_moments or spec.leading_queries > 0) and not facts.rope),
-            # The pass runs vLLM's model over the repeat prompt, with the project's attention over the pool: a plain
-            # softmax within each layer's window, any architecture's, but without a logit soft cap.
-            ("a reconstruction pass over the prompt", spec.reconstruction is not None and facts.soft_capped),
+            # The pass runs vLLM's model over the repeat prompt, with the project's attention over the pool (a softmax
+            # within each layer's window, of logits under the layer's soft cap where it has one): any architecture's.
             # The gates read each key before RoPE, which the runner reads off the hooked QKV projection's output;
             # the backend's soft-capped attention reads no local ring.
             (
