@@ -15,7 +15,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm_utils import MODEL_DIR
 
 from vllm_kvpress_ext.api.errors import APIError
-from vllm_kvpress_ext.api.policy_spec import parse_operator_policy
+from vllm_kvpress_ext.api.policy_spec import parse_operator_policy, policy_fields
 from vllm_kvpress_ext.policies import PolicyConfigError
 from vllm_kvpress_ext.vllm_plugin import activation
 from vllm_kvpress_ext.vllm_plugin.cli_args import fold_into_additional_config, install_kv_policy_flag
@@ -24,7 +24,7 @@ from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics, SnapshotCollecto
 from vllm_kvpress_ext.vllm_plugin.middleware import KVPressMiddleware, rewrite_request, rewrite_response
 from vllm_kvpress_ext.vllm_plugin.platform import validate_kvpress_request
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
-from vllm_kvpress_ext.vllm_plugin.request_policy import policy_fields, request_policy
+from vllm_kvpress_ext.vllm_plugin.request_policy import request_policy
 from vllm_kvpress_ext.vllm_plugin.usage import add_figures_to_usage_chunk, combine_figures
 from vllm_kvpress_ext.vllm_plugin.worker import runner_sampling_params
 
@@ -475,7 +475,8 @@ def test_kv_prefix_tokens_moves_into_vllm_xargs_unread() -> None:
     with pytest.raises(APIError, match="disagree") as refused:
         rewrite_request({"kv_prefix_tokens": 3, "vllm_xargs": {"kv_prefix_tokens": 4}})
     assert refused.value.param == "kv_prefix_tokens"
-    assert policy_fields({"kv_prefix_tokens": 3, "kv_policy": "snapkv"}) == {"kv_policy": "snapkv"}
+    fields = {"kv_prefix_tokens": 3, "kv_transfer_params": {}, "kv_policy": "snapkv", "kv_ratio": 0.5, "seed": 1}
+    assert policy_fields(fields) == {"kv_policy": "snapkv", "kv_ratio": 0.5}
 
 
 def test_the_runner_is_vllms_unless_asked_or_on_a_gpu_for_an_architecture_the_own_runner_runs() -> None:

@@ -23,11 +23,13 @@ never a path.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from vllm_kvpress_ext.api import KV_PREFIX
 from vllm_kvpress_ext.api.errors import APIError, bad_request
 from vllm_kvpress_ext.policies import (
     KVPolicy,
@@ -39,7 +41,14 @@ from vllm_kvpress_ext.policies import (
 )
 
 _XARGS_KEYS = ("kv_policy",)
-_XARGS_PARAM_PREFIX = "kv_"  # vllm_xargs.kv_ratio -> the policy's `ratio`
+#: `kv_*` fields that are not the policy's: a named context's boundary, and vLLM's own KV-transfer parameters.
+NOT_POLICY_FIELDS = ("kv_prefix_tokens", "kv_transfer_params")
+
+
+def policy_fields(fields: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The `kv_*` entries of a request's fields (`vllm_xargs`) that name its policy (`kv_policy`) or set the
+    policy's parameters (`kv_ratio` -> `ratio`)."""
+    return {k: v for k, v in (fields or {}).items() if k.startswith(KV_PREFIX) and k not in NOT_POLICY_FIELDS}
 
 
 def _policy_error(message: str, param: str) -> APIError:
@@ -93,13 +102,13 @@ def _normalize(value: Any, param: str, *, from_xargs: bool) -> str | dict[str, A
 def _with_flat_params(spec: str | dict[str, Any] | None, vllm_xargs: dict[str, Any]) -> str | dict[str, Any] | None:
     """Fold `kv_<param>` fields into the policy named by `kv_policy`."""
     params = {
-        key[len(_XARGS_PARAM_PREFIX) :]: _coerce_scalar(value)
+        key[len(KV_PREFIX) :]: _coerce_scalar(value)
         for key, value in vllm_xargs.items()
-        if key not in _XARGS_KEYS and key.startswith(_XARGS_PARAM_PREFIX)
+        if key not in _XARGS_KEYS and key.startswith(KV_PREFIX)
     }
     if not params:
         return spec
-    fields = ", ".join(f"{_XARGS_PARAM_PREFIX}{name}" for name in sorted(params))
+    fields = ", ".join(f"{KV_PREFIX}{name}" for name in sorted(params))
     if spec is None:
         raise _policy_error(f"vllm_xargs.{fields} need vllm_xargs.kv_policy to name the policy", "vllm_xargs")
     merged = {"name": spec} if isinstance(spec, str) else dict(spec)
@@ -119,11 +128,11 @@ def policy_spec(kv_policy: Any, vllm_xargs: dict[str, Any] | None) -> str | dict
     body = _normalize(kv_policy, "kv_policy", from_xargs=False)
     xargs: str | dict[str, Any] | None = None
     if vllm_xargs:
-        unknown = sorted(k for k in vllm_xargs if k not in _XARGS_KEYS and not k.startswith(_XARGS_PARAM_PREFIX))
+        unknown = sorted(k for k in vllm_xargs if k not in _XARGS_KEYS and not k.startswith(KV_PREFIX))
         if unknown:
             raise bad_request(
                 f"unsupported vllm_xargs key(s): {', '.join(unknown)}; supported: {', '.join(_XARGS_KEYS)} "
-                f"and {_XARGS_PARAM_PREFIX}<policy parameter>",
+                f"and {KV_PREFIX}<policy parameter>",
                 param="vllm_xargs",
             )
         xargs = _normalize(vllm_xargs.get("kv_policy"), "vllm_xargs.kv_policy", from_xargs=True)

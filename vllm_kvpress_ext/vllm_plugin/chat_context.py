@@ -27,11 +27,11 @@ from typing import Any
 from vllm_kvpress_ext.api import DEFAULT_CONTEXT_POLICY
 from vllm_kvpress_ext.api.context_policy import NO_SPLIT, OWN_POLICY, context_spec, parse_context_policy
 from vllm_kvpress_ext.api.errors import APIError
-from vllm_kvpress_ext.api.policy_spec import policy_spec, resolve_policy
+from vllm_kvpress_ext.api.policy_spec import policy_fields, policy_spec, resolve_policy
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.vllm_plugin.config import RUNNER_KEY
 from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD, context_refusal, contexts_kept
-from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, policy_fields
+from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
 logger = logging.getLogger("vllm.kvpress.chat_context")
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from vllm_kvpress_ext.api import KV_PREFIX
 from vllm_kvpress_ext.api.errors import APIError, unsupported
-from vllm_kvpress_ext.api.policy_spec import policy_spec
+from vllm_kvpress_ext.api.policy_spec import policy_fields, policy_spec
 from vllm_kvpress_ext.vllm_plugin.chat_context import name_default_context
 from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD
 from vllm_kvpress_ext.vllm_plugin.metrics import choose_metrics_file, register_collector
@@ -90,9 +90,7 @@ def rewrite_request(payload: dict[str, Any]) -> dict[str, Any]:
 
 def _fold_policy(body_policy: Any, xargs: dict[str, Any]) -> None:
     """The body's `kv_policy` merged with the `vllm_xargs.kv_*` policy fields into `xargs["kv_policy"]`."""
-    kv_fields = {
-        k: v for k, v in xargs.items() if k.startswith("kv_") and k not in (CONTEXT_FIELD, "kv_transfer_params")
-    }
+    kv_fields = policy_fields(xargs)
     if kv_fields and "kv_policy" not in kv_fields:
         # Flat `kv_<param>` fields refine the body's policy.
         body_spec = policy_spec(body_policy, None)

@@ -16,13 +16,13 @@ import torch
 from vllm.exceptions import VLLMValidationError
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from vllm_kvpress_ext.api.policy_spec import policy_fields
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.vllm_plugin.config import NATIVE_ATTENTION_BACKEND, apply_kvpress_config, settle_runner
 from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD, ContextError, check_context, contexts_kept
 from vllm_kvpress_ext.vllm_plugin.request_policy import (
     RequestPolicyError,
     default_policy,
-    policy_fields,
     request_policy,
     unsupported_sampling,
 )

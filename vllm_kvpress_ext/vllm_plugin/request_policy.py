@@ -11,24 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_kvpress_ext.api.errors import APIError
-from vllm_kvpress_ext.api.policy_spec import policy_spec, resolve_policy
+from vllm_kvpress_ext.api.policy_spec import policy_fields, policy_spec, resolve_policy
 from vllm_kvpress_ext.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
 
+
 # vLLM itself puts `kv_transfer_params` into extra_args (disaggregated prefill); `kv_prefix_tokens` names a
 # context (`contexts.py`). Neither is a policy field.
-_NOT_POLICY_KEYS = ("kv_transfer_params", "kv_prefix_tokens")
-
-
 class RequestPolicyError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
-
-
-def policy_fields(extra_args: dict[str, Any] | None) -> dict[str, Any]:
-    """The `kv_*` entries of a request's `extra_args` (`vllm_xargs`)."""
-    return {k: v for k, v in (extra_args or {}).items() if k.startswith("kv_") and k not in _NOT_POLICY_KEYS}
 
 
 def request_policy(extra_args: dict[str, Any] | None, default: KVPolicy | None) -> KVPolicy | None:

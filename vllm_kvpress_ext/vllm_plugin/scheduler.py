@@ -49,6 +49,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_kvpress_ext.api.policy_spec import policy_fields
 from vllm_kvpress_ext.engine.prefix_store import PrefixIndex, session_entry
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.vllm_plugin.config import RUNNER_KEY
@@ -61,7 +62,7 @@ from vllm_kvpress_ext.vllm_plugin.contexts import (
 from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics
 from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import readable_prefix
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
-from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, policy_fields, request_policy
+from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, request_policy
 
 logger = logging.getLogger("vllm.kvpress.scheduler")
 _UNSET = object()  # the server's default policy, parsed on first use
