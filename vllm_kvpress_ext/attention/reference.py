@@ -582,6 +582,18 @@ def copy_slots(kv_pool: torch.Tensor, position_pool: torch.Tensor, src: torch.Te
     pos[dst] = pos[src]
 
 
+def grouped_logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """`scale * q . k` of queries `[w, Hq, d]` over keys `[Hkv, n, d]`, as `[Hq, w, n]` fp32: query head i reads KV
+    head i // (Hq / Hkv). One matrix product per KV head over its query heads' rows, so the keys are not repeated
+    per query head (the same dot products: equal to the per-query-head product, and about twice as fast on a CPU
+    at SnapKV's window)."""
+    w, num_q_heads, d = queries.shape
+    num_kv_heads, n, _ = keys.shape
+    group = num_q_heads // num_kv_heads
+    rows = queries.float().reshape(w, num_kv_heads, group, d).permute(1, 2, 0, 3).reshape(num_kv_heads, group * w, d)
+    return torch.matmul(rows, keys.float().transpose(1, 2)).mul_(scale).view(num_q_heads, w, n)
+
+
 def mask_future_(scores: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
     """Set `scores[..., w, n]` to -inf where key position > query position, in place; returns `scores`.
 
@@ -627,8 +639,7 @@ def window_scores(
     num_q_heads = queries.shape[1]
     num_kv_heads, n, _ = keys.shape
     group = num_q_heads // num_kv_heads
-    k = keys.float().repeat_interleave(group, dim=0)  # [Hq, n, d]
-    scores = torch.einsum("whd,hnd->hwn", queries.float(), k) * scale
+    scores = grouped_logits(queries, keys, scale)  # [Hq, w, n]
     key_pos = key_positions.to(keys.device).reshape(-1, n)  # [1 or Hkv, n]
     if key_pos.shape[0] > 1:
         key_pos = key_pos.repeat_interleave(group, dim=0)  # [Hq, n]

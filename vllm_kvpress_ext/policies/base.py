@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 from vllm_kvpress_ext.attention import ops
-from vllm_kvpress_ext.attention.reference import mask_future_
+from vllm_kvpress_ext.attention.reference import grouped_logits, mask_future_
 from vllm_kvpress_ext.cache import KeepPlan
 from vllm_kvpress_ext.policies.capture import CaptureSpec, LayerCapture
 
@@ -454,10 +454,7 @@ def window_attention(
 
     queries `[w, Hq, d]`, keys `[Hkv, n, d]`; query head i reads KV head i // (Hq / Hkv).
     """
-    num_q_heads = queries.shape[1]
-    group = num_q_heads // keys.shape[0]
-    k = keys.float().repeat_interleave(group, dim=0)  # [Hq, n, d]
-    scores = torch.einsum("whd,hnd->hwn", queries.float(), k) * scale
+    scores = grouped_logits(queries, keys, scale)  # [Hq, w, n]
     return torch.softmax(mask_future_(scores, key_positions.view(-1), query_positions.view(-1)), dim=-1)
 
 
