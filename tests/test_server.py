@@ -744,6 +744,14 @@ def test_logit_bias_moves_the_tokens_it_names(http: httpx.Client) -> None:
     assert not set(_complete(http, **greedy, logit_bias=banned)["choices"][0]["text"].split()) & set(plain)
 
 
+def test_a_logit_bias_that_is_not_a_number_is_refused(http: httpx.Client) -> None:
+    """Python's JSON parser reads NaN and Infinity; neither is a bias (clamping would turn NaN into -100)."""
+    for value in ("NaN", "Infinity"):
+        body = '{"prompt": "a", "max_tokens": 1, "logit_bias": {"3": ' + value + "}}"
+        response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert_error(response, 400, "logit_bias")
+
+
 def test_chat_with_n_streams_every_choice(http: httpx.Client) -> None:
     body = {
         "messages": [{"role": "user", "content": "what is key trout ?"}],

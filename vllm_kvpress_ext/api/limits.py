@@ -23,20 +23,12 @@ def _from_env(name: str, default: int) -> int:
     return value
 
 
-def max_samples() -> int:
-    """`n`, samples per prompt (`VLLM_MAX_N_SEQUENCES`)."""
-    return _from_env("VLLM_MAX_N_SEQUENCES", 16384)
-
-
-def max_prompts() -> int:
-    """Prompts in one completions request (`VLLM_MAX_COMPLETION_PROMPTS`)."""
-    return _from_env("VLLM_MAX_COMPLETION_PROMPTS", 1024)
-
-
-def max_stop_strings() -> int:
-    """Strings in `stop` (`VLLM_MAX_STOP_STRINGS`)."""
-    return _from_env("VLLM_MAX_STOP_STRINGS", 4)
-
-
+# Read once, when the server starts (a bad value stops it there, naming the variable), not on every request.
+#: `n`, samples per prompt (`VLLM_MAX_N_SEQUENCES`).
+MAX_SAMPLES = _from_env("VLLM_MAX_N_SEQUENCES", 16384)
+#: Prompts in one completions request (`VLLM_MAX_COMPLETION_PROMPTS`).
+MAX_PROMPTS = _from_env("VLLM_MAX_COMPLETION_PROMPTS", 1024)
+#: Strings in `stop` (`VLLM_MAX_STOP_STRINGS`).
+MAX_STOP_STRINGS = _from_env("VLLM_MAX_STOP_STRINGS", 4)
 #: `temperature` lies in [0, MAX_TEMPERATURE].
 MAX_TEMPERATURE = 2.0

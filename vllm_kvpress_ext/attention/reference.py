@@ -413,8 +413,7 @@ def sliding_window_attention(
             group = query.shape[1] // keys.shape[1]
             block_keys = block_keys.repeat_interleave(group, 0)
             block_values = block_values.repeat_interleave(group, 0)
-            scores = torch.matmul(block_queries, block_keys.transpose(-1, -2)).float() * scale
-            scores = soft_cap * torch.tanh(scores / soft_cap)
+            scores = soft_capped(torch.matmul(block_queries, block_keys.transpose(-1, -2)).float() * scale, soft_cap)
             weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
             attended = torch.matmul(weights.to(block_values.dtype), block_values)
         out[first:last] = attended.transpose(0, 1)
@@ -580,6 +579,11 @@ def copy_slots(kv_pool: torch.Tensor, position_pool: torch.Tensor, src: torch.Te
     flat[torch.cat([dst_rows, dst_rows + page_size])] = flat[torch.cat([src_rows, src_rows + page_size])]
     pos = position_pool.view(-1)
     pos[dst] = pos[src]
+
+
+def soft_capped(logits: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
+    """Attention logits under a logit soft cap (Gemma 2): `soft_cap * tanh(logits / soft_cap)`; unchanged without."""
+    return logits if soft_cap is None else soft_cap * torch.tanh(logits / soft_cap)
 
 
 def grouped_logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:

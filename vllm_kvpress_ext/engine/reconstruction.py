@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_kvpress_ext.attention import gather_paged, sliding_window_attention
+from vllm_kvpress_ext.attention.reference import soft_capped
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.models import load_tokenizer
 from vllm_kvpress_ext.policies.capture import ReconstructionSpec
@@ -106,11 +107,6 @@ def chunk_inputs(
     return chunks
 
 
-def capped(logits: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
-    """Attention logits under a logit soft cap (Gemma 2): `soft_cap * tanh(logits / soft_cap)`; unchanged without."""
-    return logits if soft_cap is None else soft_cap * torch.tanh(logits / soft_cap)
-
-
 def reconstruction_chunk_scores(
     queries: torch.Tensor,
     own_keys: torch.Tensor,
@@ -132,7 +128,7 @@ def reconstruction_chunk_scores(
 
     The maximum is taken on log-probabilities, max_i exp(x_ij - lse_i) = exp(max_i (x_ij - lse_i)), so
     only the scores themselves are exponentiated beyond the normalisers. With `soft_cap` the logits are
-    capped (`capped`) before the softmax, as the model's attention caps them.
+    capped (`soft_capped`) before the softmax, as the model's attention caps them.
     """
     m, num_q_heads, _ = queries.shape
     num_kv_heads, span = sink_keys.shape[0], span_keys.shape[1]
@@ -144,12 +140,12 @@ def reconstruction_chunk_scores(
     for first in range(0, m, query_block):
         last = min(m, first + query_block)
         q = queries[first:last].float().transpose(0, 1)  # [Hq, b, d]
-        logits = capped(torch.matmul(q, cached.transpose(1, 2)) * scale, soft_cap)  # [Hq, b, S + c]
+        logits = soft_capped(torch.matmul(q, cached.transpose(1, 2)) * scale, soft_cap)  # [Hq, b, S + c]
         if own is None:
             assert own_lse is not None
             own_block = own_lse[first:last].float().transpose(0, 1)  # [Hq, b]
         else:
-            own_logits = capped(torch.matmul(q, own[:, :last].transpose(1, 2)) * scale, soft_cap)  # [Hq, b, last]
+            own_logits = soft_capped(torch.matmul(q, own[:, :last].transpose(1, 2)) * scale, soft_cap)  # [Hq, b, last]
             future = torch.arange(last, device=q.device).view(1, -1) > torch.arange(first, last, device=q.device).view(
                 -1, 1
             )
@@ -181,7 +177,7 @@ def attention_with_lse(
     outs, lses = [], []
     for first in range(0, m, QUERY_BLOCK):  # query blocks: no [Hq, m, N] logits at once
         last = min(m, first + QUERY_BLOCK)
-        logits = capped(torch.matmul(query[:, first:last].float(), expanded_keys) * scale, soft_cap)
+        logits = soft_capped(torch.matmul(query[:, first:last].float(), expanded_keys) * scale, soft_cap)
         if causal:
             rows = torch.arange(first, last, device=query.device).view(-1, 1)
             logits = logits.masked_fill(torch.arange(n, device=query.device).view(1, -1) > rows, float("-inf"))

@@ -54,9 +54,9 @@ def _one_prompt(state: ServerState, prompt: str | list[int], param: str) -> list
 def prompt_batch(state: ServerState, prompt: Prompt) -> list[list[int]]:
     """The request's prompts as token ids: one for a string or a token list, several for a batch."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) > limits.max_prompts():
+        if len(prompt) > limits.MAX_PROMPTS:
             raise bad_request(
-                f"at most {limits.max_prompts()} prompts per request, got {len(prompt)} (VLLM_MAX_COMPLETION_PROMPTS)",
+                f"at most {limits.MAX_PROMPTS} prompts per request, got {len(prompt)} (VLLM_MAX_COMPLETION_PROMPTS)",
                 param="prompt",
             )
         return [_one_prompt(state, p, "prompt") for p in prompt]

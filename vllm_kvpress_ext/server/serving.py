@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -104,8 +105,8 @@ def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
     if body.stream_options is not None and not body.stream:
         raise bad_request("Stream options can only be defined when `stream=True`.", param="stream_options")
     stops = [] if body.stop is None or isinstance(body.stop, str) else body.stop
-    if len(stops) > limits.max_stop_strings():
-        raise bad_request(f"stop: at most {limits.max_stop_strings()} strings, got {len(stops)}", param="stop")
+    if len(stops) > limits.MAX_STOP_STRINGS:
+        raise bad_request(f"stop: at most {limits.MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "only best_of=1 is supported")
     for name, neutral in NEUTRAL_ONLY.items():
@@ -130,6 +131,8 @@ def logit_bias(body: CompletionRequest | ChatCompletionRequest, vocab_size: int)
             token = int(key)
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not math.isfinite(bias):  # JSON parsers take NaN and Infinity; neither is a bias
+            raise bad_request(f"logit_bias values must be finite numbers, got {bias!r}", param="logit_bias")
         if not 0 <= token < vocab_size:
             raise bad_request(
                 f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})", param="logit_bias"
@@ -184,7 +187,7 @@ def sample_params(
     n = 1 if body.n is None else body.n
     # vLLM's bound on n; here it bounds the engine requests one HTTP request starts (prompts x n) too: each
     # holds its own pages and queue slot.
-    most = limits.max_samples()
+    most = limits.MAX_SAMPLES
     if n > most:
         raise bad_request(f"n must be at most {most}, got {n} (VLLM_MAX_N_SEQUENCES)", param="n")
     if n * prompts > most:

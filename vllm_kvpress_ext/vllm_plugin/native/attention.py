@@ -55,6 +55,7 @@ from vllm_kvpress_ext.attention import (
     paged_prefill_attention,
     ring_chunk_attention,
 )
+from vllm_kvpress_ext.attention.reference import soft_capped
 from vllm_kvpress_ext.engine.reconstruction import ReconstructionContext
 from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool, PrefillSpan, StepPlan
 
@@ -387,9 +388,7 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             )
             return attended, None
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * self.scale
-        if self.logits_soft_cap is not None:
-            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+        scores = soft_capped(torch.matmul(queries, keys.transpose(-1, -2)).float() * self.scale, self.logits_soft_cap)
         weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         attended = torch.matmul(weights.to(values.dtype), values)
         probs = weights[:, 0].view(self.num_kv_heads, group, -1) if want_probs else None
