@@ -168,7 +168,15 @@ class DenseContext:
 
 
 def write_suite_model(
-    path: Path, *, hidden: int = 32, seed: int = 1, std: float = 0.3, max_positions: int = 512, num_layers: int = 2
+    path: Path,
+    *,
+    hidden: int = 32,
+    seed: int = 1,
+    std: float = 0.3,
+    max_positions: int = 512,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
 ) -> Path:
     """A random-weight GQA Llama over the synthetic suite's vocabulary, with its tokenizer, in `path`."""
     from vllm_kvpress_ext.models.writer import llama_config, random_model, save_model
@@ -180,8 +188,8 @@ def write_suite_model(
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_layers=num_layers,
-        num_heads=4,
-        num_kv_heads=2,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
         max_position_embeddings=max_positions,
     )
     save_model(random_model(config, seed=seed, std=std), config, path)

@@ -61,6 +61,13 @@ class KeepPlan:
         lengths = torch.tensor([row.numel() for row in rows], dtype=torch.int64)
         return cls(indices.view(num_layers, num_heads, width), lengths.view(num_layers, num_heads))
 
+    def heads(self, first: int, count: int) -> KeepPlan:
+        """The plan of heads [first, first + count) only (a tensor-parallel worker's part of a plan over all)."""
+        lengths = self.lengths[:, first : first + count]
+        width = int(lengths.max()) if lengths.numel() else 0
+        indices = self.indices[:, first : first + count, :width]
+        return KeepPlan(indices=indices.contiguous(), lengths=lengths.contiguous())
+
     def to_mask(self, current_lengths: torch.Tensor) -> torch.Tensor:
         """Validate against the current lengths `[L, H]` and return the keep mask `[L, H, max_len]`.
 

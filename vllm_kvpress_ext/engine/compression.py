@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from vllm_kvpress_ext.cache import PagedKVCache, PoolExhaustedError
+from vllm_kvpress_ext.cache import InvalidPlanError, KeepPlan, PagedKVCache, PoolExhaustedError
 from vllm_kvpress_ext.models.llama import LlamaFamilyForCausalLM
 from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.policies import KVPolicy
-from vllm_kvpress_ext.policies.base import DecodeLayer, DecodeStep, LayerPrefill, RequestPrefill
+from vllm_kvpress_ext.policies.base import DecodeLayer, DecodeStep, HeadShard, LayerPrefill, RequestPrefill
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 
 
@@ -39,6 +39,7 @@ def layer_prefill(
     gated: bool = False,
     rotary: RotaryEmbedding | None = None,
     queries_from_hidden: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    shard: HeadShard | None = None,
 ) -> LayerPrefill:
     """What a policy sees of one layer after prefill: the entries it holds and what the pass captured.
 
@@ -62,7 +63,21 @@ def layer_prefill(
         head_positions=positions if gated else None,
         rotary=rotary,
         queries_from_hidden=queries_from_hidden,
+        shard=shard,
     )
+
+
+def workers_part(plan: KeepPlan, shard: HeadShard | None) -> KeepPlan:
+    """A policy's plan as this worker applies it: under tensor parallelism a plan over all heads (a policy whose
+    decision crossed heads) is cut to the worker's heads; a plan over the worker's heads is its own already."""
+    if shard is None:
+        return plan
+    heads = plan.lengths.shape[1] if plan.lengths.dim() == 2 else -1
+    if heads == shard.total:
+        return plan.heads(shard.first, shard.count)
+    if heads == shard.count:
+        return plan
+    raise InvalidPlanError(f"keep plan covers {heads} KV heads; this worker holds {shard.count} of {shard.total}")
 
 
 def compress_prefill(
@@ -80,30 +95,34 @@ def compress_prefill(
     rotary: RotaryEmbedding | None = None,
     query_projections: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
     make_room: Callable[[], bool] | None = None,
+    shard: HeadShard | None = None,
 ) -> None:
     """Score every layer, plan, compact the request's cache to the plan (`state` is the policy's, kept
     for its decode steps). `rotary` and `query_projections` (per layer) stand in for `model`'s where the
-    model is not the project's. A compaction that moves kept entries into pages the row shares (an exact
-    cached prefix) copies those pages first; where the pool has no room for the copies, `make_room` frees
-    some (False: nothing left to free) and the compaction is tried again."""
+    model is not the project's; `shard` is this worker's heads under tensor parallelism. A compaction that
+    moves kept entries into pages the row shares (an exact cached prefix) copies those pages first; where the
+    pool has no room for the copies, `make_room` frees some (False: nothing left to free) and the compaction
+    is tried again."""
     results = []
     layers = cache.global_layers.tolist()
     if not layers:
         return  # every layer slides (Mistral 7B v0.1): each already holds no more than its window
     for layer in layers:
         project = query_projections[layer] if query_projections is not None else None
-        seen = layer_prefill(cache, request_id, layer, capture, model, scale, gated, rotary, project)
+        seen = layer_prefill(cache, request_id, layer, capture, model, scale, gated, rotary, project, shard)
         results.append(policy.on_layer_prefilled(seen, state))
     summary = RequestPrefill(
         request_id=request_id,
         num_layers=len(layers),
-        num_kv_heads=cache.num_kv_heads,
+        num_kv_heads=cache.num_kv_heads if shard is None else shard.total,
         num_q_heads=num_q_heads,
         length=length,
+        shard=shard,
     )
     plan = policy.plan(summary, results, state)
     if plan is None:
         return
+    plan = workers_part(plan, shard)
     while True:
         try:
             cache.apply_keep_plan(request_id, plan, None if len(layers) == cache.num_layers else layers)

@@ -90,15 +90,16 @@ class AdaKVPolicy(ObservationWindowScores):
             )
 
     def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> torch.Tensor:
-        n, heads = layer.length, layer.num_kv_heads
+        n = layer.length
         budget = self.budget.per_head(n)
         window = self.effective_window(n, budget)
         selectable = budget - window
         floor = int(self.alpha * selectable)
-        protected = recent_window(n, window).expand(heads, n).contiguous()
-        # Nothing to rank when the window (shrunk to the budget) or the whole prompt is what stays.
+        # Nothing to rank when the window (shrunk to the budget) or the whole prompt is what stays. The top-k runs
+        # over all of the layer's heads, on every tensor-parallel worker alike: the mask covers all of them.
         ranked = n > self.window and budget < n
-        scores = self.scores(layer).cpu() if ranked else torch.zeros(heads, n)
+        scores = layer.all_heads(self.scores(layer).cpu()) if ranked else torch.zeros(layer.total_kv_heads, n)
+        protected = recent_window(n, window).expand(scores.shape[0], n).contiguous()
         return adaptive_head_keep(scores, protected, selectable, floor)
 
     def plan(self, request: RequestPrefill, layer_results: list[Any], state: dict[str, Any]) -> KeepPlan:

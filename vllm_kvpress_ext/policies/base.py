@@ -23,6 +23,12 @@ l needs nothing from later layers can opt in (XKV with a saved profile; LAVa's c
 which may also shrink earlier layers). The prefill peak is then about one layer's full prompt KV
 plus the compressed earlier layers, instead of every layer's full KV.
 
+Tensor parallelism: a worker holds some of each layer's KV heads (`HeadShard`), and its hooks see those
+heads only. A policy whose decision crosses heads (a top-k over a layer's heads, a budget shared by the
+layers or the request) gathers its per-head scores with `LayerPrefill.all_heads`, decides for every head
+exactly as one worker would, and returns masks and plans over all of them; the runner keeps the worker's
+own (`KeepPlan.heads`). Only scores, counts and statistics cross workers, never the cache.
+
 Sliding-window layers: on a model with them (Gemma 3's local layers) every hook sees the global layers
 only, numbered 0.. in model order (`LayerPrefill.model_layer` is the model's index). A sliding layer's
 ring holds exactly its window whatever the policy, so budgets, schedules and cross-layer allocations are
@@ -105,6 +111,40 @@ FIELD_LIMITS: dict[str, tuple[float, float]] = {
 GQA_REDUCTIONS = ("mean", "max")
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """This worker's KV heads when tensor parallelism splits every layer's heads over `total // count` workers:
+    heads [first, first + count) of `total`. `gather(tensor, fill)` joins a per-head tensor `[count, ..., m]`
+    of every worker into `[total, ..., M]` in head order, the last dimension padded with `fill` to the widest
+    worker's `M` (heads hold different numbers of entries once a policy made them ragged)."""
+
+    first: int
+    count: int
+    total: int
+    gather: Callable[[torch.Tensor, float], torch.Tensor]
+    # Workers holding each head: more than 1 where there are more workers than KV heads and vLLM replicates them
+    # (no compressing policy runs there: each replica holds part of the head's query group).
+    replicas: int = 1
+
+    @property
+    def workers(self) -> int:
+        return self.total // self.count * self.replicas
+
+    def own(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """This worker's heads of a tensor over all heads (along `dim`)."""
+        return tensor.narrow(dim, self.first, self.count)
+
+
+def all_heads(shard: HeadShard | None, tensor: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """`tensor` `[heads here, ...]` joined with the other workers' into `[all heads, ...]` (itself on one worker)."""
+    return tensor if shard is None else shard.gather(tensor, fill)
+
+
+def own_heads(shard: HeadShard | None, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """This worker's heads of `tensor` over all heads (itself on one worker)."""
+    return tensor if shard is None else shard.own(tensor, dim)
+
+
 @dataclass
 class LayerPrefill:
     """One layer of a request whose prefill just completed (all heads still uncompressed).
@@ -131,6 +171,16 @@ class LayerPrefill:
     rotary: RotaryEmbedding | None = None
     queries_from_hidden: Callable[[torch.Tensor], torch.Tensor] | None = None
     model_layer: int | None = None  # None: the same as `layer`
+    shard: HeadShard | None = None  # None: every KV head of the layer is here
+
+    def all_heads(self, tensor: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """A per-head tensor of this worker's heads joined with the other workers' (see `HeadShard`)."""
+        return all_heads(self.shard, tensor, fill)
+
+    @property
+    def total_kv_heads(self) -> int:
+        """The model's KV heads in this layer, on every worker."""
+        return self.num_kv_heads if self.shard is None else self.shard.total
 
     @property
     def model_layer_index(self) -> int:
@@ -178,6 +228,7 @@ class RequestPrefill:
     num_kv_heads: int
     num_q_heads: int
     length: int  # prompt entries per (layer, head) at compression time
+    shard: HeadShard | None = None  # where tensor parallelism splits the heads: `num_kv_heads` counts all of them
 
 
 @dataclass
@@ -612,15 +663,18 @@ __all__ = [
     "DecodeEviction",
     "DecodeLayer",
     "DecodeStep",
+    "HeadShard",
     "KVPolicy",
     "LayerKeep",
     "LayerPrefill",
     "PolicyConfigError",
     "RequestPrefill",
+    "all_heads",
     "check_choice",
     "check_flag",
     "full_prompt_pages",
     "keep_top",
+    "own_heads",
     "pages_bound",
     "pool_scores",
     "recent_window",

@@ -354,6 +354,8 @@ class GVotePolicy(KVPolicy):
         if self.allocation == "head":
             protected = recent_window(layer.length, min(self.selector.window, layer.length))
             return keep_top(scores, counts, protected.expand_as(keep).contiguous())
+        # Shared by the layer's or the request's heads: every tensor-parallel worker's, a plan over all of them.
+        counts, scores = layer.all_heads(counts), layer.all_heads(scores)
         if self.allocation == "layer":
             return self.adakv_keep(scores, float(counts.float().mean()))
         return counts, scores  # "request": the plan spreads the request's total evenly

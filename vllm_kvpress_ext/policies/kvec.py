@@ -63,6 +63,7 @@ from vllm_kvpress_ext.policies.base import (
     captured_window_attention,
     captured_window_votes,
     keep_top,
+    own_heads,
     pool_scores,
     recent_window,
     reduce_group,
@@ -165,7 +166,9 @@ class KVECPolicy(ObservationWindowScores):
             keep = recent_window(n, n if budget >= n else window).expand(heads, n).contiguous()
         else:
             keep = self._select(layer, hits[positions], budget, window)
-        state[STATE_KEY] = hits.index_add(0, positions, keep.any(dim=0).float())
+        # Coverage counts a position kept by any head of the layer: every tensor-parallel worker's heads.
+        covered = keep.any(dim=0) if layer.shard is None else layer.all_heads(keep).any(dim=0)
+        state[STATE_KEY] = hits.index_add(0, positions, covered.float())
         return keep
 
     def _select(self, layer: LayerPrefill, hits: torch.Tensor, budget: int, window: int) -> torch.Tensor:
@@ -173,7 +176,7 @@ class KVECPolicy(ObservationWindowScores):
         prefix = n - window  # here window == self.window < n (budget > window and budget < n)
         probs: torch.Tensor | None = None
         extended_probs: torch.Tensor | None = None
-        delta = min(self.delta, heads)
+        delta = min(self.delta, layer.total_kv_heads)
         if ops.backend(layer.keys) == "reference":
             # One probability tensor serves P, P over O' and I (the max over query heads needs it anyway):
             # the window's queries are the extended window's last ones, each query's softmax is its own, and
@@ -189,8 +192,11 @@ class KVECPolicy(ObservationWindowScores):
         scores = self._head_scores(means, prefix)  # P [H, prefix]
         cross_head = scores.clone()  # Pc
         if delta > 0:
-            sigma = scores.std(dim=-1, unbiased=False)
-            low = torch.sort(sigma, stable=True).indices[:delta]
+            # The delta flattest heads of the layer, among every tensor-parallel worker's; then this worker's of them.
+            sigma = layer.all_heads(scores.std(dim=-1, unbiased=False))
+            flattest = torch.zeros(sigma.shape[0], dtype=torch.bool)
+            flattest[torch.sort(sigma, stable=True).indices[:delta]] = True
+            low = own_heads(layer.shard, flattest).to(scores.device)
             if extended_probs is not None:
                 extended_means = reduce_group(extended_probs.mean(dim=1), heads, self.gqa_reduction)
             else:
@@ -202,7 +208,9 @@ class KVECPolicy(ObservationWindowScores):
         if probs is None:  # lambda = 0: the focus term vanishes
             importance = torch.zeros(prefix, device=scores.device)
         else:
-            importance = probs[:, :, :prefix].amax(dim=0).mean(dim=0)  # I [prefix]
+            # I [prefix]: the max over the layer's query heads, every tensor-parallel worker's.
+            peak = layer.all_heads(probs[:, :, :prefix].amax(dim=0, keepdim=True)).amax(dim=0)
+            importance = peak.mean(dim=0)
         coverage = hits[:prefix].to(importance.device) / (layer.layer + 1)
         adjusted = cross_head + self.lam * (importance * (1.0 - coverage))  # P'
         forced_count = min(int(self.beta * budget), budget - window)

@@ -113,7 +113,8 @@ class KVzipPolicy(KVPolicy):
         scores = capture.reconstruction_scores
         if scores.shape != (layer.num_kv_heads, layer.length):
             raise RuntimeError(f"reconstruction scores {tuple(scores.shape)} do not cover the layer's entries")
-        return scores.cpu()
+        # Ranked across heads (and layers) on every tensor-parallel worker alike, each head's alone otherwise.
+        return scores.cpu() if self.allocation == "head" else layer.all_heads(scores.cpu())
 
     def plan(self, request: RequestPrefill, layer_results: list[Any], state: dict[str, Any]) -> KeepPlan:
         return KeepPlan.from_mask(

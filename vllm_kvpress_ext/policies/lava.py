@@ -247,12 +247,13 @@ class LavaPolicy(ObservationWindowScores):
 
     def on_layer_prefilled(self, layer: LayerPrefill, state: dict[str, Any]) -> torch.Tensor:
         """Scores of the layer; also advances the cascade (budgets of layers 0..l after layer l's prefill)."""
-        n, heads = layer.length, layer.num_kv_heads
+        n, heads = layer.length, layer.total_kv_heads
         budget, window, ranked = self._shape(n)
         record = state.setdefault(STATE_KEY, {"entropies": [], "cascade": []})
         if not ranked:
             return torch.zeros(heads, 0)  # the whole prompt, or the window shrunk to the budget, stays
-        scores = self.lava_scores(layer, n - window).cpu()
+        # Entropies and the flattened top-k run over every head of the layer, on every tensor-parallel worker.
+        scores = layer.all_heads(self.lava_scores(layer, n - window).cpu())
         record["entropies"].append(normalized_entropy(scores))
         total, cap = layer.num_layers * heads * (budget - window), heads * (n - window)
         record["cascade"].append(cascade_step(record["entropies"], total, cap, layer.num_layers))

@@ -351,7 +351,8 @@ class XKVPolicy(ObservationWindowScores):
         scores = self.scores(layer, query_votes).cpu()
         # w_l pools the mean over all query heads, whatever reduction and pooling select inside a head:
         # with `max` or `maxpool` the mean of the heads' selection scores would be another vector.
-        mean_votes = query_votes[:, :prefix].float().mean(dim=0, keepdim=True)
+        # Under tensor parallelism, every worker's query heads: w_l must be the same on all of them.
+        mean_votes = layer.all_heads(query_votes[:, :prefix].float()).mean(dim=0, keepdim=True)
         coverage = pool_scores(mean_votes, self.kernel_size, self.pooling, self.count_include_pad)[0]
         return XKVLayerScores(scores, coverage.cpu().double())
 

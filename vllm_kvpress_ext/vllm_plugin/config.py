@@ -35,23 +35,36 @@ class UnsupportedConfigError(ValueError):
     """A vLLM feature the plugin does not implement: refused up front, never served wrong."""
 
 
-def refuse_unsupported(vllm_config: Any) -> None:
+def refuse_unsupported(vllm_config: Any, runner: str = "project") -> None:
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+    tensor = parallel.tensor_parallel_size
+    if tensor > 1 and runner != "vllm":
         raise UnsupportedConfigError(
-            "vllm-kvpress-ext runs one worker: tensor and pipeline parallelism are not supported "
-            f"(got tensor_parallel_size={parallel.tensor_parallel_size}, "
-            f"pipeline_parallel_size={parallel.pipeline_parallel_size})"
+            f"vllm-kvpress-ext's own runner (kv_runner 'project') runs one worker: tensor_parallel_size={tensor} "
+            "needs vLLM's runner (kv_runner 'vllm')"
+        )
+    if parallel.pipeline_parallel_size > 1:
+        raise UnsupportedConfigError(
+            "vllm-kvpress-ext does not support pipeline parallelism yet "
+            f"(got pipeline_parallel_size={parallel.pipeline_parallel_size})"
         )
     if getattr(parallel, "data_parallel_size", 1) > 1:
         raise UnsupportedConfigError("vllm-kvpress-ext does not support data parallelism yet")
+    model = vllm_config.model_config
+    if tensor > 1 and model is not None:
+        heads = int(getattr(model.hf_text_config, "num_attention_heads", 0) or 0)
+        kv_heads = model.get_total_num_kv_heads()
+        if heads % tensor or (kv_heads % tensor and tensor % kv_heads):
+            raise UnsupportedConfigError(
+                f"tensor_parallel_size={tensor} does not divide this model's {heads} attention heads and "
+                f"{kv_heads} KV heads (the KV heads must divide by it, or it by them)"
+            )
     if vllm_config.speculative_config is not None:
         raise UnsupportedConfigError("vllm-kvpress-ext does not support speculative decoding yet")
     if vllm_config.lora_config is not None:
         raise UnsupportedConfigError("vllm-kvpress-ext does not support LoRA adapters yet")
     if vllm_config.kv_transfer_config is not None:
         raise UnsupportedConfigError("vllm-kvpress-ext does not support KV transfer connectors")
-    model = vllm_config.model_config
     if model is not None and getattr(model, "runner_type", "generate") != "generate":
         raise UnsupportedConfigError(f"vllm-kvpress-ext only generates text (runner {model.runner_type!r})")
 
@@ -156,7 +169,7 @@ def apply_native_config(vllm_config: Any) -> None:
     every custom op on its torch path; a default policy this runner cannot serve yet is refused at start."""
     from vllm.config import CompilationMode, CUDAGraphMode
 
-    refuse_unsupported(vllm_config)
+    refuse_unsupported(vllm_config, "vllm")
     model = vllm_config.model_config
     if model is not None and getattr(model, "is_moe", False):
         refusal = moe_refusal(list(getattr(model, "architectures", None) or []), model.quantization)
@@ -164,11 +177,16 @@ def apply_native_config(vllm_config: Any) -> None:
             raise UnsupportedConfigError(refusal)
     additional = vllm_config.additional_config or {}
     if "kv_policy" in additional:
-        from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts, model_facts, native_refusal
+        from vllm_kvpress_ext.vllm_plugin.native.support import (
+            ModelFacts,
+            model_facts,
+            native_refusal,
+            with_parallelism,
+        )
         from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
         check_policy_spec(additional["kv_policy"])
-        facts = model_facts(str(model.model)) if model is not None else ModelFacts()
+        facts = with_parallelism(model_facts(str(model.model)), vllm_config) if model is not None else ModelFacts()
         refusal = native_refusal(default_policy(additional), facts)
         if refusal is not None:
             raise UnsupportedConfigError(refusal)

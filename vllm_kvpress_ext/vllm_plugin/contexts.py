@@ -123,9 +123,11 @@ def check_context(
 
 def contexts_kept(vllm_config: Any, runner: str) -> bool:
     """Whether this server keeps named contexts: prefix caching on (vLLM's on vLLM's runner; the plugin's store on
-    its own runner, where vLLM's is always off)."""
+    its own runner, where vLLM's is always off), on one worker (a stored context would be a row in every
+    tensor-parallel worker's pool, each dropped on its own: not kept there yet)."""
     if runner == "vllm":
-        return bool(vllm_config.cache_config.enable_prefix_caching)
+        one_worker = vllm_config.parallel_config.tensor_parallel_size == 1
+        return bool(vllm_config.cache_config.enable_prefix_caching) and one_worker
     from vllm_kvpress_ext.vllm_plugin.config import prefix_matching_mode
 
     return prefix_matching_mode(dict(vllm_config.additional_config or {})) is not None

@@ -157,9 +157,9 @@ class KVPressCpuPlatform(Platform):
     def check_and_update_config(cls, vllm_config: Any) -> None:
         cls.runner = settle_runner(vllm_config)
         if cls.runner == "vllm" and vllm_config.model_config is not None:
-            from vllm_kvpress_ext.vllm_plugin.native.support import model_facts
+            from vllm_kvpress_ext.vllm_plugin.native.support import model_facts, with_parallelism
 
-            cls.facts = model_facts(str(vllm_config.model_config.model))
+            cls.facts = with_parallelism(model_facts(str(vllm_config.model_config.model)), vllm_config)
         apply_kvpress_config(vllm_config)
         cls.contexts = contexts_kept(vllm_config, cls.runner)
         cls.default_policy = default_policy(dict(vllm_config.additional_config or {}))

@@ -49,7 +49,7 @@ from vllm_kvpress_ext.engine.stats import PrefixStoreStats
 from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.models.write_gate import GateStore
 from vllm_kvpress_ext.policies import KVPolicy
-from vllm_kvpress_ext.policies.base import Admission
+from vllm_kvpress_ext.policies.base import Admission, HeadShard
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import PrefixBlocks, keeps_prompt_blocks, readable_prefix
 from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts, QueryProjection, native_refusal
@@ -142,6 +142,7 @@ class NativePool:
         rotary: RotaryEmbedding | None = None,
         prefix_caching: bool = False,
         contexts: PrefixStore | None = None,
+        shard: HeadShard | None = None,
     ) -> None:
         # Sliding-window layers are rings of their window in `cache` (`PagedKVCache(layer_windows=...)`): what
         # falls out of a window is overwritten, never held.
@@ -176,6 +177,10 @@ class NativePool:
         # Each layer's attention logit soft cap (Gemma 2), or None: set by the runner.
         self.soft_caps: list[float | None] = []
         self.num_q_heads = num_q_heads
+        # Tensor parallelism: this worker's KV heads among the model's (None: all of them are here). Policies gather
+        # what crosses heads (`policies/base.HeadShard`); layer-wise compression is off, its collectives would run
+        # inside the forward pass, where one worker's failed request would leave the others waiting.
+        self.shard = shard
         self.scale = scale
         self.default_policy = default_policy
         self.seats: dict[str, _Seat] = {}
@@ -259,6 +264,8 @@ class NativePool:
             rope=self.rotary is not None,
             projections=self.query_projections is not None,
             soft_capped=any(cap is not None for cap in self.soft_caps),
+            tensor_parallel=1 if self.shard is None else self.shard.workers,
+            kv_head_replicas=1 if self.shard is None else self.shard.replicas,
         )
         refusal = native_refusal(policy, facts)
         if refusal is not None:
@@ -395,6 +402,12 @@ class NativePool:
         self.failed[request_id] = message
         self.release(request_id)
 
+    def fail_as_elsewhere(self, failed: dict[str, str]) -> None:
+        """Fail here the requests another tensor-parallel worker failed (`tensor_parallel.agree_on_failures`)."""
+        for request_id, message in failed.items():
+            if request_id not in self.failed:
+                self._fail(request_id, message)
+
     # ------------------------------------------------------------------ the step
 
     @property
@@ -507,6 +520,7 @@ class NativePool:
             or end != seat.prompt_len
             or seat.gate is not None
             or self.cache.has_sliding_layers
+            or self.shard is not None
         ):
             return None
         capture, projections = seat.capture, self.query_projections
@@ -700,6 +714,7 @@ class NativePool:
         if seat.capture is not None and seat.capture.spec.reconstruction is not None:
             self._score_by_reconstruction(request_id, seat)
         seat.state = {}
+        shard = self.shard
         if seat.admission is not None:  # the last window into the local ring, older entries only if admitted
             seat.admission.start_ring(self.cache, request_id)
             seat.admission = None
@@ -708,7 +723,7 @@ class NativePool:
             request_id,
             seat.policy,
             seat.capture,
-            num_q_heads=self.num_q_heads,
+            num_q_heads=self.num_q_heads if shard is None else self.num_q_heads * shard.total // shard.count,
             length=seat.written,
             model=None,
             scale=self.scale,
@@ -718,6 +733,7 @@ class NativePool:
             gated=seat.gate is not None,
             # Entries moved into pages shared with kept blocks copy them first; kept blocks go where that lacks room.
             make_room=self._drop_one_kept,
+            shard=shard,
         )
         self._compressed(request_id, seat)
 
@@ -804,11 +820,13 @@ class NativePool:
             failed=dict(self.failed),
             num_layers=cache.num_layers,
             num_kv_heads=cache.num_kv_heads,
-            compresses_layerwise=not cache.has_sliding_layers,  # `_layerwise`
+            compresses_layerwise=not cache.has_sliding_layers and self.shard is None,  # `_layerwise`
         )
         if self.prefix_blocks is not None:
             report.prefix_evictable = self.prefix_blocks.evictable_pages()
-            report.prefix_blocks = self.prefix_blocks.changes()
+            # Under tensor parallelism every kept block, each time: the workers' sets are intersected.
+            blocks = self.prefix_blocks
+            report.prefix_blocks = blocks.changes() if self.shard is None else frozenset(blocks.kept)
         if self.contexts is not None:
             self._report_contexts(report, self.contexts)
         decoding = [(request_id, seat) for request_id, seat in self.seats.items() if seat.written >= seat.prompt_len]

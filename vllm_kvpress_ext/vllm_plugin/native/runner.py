@@ -31,6 +31,7 @@ from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PagePool
 from vllm_kvpress_ext.engine.prefix_store import PrefixStore
 from vllm_kvpress_ext.engine.reconstruction import ReconstructionContext
 from vllm_kvpress_ext.vllm_plugin.config import MAX_CACHED_PREFIXES_KEY
+from vllm_kvpress_ext.vllm_plugin.contexts import contexts_kept
 from vllm_kvpress_ext.vllm_plugin.gguf_model import gguf_source
 from vllm_kvpress_ext.vllm_plugin.native.attention import (
     KVPressAttentionImpl,
@@ -39,6 +40,7 @@ from vllm_kvpress_ext.vllm_plugin.native.attention import (
 )
 from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool
 from vllm_kvpress_ext.vllm_plugin.native.support import layer_projections, native_rope
+from vllm_kvpress_ext.vllm_plugin.native.tensor_parallel import head_shard
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
 logger = logging.getLogger("vllm.kvpress.runner")
@@ -83,7 +85,9 @@ class KVPressModelRunner(CPUModelRunner):
         # that may run at once, so that a new context always has a place, whichever contexts those requests read.
         max_num_seqs = self.scheduler_config.max_num_seqs
         stored_contexts = (
-            max(int(additional.get(MAX_CACHED_PREFIXES_KEY, 16)), max_num_seqs + 1) if prefix_caching else 0
+            max(int(additional.get(MAX_CACHED_PREFIXES_KEY, 16)), max_num_seqs + 1)
+            if contexts_kept(self.vllm_config, "vllm")
+            else 0
         )
         cache = PagedKVCache(
             len(layers),
@@ -107,6 +111,7 @@ class KVPressModelRunner(CPUModelRunner):
             rotary,
             prefix_caching=prefix_caching,
             contexts=contexts,
+            shard=head_shard(num_kv_heads, self.model_config.get_total_num_kv_heads()),
         )
         self.pool = pool
         self._hook_projections(pool, len(layers))

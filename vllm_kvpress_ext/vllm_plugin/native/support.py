@@ -25,6 +25,7 @@ soft cap, which the backend's ring path does not apply.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -159,6 +160,17 @@ class ModelFacts:
     rope: bool = False  # the project knows the model's RoPE (`native_rope`)
     projections: bool = False  # the runner hooks its QKV projections (`layer_projections`), and knows its RoPE
     soft_capped: bool = False  # its attention logits have a soft cap (Gemma 2's `attn_logit_softcapping`)
+    tensor_parallel: int = 1  # workers that split each layer's heads (`--tensor-parallel-size`)
+    kv_head_replicas: int = 1  # workers that hold each KV head (more workers than KV heads: vLLM replicates them)
+
+
+def with_parallelism(facts: ModelFacts, vllm_config: Any) -> ModelFacts:
+    """`facts` with the tensor parallelism `vllm_config` serves the model with."""
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    if size == 1 or vllm_config.model_config is None:
+        return facts
+    kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
+    return dataclasses.replace(facts, tensor_parallel=size, kv_head_replicas=max(1, size // kv_heads))
 
 
 @functools.cache
@@ -219,6 +231,18 @@ def native_refusal(policy: KVPolicy | None, facts: ModelFacts) -> str | None:
     records each layer's attention input and the keys before RoPE, and knows the query projection."""
     if policy is None:
         return None
+    if facts.kv_head_replicas > 1 and policy.compresses:
+        return (
+            f"kv_policy {policy.name!r} cannot compress KV heads that vLLM replicates over tensor-parallel workers "
+            f"({facts.tensor_parallel} workers, more than the model's KV heads): each worker holds part of a "
+            "head's query group, so the replicas would score it differently; serve with "
+            "--tensor-parallel-size no larger than the model's KV heads"
+        )
+    if facts.tensor_parallel > 1 and type(policy).admission is not KVPolicy.admission:
+        return (
+            f"kv_policy {policy.name!r} admits entries through write gates, which do not run under tensor "
+            "parallelism yet (each worker would need its heads' gates); serve it with --tensor-parallel-size 1"
+        )
     spec = policy.capture_spec()
     missing = [
         what

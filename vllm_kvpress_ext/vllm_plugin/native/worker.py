@@ -30,7 +30,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from vllm_kvpress_ext.vllm_plugin.native import adapter, moe
+from vllm_kvpress_ext.vllm_plugin.native import adapter, moe, tensor_parallel
 from vllm_kvpress_ext.vllm_plugin.native.runner import KVPressModelRunner
 
 logger = logging.getLogger("vllm.kvpress.worker")
@@ -84,6 +84,8 @@ class VllmRunnerWorker(Worker):
             pool.begin_step(scheduler_output)
         output = super().execute_model(scheduler_output)
         if pool is not None:  # the pass is done (its logits are kept for sampling): the policies run now
+            if pool.shard is not None:  # every worker runs the same requests' policies, whose gathers pair up
+                pool.fail_as_elsewhere(tensor_parallel.agree_on_failures(pool.failed))
             pool.apply_policies()
         return self._with_report(output)
 
@@ -98,6 +100,9 @@ class VllmRunnerWorker(Worker):
             return output
         output = copy.copy(output)
         report = pool.report()
+        if pool.shard is not None:  # the scheduler reads the first worker's: make it the tightest worker's
+            report = tensor_parallel.merged_report(report, pool.shard.replicas)
+            pool.fail_as_elsewhere(report.failed)
         output.kvpress = report
         if report.failed:  # a failed request's token came from zeroed attention: it is not sent
             sampled = list(output.sampled_token_ids)

@@ -1,0 +1,135 @@
+"""Tensor parallelism over the plugin's pool: what workers exchange so that they act as one.
+
+vLLM's parallel model code gives each of N workers 1/N of every layer's query and KV heads, and each worker's
+pool holds its own KV heads. Three things must still agree across the workers, and only these cross them
+(over vLLM's tensor-parallel group, on its CPU side: gloo), never a cache entry:
+
+- **Decisions that cross heads.** A policy gathers its per-head scores, counts or statistics
+  (`policies/base.HeadShard`), decides for every head as one worker would, and each worker keeps its heads'
+  part. A layer's scores are `[heads, n]` floats: `n * heads * 4` bytes per layer per request.
+- **Which requests failed.** A request that fails on one worker (its pool ran out, a policy raised) is failed
+  on every worker before any policy runs (`agree_on_failures`), so that all of them run the same requests'
+  compressions, and their gathers pair up.
+- **What the scheduler is told.** vLLM hands the scheduler the first worker's output only; its pool report is
+  made the tightest of all workers' (`merged_report`): the fewest free pages, the most pages any request needs
+  next, and a request's KV figures summed over the workers that hold its heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vllm_kvpress_ext.policies.base import HeadShard
+from vllm_kvpress_ext.vllm_plugin.report import PoolReport
+
+
+def _group() -> Any:
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group()
+
+
+def world_size() -> int:
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    return int(get_tensor_model_parallel_world_size())
+
+
+def gather_heads(tensor: torch.Tensor, fill: float) -> torch.Tensor:
+    """Every worker's `[heads, ..., m]` joined into `[all heads, ..., M]` in worker order (= head order), the last
+    dimension padded with `fill` to the widest worker's."""
+    group = _group()
+    local = tensor.detach().cpu()
+    kind = local.dtype
+    if kind == torch.bool:  # gloo reduces no bools
+        local = local.to(torch.uint8)
+    widths = [torch.zeros(1, dtype=torch.int64) for _ in range(group.world_size)]
+    dist.all_gather(widths, torch.tensor([local.shape[-1]], dtype=torch.int64), group=group.cpu_group)
+    width = int(max(int(w) for w in widths))
+    if local.shape[-1] < width:
+        local = torch.nn.functional.pad(local, (0, width - local.shape[-1]), value=fill)
+    parts = [torch.empty_like(local) for _ in range(group.world_size)]
+    dist.all_gather(parts, local.contiguous(), group=group.cpu_group)
+    joined = torch.cat(parts, dim=0)
+    return joined.to(kind).to(tensor.device)
+
+
+def head_shard(num_kv_heads: int, total_kv_heads: int) -> HeadShard | None:
+    """This worker's place among the model's `total_kv_heads` KV heads (`num_kv_heads` of them here), or None on one
+    worker. With more workers than KV heads, vLLM gives each worker one head, each head to `replicas` workers."""
+    size = world_size()
+    if size == 1:
+        return None
+    rank = int(_group().rank_in_group)
+    if size > total_kv_heads:
+        replicas = size // total_kv_heads
+        return HeadShard(rank // replicas, 1, total_kv_heads, _no_gather, replicas=replicas)
+    return HeadShard(rank * num_kv_heads, num_kv_heads, total_kv_heads, gather_heads)
+
+
+def _no_gather(tensor: torch.Tensor, fill: float) -> torch.Tensor:
+    raise RuntimeError("KV heads replicated over workers are not compressed (support.native_refusal)")
+
+
+def _all(value: Any) -> list[Any]:
+    group = _group()
+    values: list[Any] = [None] * group.world_size
+    dist.all_gather_object(values, value, group=group.cpu_group)
+    return values
+
+
+def agree_on_failures(failed: dict[str, str]) -> dict[str, str]:
+    """The requests that failed on another worker this step and not here, with the reason given there."""
+    counts = torch.tensor([len(failed)], dtype=torch.int64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=_group().cpu_group)
+    if int(counts) == 0:  # the usual step: one integer crossed, nothing failed anywhere
+        return {}
+    elsewhere: dict[str, str] = {}
+    for other in _all(failed):
+        for request_id, message in other.items():
+            if request_id not in failed:
+                elsewhere.setdefault(request_id, message)
+    return elsewhere
+
+
+_SUMMED = ("kv_bytes", "kv_bytes_peak", "kv_tokens_kept", "kv_tokens_full")
+
+
+def _merged_figures(figures: list[dict[str, Any]], replicas: int) -> dict[str, Any]:
+    """One request's KV figures from every worker's: its heads are spread over them, so bytes and tokens add up
+    (each head once, where `replicas` workers hold it); the workers compress side by side (the slowest one's time)
+    and are preempted together."""
+    merged = dict(figures[0])
+    for name in _SUMMED:
+        merged[name] = sum(f[name] for f in figures) // replicas
+    full = merged["kv_tokens_full"]
+    merged["kv_retention"] = round(merged["kv_tokens_kept"] / full, 6) if full else 1.0
+    merged["compression_seconds"] = max(f["compression_seconds"] for f in figures)
+    return merged
+
+
+def merged_report(report: PoolReport, replicas: int = 1) -> PoolReport:
+    """`report` as the scheduler must read it: the tightest worker's pool (every worker's report is gathered);
+    `replicas` workers hold each KV head."""
+    reports: list[PoolReport] = _all(report)
+    merged = dataclasses.replace(report)
+    merged.pages_total = min(r.pages_total for r in reports)
+    merged.pages_free = min(r.pages_free for r in reports)
+    merged.failed = {k: v for r in reversed(reports) for k, v in r.failed.items()}
+    merged.pages_held = {k: max(r.pages_held.get(k, 0) for r in reports) for k in report.pages_held}
+    merged.decode_pages = {k: max(r.decode_pages.get(k, 0) for r in reports) for k in report.decode_pages}
+    merged.kv = {
+        k: _merged_figures([r.kv[k] for r in reports if k in r.kv], replicas)
+        for k in report.kv
+        if all(k in r.kv for r in reports)
+    }
+    merged.compresses_layerwise = all(r.compresses_layerwise for r in reports)
+    merged.prefix_evictable = min(r.prefix_evictable for r in reports)
+    if report.prefix_blocks is not None:
+        # Each worker reports every block it keeps (`kept_blocks`): one is readable only where all of them keep it.
+        merged.prefix_blocks = frozenset.intersection(*[r.prefix_blocks or frozenset() for r in reports])
+    return merged
