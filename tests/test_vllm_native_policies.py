@@ -188,6 +188,22 @@ def test_a_prompt_in_chunks_keeps_the_same_entries(name: str, model: Path) -> No
         gc.collect()
 
 
+@pytest.mark.parametrize("name", ["snapkv", "h2o"])
+def test_a_prompts_last_token_alone_in_a_chunk_is_prefilled_not_decoded(name: str, model: Path) -> None:
+    """Steps of 95 tokens: a 96-token prompt's last token is a chunk of its own, which vLLM schedules like a
+    decode (one token, past position 0). It is the prompt's: its query joins the observation window (SnapKV with
+    an 8-token window, so the window ranks) and H2O's accumulated attention, and the policy compresses after it."""
+    embedded = LLM(model, dtype=torch.float32, num_pages=2048, page_size=PAGE_SIZE, max_num_batched_tokens=95)
+    native = native_llm(model, max_num_batched_tokens=95)
+    spec = {"name": "snapkv", "ratio": 0.25, "window": 8} if name == "snapkv" else name
+    try:
+        for prompt in prompts():
+            assert_same_kept(embedded, native, name, [prompt], spec)
+    finally:
+        del native
+        gc.collect()
+
+
 @pytest.mark.parametrize("chunk", [None, 32])
 def test_wgkv_under_a_cap_keeps_the_same_entries(chunk: int | None, model: Path) -> None:
     """WG-KV composed with eviction (a cap of 8 global entries per KV head): the highest-gated admitted entries

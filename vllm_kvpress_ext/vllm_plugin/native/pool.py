@@ -446,7 +446,9 @@ class NativePool:
                 written[begin:end] = False
                 failed_tokens.append((begin, end))
                 continue
-            if end - begin == 1 and first > 0:
+            if end - begin == 1 and first > 0 and first >= seat.prompt_len:
+                # A decode: one token past the prompt. A prompt's last token alone in a chunk is a prefill: its
+                # query is in the policy's observation window, and the policy compresses after it.
                 decodes.append((request_id, begin, first))
                 continue
             layerwise = self._layerwise(request_id, seat, first, seq_lens[index])
