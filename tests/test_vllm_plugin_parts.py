@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -225,6 +226,31 @@ def test_engine_metrics_reach_the_collector(tmp_path: Path) -> None:
     assert "full" not in {s.labels.get("policy") for s in families["kvpress_compression_seconds"].samples}
     assert list(SnapshotCollector(tmp_path / "absent.json").collect())  # no engine yet: zeros, no error
     assert value["kvpress_prefix_cache_hits"] == 0 and value["kvpress_prefix_cache_entries"] == 0  # store off
+
+
+def test_each_data_parallel_replica_reports_under_its_engine_label(tmp_path: Path) -> None:
+    """Two engine cores (data parallelism) write their own snapshots; every series carries vLLM's `engine` label."""
+    from vllm_kvpress_ext.vllm_plugin.metrics import replica_metrics_file
+
+    path = tmp_path / "snapshot.json"
+    for index, free in ((0, 60), (1, 20)):
+        # As vLLM configures a dense model's replicas: independent engines, each with its index.
+        config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_index=index))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("KVPRESS_METRICS_FILE", str(path))
+            patch.setenv("KVPRESS_METRICS_FILE_PID", str(os.getpid()))
+            replica_path = replica_metrics_file(config)
+        assert replica_path == (path if index == 0 else tmp_path / "snapshot.json.replica1")
+        metrics = EngineMetrics(replica_path)
+        metrics.pool(PoolReport(100, free, 16, 8, 4096), running=1, waiting=index)
+        metrics.request_finished({"policy": "snapkv", "kv_retention": 0.3, "compression_seconds": 0.002})
+    (tmp_path / "snapshot.json.replica1.123.tmp").write_text("{")  # a snapshot being written: not a replica
+    families = {f.name: f for f in SnapshotCollector(path).collect()}
+    free = {s.labels["engine"]: s.value for s in families["kvpress_kv_pages_free"].samples}
+    assert free == {"0": 60, "1": 20}
+    finished = {(s.labels["policy"], s.labels["engine"]) for s in families["kvpress_requests_finished"].samples}
+    assert finished == {("snapkv", "0"), ("snapkv", "1")}
+    assert all("engine" in s.labels for f in families.values() for s in f.samples)
 
 
 def test_prefix_store_figures_reach_the_collector(tmp_path: Path) -> None:
@@ -507,3 +533,53 @@ def test_a_logit_soft_cap_refuses_the_policies_whose_attention_would_ignore_it()
     assert refusal is not None and "write-time admission gates" in refusal
     for name in ("snapkv", "kvzip"):
         assert native_refusal(create_policy(name), capped) is None
+
+
+def test_a_plan_over_all_heads_is_cut_to_each_tensor_parallel_workers_part() -> None:
+    import torch
+
+    from vllm_kvpress_ext.cache import KeepPlan
+    from vllm_kvpress_ext.engine.compression import workers_part
+    from vllm_kvpress_ext.policies.base import HeadShard
+
+    mask = torch.rand(2, 4, 10, generator=torch.Generator().manual_seed(0)) > 0.5
+    plan = KeepPlan.from_mask(mask)
+    for first in (0, 2):
+        shard = HeadShard(first, 2, 4, gather=lambda t: t)
+        part = workers_part(plan, shard)
+        assert torch.equal(part.to_mask(torch.full((2, 2), 10)), mask[:, first : first + 2])
+        assert workers_part(part, shard) is part  # a plan over the worker's own heads is applied as it is
+    with pytest.raises(ValueError, match="covers 3 KV heads"):
+        workers_part(KeepPlan.from_mask(mask[:, :3]), HeadShard(0, 2, 4, gather=lambda t: t))
+
+
+def test_the_scheduler_reads_the_tightest_tensor_parallel_worker() -> None:
+    """The workers' pool reports merged: the fewest free pages, the most any request's next token needs, every
+    worker's failures, the blocks all of them keep, and a request's figures over all of its heads."""
+    from vllm_kvpress_ext.vllm_plugin.native.tensor_parallel import merge_reports
+
+    def figures(kept: int, seconds: float) -> dict[str, Any]:
+        return {
+            "policy": "snapkv",
+            "kv_bytes": 64 * kept,
+            "kv_bytes_peak": 128 * kept,
+            "kv_tokens_kept": kept,
+            "kv_tokens_full": 100,
+            "kv_retention": kept / 100,
+            "compression_seconds": seconds,
+            "preemptions": 1,
+        }
+
+    first = PoolReport(100, 60, 16, 8, 4096, decode_pages={"a": 1, "b": 0}, pages_held={"a": 5})
+    second = PoolReport(100, 40, 16, 8, 4096, decode_pages={"a": 0, "b": 2}, pages_held={"a": 7})
+    first.kv, second.kv = {"a": figures(30, 0.5)}, {"a": figures(10, 0.75)}
+    second.failed = {"c": "pool exhausted"}
+    first.prefix_blocks, second.prefix_blocks = frozenset({1, 2, 3}), frozenset({2, 3, 4})
+    merged = merge_reports([first, second])
+    assert merged.pages_free == 40 and merged.decode_pages == {"a": 1, "b": 2} and merged.pages_held == {"a": 7}
+    assert merged.failed == {"c": "pool exhausted"} and merged.prefix_blocks == frozenset({2, 3})
+    kv = merged.kv["a"]
+    assert (kv["kv_tokens_kept"], kv["kv_tokens_full"], kv["kv_bytes"]) == (40, 200, 64 * 40)
+    assert kv["kv_retention"] == 0.2 and kv["compression_seconds"] == 0.75 and kv["preemptions"] == 1
+    replicated = merge_reports([first, first], replicas=2)  # one head held twice is counted once
+    assert replicated.kv["a"]["kv_tokens_kept"] == 30 and replicated.kv["a"]["kv_tokens_full"] == 100

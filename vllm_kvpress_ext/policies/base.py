@@ -114,14 +114,13 @@ GQA_REDUCTIONS = ("mean", "max")
 @dataclass(frozen=True)
 class HeadShard:
     """This worker's KV heads when tensor parallelism splits every layer's heads over `total // count` workers:
-    heads [first, first + count) of `total`. `gather(tensor, fill)` joins a per-head tensor `[count, ..., m]`
-    of every worker into `[total, ..., M]` in head order, the last dimension padded with `fill` to the widest
-    worker's `M` (heads hold different numbers of entries once a policy made them ragged)."""
+    heads [first, first + count) of `total`. `gather(tensor)` joins a per-head tensor `[count, ...]` of every
+    worker (the same shape on each) into `[total, ...]`, in head order."""
 
     first: int
     count: int
     total: int
-    gather: Callable[[torch.Tensor, float], torch.Tensor]
+    gather: Callable[[torch.Tensor], torch.Tensor]
     # Workers holding each head: more than 1 where there are more workers than KV heads and vLLM replicates them
     # (no compressing policy runs there: each replica holds part of the head's query group).
     replicas: int = 1
@@ -135,9 +134,9 @@ class HeadShard:
         return tensor.narrow(dim, self.first, self.count)
 
 
-def all_heads(shard: HeadShard | None, tensor: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+def all_heads(shard: HeadShard | None, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` `[heads here, ...]` joined with the other workers' into `[all heads, ...]` (itself on one worker)."""
-    return tensor if shard is None else shard.gather(tensor, fill)
+    return tensor if shard is None else shard.gather(tensor)
 
 
 def own_heads(shard: HeadShard | None, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -173,9 +172,9 @@ class LayerPrefill:
     model_layer: int | None = None  # None: the same as `layer`
     shard: HeadShard | None = None  # None: every KV head of the layer is here
 
-    def all_heads(self, tensor: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    def all_heads(self, tensor: torch.Tensor) -> torch.Tensor:
         """A per-head tensor of this worker's heads joined with the other workers' (see `HeadShard`)."""
-        return all_heads(self.shard, tensor, fill)
+        return all_heads(self.shard, tensor)
 
     @property
     def total_kv_heads(self) -> int:

@@ -48,8 +48,12 @@ def refuse_unsupported(vllm_config: Any, runner: str = "project") -> None:
             "vllm-kvpress-ext does not support pipeline parallelism yet "
             f"(got pipeline_parallel_size={parallel.pipeline_parallel_size})"
         )
-    if getattr(parallel, "data_parallel_size", 1) > 1:
-        raise UnsupportedConfigError("vllm-kvpress-ext does not support data parallelism yet")
+    data = getattr(parallel, "data_parallel_size", 1)
+    if data > 1 and runner != "vllm":
+        raise UnsupportedConfigError(
+            f"vllm-kvpress-ext's own runner (kv_runner 'project') does not serve data_parallel_size={data}: it needs "
+            "vLLM's runner (kv_runner 'vllm')"
+        )
     model = vllm_config.model_config
     if tensor > 1 and model is not None:
         heads = int(getattr(model.hf_text_config, "num_attention_heads", 0) or 0)

@@ -6,7 +6,9 @@ and writes a small JSON snapshot (atomically, at most a few times a second and a
 the file named by `KVPRESS_METRICS_FILE`, which the API process sets before it starts the engine;
 `SnapshotCollector`, registered in the API process, turns the latest snapshot into metric families
 at each scrape. Each top-level process picks its own path, so a `vllm serve` started from a script
-that itself used `vllm.LLM` does not share the script's file.
+that itself used `vllm.LLM` does not share the script's file. Under data parallelism each engine core (a
+replica with its own scheduler and pool) writes its own file beside it (`replica_metrics_file`), and every
+series carries vLLM's own `engine` label (the replica's index, as on vLLM's `vllm:*` series).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def choose_metrics_file() -> Path:
     path = Path(tempfile.gettempdir()) / f"kvpress-vllm-metrics-{os.getpid()}.json"
     os.environ[ENV] = str(path)
     os.environ[_CHOSEN_BY] = str(os.getpid())
-    atexit.register(_remove, path)  # the process that chose the name cleans it up
+    atexit.register(_remove, path)  # the process that chose the name cleans it up, its replicas' too
     return path
 
 
@@ -48,9 +50,19 @@ def metrics_file() -> Path:
     return Path(os.environ[ENV]) if os.environ.get(ENV) else choose_metrics_file()
 
 
+def replica_metrics_file(vllm_config: Any) -> Path:
+    """The snapshot path of this engine core: the process's for the first (or only) one; under data parallelism,
+    the others' beside it, by their replica index. (vLLM runs a dense model's replicas as independent engines
+    with `data_parallel_size` 1, each keeping its index in `data_parallel_index`.)"""
+    path = metrics_file()
+    index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
+    return path if index == 0 else path.with_name(f"{path.name}.replica{index}")
+
+
 def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.unlink()
+    for written in [path, *path.parent.glob(f"{path.name}.replica*")]:
+        with contextlib.suppress(OSError):
+            written.unlink()
 
 
 class _Histogram:
@@ -159,29 +171,46 @@ class EngineMetrics:
 _GAUGES = tuple(name for name, series in SERIES.items() if series.kind == "gauge" and PLUGIN in series.servers)
 
 
-def _histogram_families(series: Series, per_policy: dict[str, Any]) -> Any:
+Snapshot = tuple[list[str], dict[str, Any]]  # (the `engine` label's value, or none; the snapshot)
+
+
+def _histogram_families(series: Series, snapshots: list[Snapshot], key: str, engine: list[str]) -> Any:
     from prometheus_client.core import HistogramMetricFamily
 
-    family = HistogramMetricFamily(series.name, series.help, labels=list(series.labels))
-    for policy, h in sorted(per_policy.items()):
-        cumulative = [(str(b), float(c)) for b, c in zip(h["buckets"], h["counts"], strict=True)]
-        cumulative.append(("+Inf", float(h["count"])))
-        family.add_metric([policy], cumulative, sum_value=float(h["sum"]))
+    family = HistogramMetricFamily(series.name, series.help, labels=[*series.labels, *engine])
+    for label, data in snapshots:
+        for policy, h in sorted(data.get(key, {}).items()):
+            cumulative = [(str(b), float(c)) for b, c in zip(h["buckets"], h["counts"], strict=True)]
+            cumulative.append(("+Inf", float(h["count"])))
+            family.add_metric([policy, *label], cumulative, sum_value=float(h["sum"]))
     return family
 
 
 class SnapshotCollector:
-    """API-process side: a Prometheus collector reading the engine's latest snapshot at each scrape."""
+    """API-process side: a Prometheus collector reading the engine's latest snapshot at each scrape (each
+    replica's, labelled, under data parallelism)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def _read(self) -> dict[str, Any]:
+    @staticmethod
+    def _read(path: Path) -> dict[str, Any]:
         try:
-            data = json.loads(self.path.read_text())
+            data = json.loads(path.read_text())
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
+
+    def _snapshots(self) -> tuple[list[Snapshot], list[str]]:
+        """Every snapshot with its `engine` label value, and the label's name (none with one engine core)."""
+        replicas = {0: self.path}
+        for path in self.path.parent.glob(f"{self.path.name}.replica*"):
+            index = path.name.rsplit(".replica", 1)[1]
+            if index.isdigit():  # not a snapshot being written (`.replicaN.PID.tmp`)
+                replicas[int(index)] = path
+        if len(replicas) == 1:
+            return [([], self._read(self.path))], []
+        return [([str(index)], self._read(replicas[index])) for index in sorted(replicas)], ["engine"]
 
     def describe(self) -> list[Any]:
         return []  # metric names depend on the snapshot; skip registration-time collection
@@ -189,31 +218,35 @@ class SnapshotCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        data = self._read()
-        gauges = data.get("gauges", {})
+        snapshots, engine = self._snapshots()
         for name in _GAUGES:
-            gauge = GaugeMetricFamily(name, SERIES[name].help)
-            gauge.add_metric([], float(gauges.get(name, 0)))
+            gauge = GaugeMetricFamily(name, SERIES[name].help, labels=engine)
+            for label, data in snapshots:
+                gauge.add_metric(label, float(data.get("gauges", {}).get(name, 0)))
             yield gauge
         preemptions = SERIES["kvpress_pool_preemptions"]
-        preempt = CounterMetricFamily(preemptions.name, preemptions.help)
-        preempt.add_metric([], float(data.get("preemptions", 0)))
+        preempt = CounterMetricFamily(preemptions.name, preemptions.help, labels=engine)
+        for label, data in snapshots:
+            preempt.add_metric(label, float(data.get("preemptions", 0)))
         yield preempt
-        prefix = data.get("prefix", {})
         for name, field_name in (
             ("kvpress_prefix_cache_hits", "hits"),
             ("kvpress_prefix_cache_tokens_reused", "tokens_reused"),
         ):
-            counter = CounterMetricFamily(name, SERIES[name].help)
-            counter.add_metric([], float(prefix.get(field_name, 0)))
+            counter = CounterMetricFamily(name, SERIES[name].help, labels=engine)
+            for label, data in snapshots:
+                counter.add_metric(label, float(data.get("prefix", {}).get(field_name, 0)))
             yield counter
         finished_series = SERIES["kvpress_requests_finished"]
-        finished = CounterMetricFamily(finished_series.name, finished_series.help, labels=list(finished_series.labels))
-        for policy, count in sorted(data.get("finished", {}).items()):
-            finished.add_metric([policy], float(count))
+        finished = CounterMetricFamily(
+            finished_series.name, finished_series.help, labels=[*finished_series.labels, *engine]
+        )
+        for label, data in snapshots:
+            for policy, count in sorted(data.get("finished", {}).items()):
+                finished.add_metric([policy, *label], float(count))
         yield finished
-        yield _histogram_families(RETENTION, data.get("retention", {}))
-        yield _histogram_families(COMPRESSION, data.get("compression", {}))
+        yield _histogram_families(RETENTION, snapshots, "retention", engine)
+        yield _histogram_families(COMPRESSION, snapshots, "compression", engine)
 
 
 _registered = False
@@ -228,3 +261,18 @@ def register_collector() -> None:
 
     REGISTRY.register(SnapshotCollector(metrics_file()))
     _registered = True
+
+
+def multiprocess_exposition() -> bytes | None:
+    """`/metrics` as served where vLLM runs several API server processes (data parallelism raises their count):
+    Prometheus's multiprocess mode, in which vLLM's handler collects only what the processes wrote to its
+    directory, each scrape. This is that collection with the `kvpress_*` series added; None in the usual
+    single-process mode, where the collector is in the default registry (`register_collector`)."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        return None
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    registry.register(SnapshotCollector(metrics_file()))
+    return bytes(generate_latest(registry))

@@ -30,7 +30,7 @@ from vllm_kvpress_ext.api.errors import APIError, unsupported
 from vllm_kvpress_ext.api.policy_spec import policy_fields, policy_spec
 from vllm_kvpress_ext.vllm_plugin.chat_context import name_default_context
 from vllm_kvpress_ext.vllm_plugin.contexts import CONTEXT_FIELD
-from vllm_kvpress_ext.vllm_plugin.metrics import choose_metrics_file, register_collector
+from vllm_kvpress_ext.vllm_plugin.metrics import choose_metrics_file, multiprocess_exposition, register_collector
 from vllm_kvpress_ext.vllm_plugin.patches import wrap
 from vllm_kvpress_ext.vllm_plugin.usage import install_usage_hooks, usage_fields
 
@@ -124,6 +124,14 @@ async def _send_error(send: Send, exc: APIError) -> None:
     await send({"type": "http.response.body", "body": error})
 
 
+async def _send_metrics(send: Send, exposition: bytes) -> None:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    headers = _with_length([(b"content-type", CONTENT_TYPE_LATEST.encode())], len(exposition))
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": exposition})
+
+
 def _with_length(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
     kept = [(k, v) for k, v in headers if k.lower() != b"content-length"]
     return [*kept, (b"content-length", str(length).encode())]
@@ -136,6 +144,11 @@ class KVPressMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") == "http" and scope.get("method") == "GET" and scope.get("path") == "/metrics":
+            exposition = multiprocess_exposition()
+            if exposition is not None:  # several API server processes: vLLM's handler would leave kvpress_* out
+                await _send_metrics(send, exposition)
+                return
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
             await self.app(scope, receive, send)
             return
@@ -226,15 +239,22 @@ def attach(app: Any) -> None:
     register_collector()
 
 
-def install_into_api_server() -> None:
-    """Wrap vLLM's `build_app` in a top-level process (`vllm serve`, or a script using `vllm.LLM`).
+# The name vLLM gives the API server processes it starts (`ApiServer_0`, ...; vllm.v1.utils.APIServerProcessManager).
+API_SERVER_PROCESS = "ApiServer_"
 
-    vLLM's engine-core and worker processes are started through `multiprocessing`; they skip this.
-    The top-level process also picks the metrics snapshot path its engine processes will inherit.
+
+def install_into_api_server() -> None:
+    """Wrap vLLM's `build_app` in a process that serves HTTP: the top-level one (`vllm serve`, or a script using
+    `vllm.LLM`), or one of the API server processes `vllm serve` starts when it runs several (`--api-server-count`,
+    which data parallelism raises to the replicas' count).
+
+    vLLM's engine-core and worker processes are started through `multiprocessing` too; they skip this. The
+    top-level process also picks the metrics snapshot path every process it starts inherits.
     """
-    if multiprocessing.parent_process() is not None:
+    if multiprocessing.parent_process() is None:
+        choose_metrics_file()
+    elif not multiprocessing.current_process().name.startswith(API_SERVER_PROCESS):
         return
-    choose_metrics_file()
     install_usage_hooks()
     try:
         from vllm.entrypoints.launchers.api_server import entry

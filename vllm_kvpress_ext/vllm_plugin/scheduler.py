@@ -59,7 +59,7 @@ from vllm_kvpress_ext.vllm_plugin.contexts import (
     context_refusal,
     named_context,
 )
-from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics
+from vllm_kvpress_ext.vllm_plugin.metrics import EngineMetrics, replica_metrics_file
 from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import readable_prefix
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy, request_policy
@@ -138,7 +138,7 @@ class KVPressScheduler(Scheduler):
         # Pages of requests finished or aborted since the last report (the worker frees them first thing).
         self.freed_since_report = 0
         self.pending_errors: list[tuple[Any, str]] = []
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(replica_metrics_file(self.vllm_config))
         # The worker's compressed prefix store as its reports describe it (None until one says it has one),
         # and the attachments promised to vLLM in the current schedule(): request id -> (entry key, tokens).
         self.prefix_mirror: PrefixIndex | None = None

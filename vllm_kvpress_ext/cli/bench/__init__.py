@@ -19,6 +19,7 @@ from vllm_kvpress_ext.cli.bench import (
     prefill_peak,
     recall,
     serve,
+    tensor_parallel,
     throughput,
     vllm_serve,
 )
@@ -33,6 +34,7 @@ BENCHES = (
     accuracy,
     serve,
     vllm_serve,
+    tensor_parallel,
     kernels,
     prefill,
     linear,

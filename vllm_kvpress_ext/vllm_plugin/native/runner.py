@@ -111,7 +111,9 @@ class KVPressModelRunner(CPUModelRunner):
             rotary,
             prefix_caching=prefix_caching,
             contexts=contexts,
-            shard=head_shard(num_kv_heads, self.model_config.get_total_num_kv_heads()),
+            shard=head_shard(
+                self.parallel_config.tensor_parallel_size, num_kv_heads, self.model_config.get_total_num_kv_heads()
+            ),
         )
         self.pool = pool
         self._hook_projections(pool, len(layers))

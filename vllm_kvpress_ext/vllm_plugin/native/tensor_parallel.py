@@ -18,6 +18,8 @@ pool holds its own KV heads. Three things must still agree across the workers, a
 from __future__ import annotations
 
 import dataclasses
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,41 +29,46 @@ from vllm_kvpress_ext.policies.base import HeadShard
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 
 
+@dataclass
+class ExchangeStats:
+    """What this worker's policies exchanged since it started (`kvpress bench tensor-parallel` reads it)."""
+
+    gathers: int = 0
+    bytes_sent: int = 0  # this worker's part of each gather
+    seconds: float = 0.0
+
+
+EXCHANGED = ExchangeStats()
+
+
 def _group() -> Any:
     from vllm.distributed import get_tp_group
 
     return get_tp_group()
 
 
-def world_size() -> int:
-    from vllm.distributed import get_tensor_model_parallel_world_size
-
-    return int(get_tensor_model_parallel_world_size())
-
-
-def gather_heads(tensor: torch.Tensor, fill: float) -> torch.Tensor:
-    """Every worker's `[heads, ..., m]` joined into `[all heads, ..., M]` in worker order (= head order), the last
-    dimension padded with `fill` to the widest worker's."""
+def gather_heads(tensor: torch.Tensor) -> torch.Tensor:
+    """Every worker's `[heads, ...]` (the same shape on each) joined into `[all heads, ...]` in worker order, which
+    is head order."""
+    start = time.perf_counter()
     group = _group()
     local = tensor.detach().cpu()
     kind = local.dtype
-    if kind == torch.bool:  # gloo reduces no bools
+    if kind == torch.bool:  # gloo moves no bools
         local = local.to(torch.uint8)
-    widths = [torch.zeros(1, dtype=torch.int64) for _ in range(group.world_size)]
-    dist.all_gather(widths, torch.tensor([local.shape[-1]], dtype=torch.int64), group=group.cpu_group)
-    width = int(max(int(w) for w in widths))
-    if local.shape[-1] < width:
-        local = torch.nn.functional.pad(local, (0, width - local.shape[-1]), value=fill)
     parts = [torch.empty_like(local) for _ in range(group.world_size)]
     dist.all_gather(parts, local.contiguous(), group=group.cpu_group)
     joined = torch.cat(parts, dim=0)
+    EXCHANGED.gathers += 1
+    EXCHANGED.bytes_sent += local.numel() * local.element_size()
+    EXCHANGED.seconds += time.perf_counter() - start
     return joined.to(kind).to(tensor.device)
 
 
-def head_shard(num_kv_heads: int, total_kv_heads: int) -> HeadShard | None:
-    """This worker's place among the model's `total_kv_heads` KV heads (`num_kv_heads` of them here), or None on one
-    worker. With more workers than KV heads, vLLM gives each worker one head, each head to `replicas` workers."""
-    size = world_size()
+def head_shard(size: int, num_kv_heads: int, total_kv_heads: int) -> HeadShard | None:
+    """This worker's place among the model's `total_kv_heads` KV heads (`num_kv_heads` of them here) when `size`
+    workers split them, or None on one worker. With more workers than KV heads, vLLM gives each worker one head,
+    each head to `replicas` workers."""
     if size == 1:
         return None
     rank = int(_group().rank_in_group)
@@ -71,7 +78,7 @@ def head_shard(num_kv_heads: int, total_kv_heads: int) -> HeadShard | None:
     return HeadShard(rank * num_kv_heads, num_kv_heads, total_kv_heads, gather_heads)
 
 
-def _no_gather(tensor: torch.Tensor, fill: float) -> torch.Tensor:
+def _no_gather(tensor: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("KV heads replicated over workers are not compressed (support.native_refusal)")
 
 
@@ -113,23 +120,26 @@ def _merged_figures(figures: list[dict[str, Any]], replicas: int) -> dict[str, A
 
 
 def merged_report(report: PoolReport, replicas: int = 1) -> PoolReport:
-    """`report` as the scheduler must read it: the tightest worker's pool (every worker's report is gathered);
-    `replicas` workers hold each KV head."""
-    reports: list[PoolReport] = _all(report)
-    merged = dataclasses.replace(report)
+    """`report` as the scheduler must read it: every worker's report gathered and merged (`merge_reports`)."""
+    return merge_reports(_all(report), replicas)
+
+
+def merge_reports(reports: list[PoolReport], replicas: int = 1) -> PoolReport:
+    """The workers' reports (the first is the one vLLM hands the scheduler) as one: the tightest worker's pool,
+    every worker's failures, and each request's figures over all of its heads (`replicas` workers hold each)."""
+    first = reports[0]
+    merged = dataclasses.replace(first)
     merged.pages_total = min(r.pages_total for r in reports)
     merged.pages_free = min(r.pages_free for r in reports)
     merged.failed = {k: v for r in reversed(reports) for k, v in r.failed.items()}
-    merged.pages_held = {k: max(r.pages_held.get(k, 0) for r in reports) for k in report.pages_held}
-    merged.decode_pages = {k: max(r.decode_pages.get(k, 0) for r in reports) for k in report.decode_pages}
+    merged.pages_held = {k: max(r.pages_held.get(k, 0) for r in reports) for k in first.pages_held}
+    merged.decode_pages = {k: max(r.decode_pages.get(k, 0) for r in reports) for k in first.decode_pages}
     merged.kv = {
-        k: _merged_figures([r.kv[k] for r in reports if k in r.kv], replicas)
-        for k in report.kv
-        if all(k in r.kv for r in reports)
+        k: _merged_figures([r.kv[k] for r in reports], replicas) for k in first.kv if all(k in r.kv for r in reports)
     }
     merged.compresses_layerwise = all(r.compresses_layerwise for r in reports)
     merged.prefix_evictable = min(r.prefix_evictable for r in reports)
-    if report.prefix_blocks is not None:
-        # Each worker reports every block it keeps (`kept_blocks`): one is readable only where all of them keep it.
+    if first.prefix_blocks is not None:
+        # Each worker reports every block it keeps (`NativePool.report`): one is readable only where all keep it.
         merged.prefix_blocks = frozenset.intersection(*[r.prefix_blocks or frozenset() for r in reports])
     return merged

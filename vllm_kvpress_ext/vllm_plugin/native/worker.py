@@ -38,6 +38,23 @@ logger = logging.getLogger("vllm.kvpress.worker")
 
 class VllmRunnerWorker(Worker):
     model_runner: KVPressModelRunner
+    peak_pages = 0  # the most pool pages held at the end of a step since the worker started
+
+    def kvpress_worker_stats(self, restart_peak: bool = False) -> dict[str, Any]:
+        """This worker's pool high-water mark (since it started, or the last `restart_peak`) and what its policies
+        exchanged with the other tensor-parallel workers (`collective_rpc("kvpress_worker_stats")`)."""
+        pool = self.model_runner.pool
+        page_bytes = pool.cache.pool.bytes_per_page if pool is not None else 0
+        exchanged = tensor_parallel.EXCHANGED
+        stats = {
+            "peak_kv_bytes": self.peak_pages * page_bytes,
+            "gathers": exchanged.gathers,
+            "exchange_bytes": exchanged.bytes_sent,
+            "exchange_seconds": exchanged.seconds,
+        }
+        if restart_peak:
+            self.peak_pages = pool.cache.pool.num_used if pool is not None else 0
+        return stats
 
     def init_device(self) -> None:
         from vllm.utils.torch_utils import set_random_seed
@@ -99,6 +116,7 @@ class VllmRunnerWorker(Worker):
         if pool is None or not isinstance(output, ModelRunnerOutput):
             return output
         output = copy.copy(output)
+        self.peak_pages = max(self.peak_pages, pool.cache.pool.num_used)
         report = pool.report()
         if pool.shard is not None:  # the scheduler reads the first worker's: make it the tightest worker's
             report = tensor_parallel.merged_report(report, pool.shard.replicas)

@@ -1,10 +1,15 @@
-"""Tensor parallelism on vLLM's runner (`--tensor-parallel-size 2`, two worker processes over gloo).
+"""Tensor and data parallelism on vLLM's runner.
+
+Tensor parallelism (`--tensor-parallel-size 2`, two worker processes over gloo):
 
 Each worker's pool holds its half of every layer's KV heads. A policy whose budget crosses heads (AdaKV's top-k
 over a layer's heads, GVote's request total, K-VEC's coverage, LAVa's and XKV's layer budgets, KVzip's global
 ranking) gathers its per-head scores over the workers, so two workers keep exactly what one keeps: the same
 entries in every (layer, KV head), the same greedy tokens, and the same KV figures, summed over the workers.
 What cannot be served so is refused, at start and per request, with the reason.
+
+Data parallelism (`--data-parallel-size 2`): two replicas, each an engine with its own scheduler and pool,
+behind `vllm serve`'s API servers; the `kvpress_*` series carry vLLM's `engine` label.
 """
 
 from __future__ import annotations
@@ -16,14 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-import torch
 from model_utils import write_suite_model
 from vllm import LLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.distributed import cleanup_dist_env_and_memory
 from vllm.exceptions import VLLMValidationError
-from vllm_utils import PAGE_SIZE, in_process_engine
+from vllm_utils import PAGE_SIZE, in_process_engine, vllm_server
 
 from vllm_kvpress_ext.policies.registry import create_policy, policy_names
 from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
@@ -178,6 +183,72 @@ def test_cross_head_budgets_move_entries_between_the_workers(two_workers: Run) -
         assert any(sum(layer[:2]) != sum(layer[2:]) for layer in counts)
 
 
+MARKED = 3  # a prompt starting with this token fails in the second worker's pool alone
+
+
+def fail_marked_requests_on_the_second_worker(worker: Any) -> None:
+    """The second worker's pool refuses to seat a marked request, as if it had run out of pages there only."""
+    pool = worker.model_runner.pool
+    if pool.shard.first == 0:
+        return
+    seat = pool._seat
+
+    def seat_unless_marked(request_id: str, *args: Any) -> None:
+        if pool.prompt_tokens.get(request_id, [None])[0] == MARKED:
+            pool.failed[request_id] = "this worker's pool is out of pages"
+            return
+        seat(request_id, *args)
+
+    pool._seat = seat_unless_marked
+
+
+def test_a_request_failing_on_one_worker_fails_on_all_and_alone(model: Path, one_worker: Run) -> None:
+    """A request that one worker's pool cannot seat is failed on every worker before the policies run: the
+    other worker does not wait in a gather for it, and the batch's other request keeps what one worker keeps."""
+    llm = parallel_llm(model, 2)
+    try:
+        llm.collective_rpc(fail_marked_requests_on_the_second_worker)
+        spec = SPECS["adakv"]
+        params = VllmSamplingParams(
+            max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, extra_args={"kv_policy": json.dumps(spec)}
+        )
+        good, bad = prompts()
+        outputs = llm.generate(
+            [{"prompt_token_ids": good}, {"prompt_token_ids": [MARKED, *bad]}], params, use_tqdm=False
+        )
+        assert list(outputs[0].outputs[0].token_ids) == one_worker["adakv"][0][0]
+        assert outputs[1].outputs[0].finish_reason == "error" and not outputs[1].outputs[0].token_ids
+        again = llm.generate([{"prompt_token_ids": good}], params, use_tqdm=False)  # nothing left waiting
+        assert list(again[0].outputs[0].token_ids) == one_worker["adakv"][0][0]
+    finally:
+        close(llm)
+
+
+def test_vllms_prefix_caching_reads_the_blocks_every_worker_keeps(model: Path) -> None:
+    """Prefix caching on (vLLM's default): a prompt served again reads its cached blocks on both workers and
+    answers as the first time."""
+    llm = LLM(
+        str(model),
+        dtype="float32",
+        max_model_len=512,
+        block_size=PAGE_SIZE,
+        max_num_seqs=4,
+        skip_tokenizer_init=True,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        additional_config={"kv_runner": "vllm", "kv_num_pages": 2048},
+    )
+    try:
+        params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        batch = [{"prompt_token_ids": p} for p in prompts()]
+        first = llm.generate(batch, params, use_tqdm=False)
+        again = llm.generate(batch, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+        assert all(o.num_cached_tokens == (96 - 1) // PAGE_SIZE * PAGE_SIZE for o in again)  # the last token runs
+    finally:
+        close(llm)
+
+
 def test_more_workers_than_kv_heads_serve_the_full_cache_and_refuse_compression(tmp_path: Path) -> None:
     """One KV head, two workers: vLLM replicates the head. The full cache serves, token for token as on one
     worker; a compressing policy is refused by name, per request and at start (each replica holds half the
@@ -223,17 +294,79 @@ def test_the_plugins_own_runner_refuses_tensor_parallelism(model: Path) -> None:
         LLM(str(model), dtype="float32", tensor_parallel_size=2, additional_config={"kv_runner": "project"})
 
 
-def test_a_plan_over_all_heads_is_cut_to_each_workers_part() -> None:
-    from vllm_kvpress_ext.cache import KeepPlan
-    from vllm_kvpress_ext.engine.compression import workers_part
-    from vllm_kvpress_ext.policies.base import HeadShard
+PROMPT = "key trout 65 . key clam 62 . key lion 17 . what is key trout ? answer :"
+SERVED_IN_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # `vllm serve` as users run it
 
-    mask = torch.rand(2, 4, 10) > 0.5
-    plan = KeepPlan.from_mask(mask)
-    for first in (0, 2):
-        shard = HeadShard(first, 2, 4, gather=lambda t, fill: t)
-        part = workers_part(plan, shard)
-        assert torch.equal(part.to_mask(torch.full((2, 2), 10)), mask[:, first : first + 2])
-        assert workers_part(part, shard) is part  # a plan over the worker's own heads is applied as it is
-    with pytest.raises(ValueError, match="covers 3 KV heads"):
-        workers_part(KeepPlan.from_mask(mask[:, :3]), HeadShard(0, 2, 4, gather=lambda t, fill: t))
+
+def complete(url: str, **extra: Any) -> dict[str, Any]:
+    body = {"model": "model", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, **extra}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def kvpress_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("kvpress_")
+        for s in family.samples
+    }
+
+
+def test_vllm_serve_with_two_tensor_parallel_workers(model: Path, tmp_path: Path) -> None:
+    """Over HTTP: `usage` counts every KV head once (both workers' halves), AdaKV's exchange runs, and a request
+    for a policy the workers cannot share is a 400 naming it."""
+    spec = json.dumps(SPECS["adakv"])
+    args = [str(model), "--served-model-name", "model", "--dtype", "float32", "--max-model-len", "512"]
+    args += ["--tensor-parallel-size", "2", "--kv-policy", spec, "--max-num-seqs", "4"]
+    with vllm_server(args, tmp_path / "tp.log", SERVED_IN_PROCESSES) as url:
+        usage = complete(url)["usage"]
+        written = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+        assert usage["kv_policy"] == "adakv" and usage["kv_tokens_full"] == 2 * 4 * written  # layers x KV heads
+        assert usage["kv_tokens_kept"] < usage["kv_tokens_full"]
+        refused = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "model", "prompt": PROMPT, "max_tokens": 2, "kv_policy": "wgkv"},
+            timeout=60,
+        )
+        assert refused.status_code == 400 and "tensor parallelism" in refused.json()["error"]["message"]
+        samples = kvpress_samples(url)
+        assert samples[("kvpress_requests_finished_total", (("policy", "adakv"),))] == 1
+
+
+def test_vllm_serve_with_two_data_parallel_replicas(model: Path, tmp_path: Path) -> None:
+    """Two replicas share the requests; each reports its pool and finished requests under its `engine` label."""
+    args = [str(model), "--served-model-name", "model", "--dtype", "float32", "--max-model-len", "512"]
+    args += ["--data-parallel-size", "2", "--kv-policy", "snapkv", "--max-num-seqs", "4"]
+    with vllm_server(args, tmp_path / "dp.log", SERVED_IN_PROCESSES) as url:
+        answers = [complete(url) for _ in range(6)]
+        assert len({a["choices"][0]["text"] for a in answers}) == 1  # greedy: the same answer from either replica
+        assert all(a["usage"]["kv_policy"] == "snapkv" for a in answers)
+        samples = kvpress_samples(url)
+        finished = {
+            dict(labels)["engine"]: value
+            for (name, labels), value in samples.items()
+            if name == "kvpress_requests_finished_total"
+        }
+        assert set(finished) == {"0", "1"} and sum(finished.values()) == 6
+        pages = {dict(labels)["engine"] for (name, labels), _ in samples.items() if name == "kvpress_kv_pages_total"}
+        assert pages == {"0", "1"}
+
+
+def test_the_tensor_parallel_bench_measures_memory_and_the_exchange(capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_kvpress_ext.bench.tensor_parallel_bench import TensorParallelBenchConfig, run_tensor_parallel_bench
+
+    config = TensorParallelBenchConfig(
+        policies=("full", "adakv"), num_prompts=2, input_len=256, output_len=4, max_num_seqs=2
+    )
+    rows = {(row["workers"], row["policy"]): row for row in run_tensor_parallel_bench(config)}
+    assert rows[(2, "adakv")]["gathers_per_request"] == 4  # one per layer of the bench model
+    assert rows[(2, "adakv")]["exchange_kib_per_request"] > 0 and rows[(1, "adakv")]["gathers_per_request"] == 0
+    assert rows[(2, "full")]["gathers_per_request"] == 0
+    assert rows[(2, "full")]["worker_peak_kv_mib"] == rows[(1, "full")]["worker_peak_kv_mib"] / 2
+    assert rows[(2, "adakv")]["kv_mib"] == rows[(1, "adakv")]["kv_mib"] < rows[(1, "full")]["kv_mib"]
+    assert "exchange_share_of_prefill" in capsys.readouterr().out
