@@ -64,7 +64,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_suite_model(tmp_path_factory.mktemp("tp"), hidden=64, num_heads=8, num_kv_heads=4)
 
 
-def parallel_llm(model: Path, workers: int, **additional: Any) -> LLM:
+def parallel_llm(model: Path, workers: int, prefix_caching: bool = False, **additional: Any) -> LLM:
     return LLM(
         str(model),
         dtype="float32",
@@ -72,7 +72,7 @@ def parallel_llm(model: Path, workers: int, **additional: Any) -> LLM:
         block_size=PAGE_SIZE,
         max_num_seqs=4,
         skip_tokenizer_init=True,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,  # off unless asked: every prompt prefills under its policy
         tensor_parallel_size=workers,
         distributed_executor_backend="mp" if workers > 1 else "uni",
         additional_config={"kv_runner": "vllm", "kv_num_pages": 2048, **additional},
@@ -145,22 +145,22 @@ def run_every_policy(llm: LLM) -> Run:
     return results
 
 
-@pytest.fixture(scope="module")
-def one_worker(model: Path) -> Run:
-    llm = parallel_llm(model, 1)
+def every_policy_on(model: Path, workers: int) -> Run:
+    llm = parallel_llm(model, workers)
     try:
         return run_every_policy(llm)
     finally:
         close(llm)
+
+
+@pytest.fixture(scope="module")
+def one_worker(model: Path) -> Run:
+    return every_policy_on(model, 1)
 
 
 @pytest.fixture(scope="module")
 def two_workers(model: Path) -> Run:
-    llm = parallel_llm(model, 2)
-    try:
-        return run_every_policy(llm)
-    finally:
-        close(llm)
+    return every_policy_on(model, 2)
 
 
 @pytest.mark.parametrize("name", SERVED)
@@ -227,17 +227,7 @@ def test_a_request_failing_on_one_worker_fails_on_all_and_alone(model: Path, one
 def test_vllms_prefix_caching_reads_the_blocks_every_worker_keeps(model: Path) -> None:
     """Prefix caching on (vLLM's default): a prompt served again reads its cached blocks on both workers and
     answers as the first time."""
-    llm = LLM(
-        str(model),
-        dtype="float32",
-        max_model_len=512,
-        block_size=PAGE_SIZE,
-        max_num_seqs=4,
-        skip_tokenizer_init=True,
-        tensor_parallel_size=2,
-        distributed_executor_backend="mp",
-        additional_config={"kv_runner": "vllm", "kv_num_pages": 2048},
-    )
+    llm = parallel_llm(model, 2, prefix_caching=True)
     try:
         params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         batch = [{"prompt_token_ids": p} for p in prompts()]
