@@ -10,6 +10,10 @@
 #   KVPRESS_HOST, KVPRESS_PORT address and port to bind (image: 0.0.0.0, 8000)
 #   KVPRESS_MAX_NUM_SEQS, KVPRESS_MAX_MODEL_LEN, KVPRESS_SERVED_MODEL_NAME
 #   KVPRESS_GPU_MEMORY_UTILIZATION  vLLM's --gpu-memory-utilization, e.g. 0.9
+#   KVPRESS_TENSOR_PARALLEL_SIZE, KVPRESS_DATA_PARALLEL_SIZE  vLLM's --tensor/--data-parallel-size
+#   KVPRESS_NNODES, KVPRESS_NODE_RANK, KVPRESS_MASTER_ADDR, KVPRESS_MASTER_PORT
+#                              one server over several nodes (vLLM's multiprocessing executor): node 0
+#                              serves HTTP, every other node runs its workers only (--headless)
 #   KVPRESS_PRINT_COMMAND=1    print the command, one argument per line, and exit instead of running it
 #
 # Arguments are appended after the ones built here (any `vllm serve` flag); a first argument that is
@@ -48,7 +52,31 @@ if [[ -n "$policy" ]]; then
   cmd+=(--kv-policy "$policy")
 fi
 
-cmd+=(--host "$host" --port "$port")
+nnodes="${KVPRESS_NNODES:-1}"
+require_integer KVPRESS_NNODES "$nnodes" 1 1024
+node_rank="${KVPRESS_NODE_RANK:-0}"
+require_integer KVPRESS_NODE_RANK "$node_rank" 0 $((nnodes - 1))
+if ((nnodes > 1 && node_rank > 0)); then
+  cmd+=(--headless)  # this node's workers only: node 0 serves the API
+else
+  cmd+=(--host "$host" --port "$port")
+fi
+if ((nnodes > 1)); then
+  [[ -n "${KVPRESS_MASTER_ADDR:-}" ]] || fail "KVPRESS_NNODES=$nnodes needs KVPRESS_MASTER_ADDR (node 0's address)"
+  cmd+=(--nnodes "$nnodes" --node-rank "$node_rank" --master-addr "$KVPRESS_MASTER_ADDR")
+  if [[ -n "${KVPRESS_MASTER_PORT:-}" ]]; then
+    require_integer KVPRESS_MASTER_PORT "$KVPRESS_MASTER_PORT" 1 65535
+    cmd+=(--master-port "$KVPRESS_MASTER_PORT")
+  fi
+fi
+for name in TENSOR_PARALLEL_SIZE DATA_PARALLEL_SIZE; do
+  variable="KVPRESS_$name"
+  if [[ -n "${!variable:-}" ]]; then
+    require_integer "$variable" "${!variable}" 1 1024
+    flag="--${name,,}"
+    cmd+=("${flag//_/-}" "${!variable}")
+  fi
+done
 
 if [[ -n "${KVPRESS_MAX_NUM_SEQS:-}" ]]; then
   require_integer KVPRESS_MAX_NUM_SEQS "$KVPRESS_MAX_NUM_SEQS" 1 1048576

@@ -251,3 +251,57 @@ def test_server_flags_built_from_the_pod_env_match_the_manifests(
         assert argv[:3] == ["vllm", "serve", env["KVPRESS_MODEL_DIR"]]
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert env["KVPRESS_MODEL_DIR"] in mounts
+
+
+def test_the_two_node_server_renders_and_its_pods_agree_on_their_roles(tmp_path: Path) -> None:
+    """docker/k8s/multinode: a StatefulSet of two pods, one vLLM server with tensor parallelism across them.
+    The entrypoint makes pod 0 the API server and coordinator and pod 1 a headless worker, from the pod's index."""
+    objects = render(K8S / "multinode")
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    assert not [obj for obj in objects if obj["kind"] in ("Deployment", "PodDisruptionBudget")]
+    nodes = one(objects, "StatefulSet")
+    (container,) = nodes["spec"]["template"]["spec"]["containers"]
+    env = {item["name"]: item for item in container["env"]}
+    literal = {name: item["value"] for name, item in env.items() if "value" in item}
+    rank_from = env["KVPRESS_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert rank_from == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert nodes["spec"]["replicas"] == int(literal["KVPRESS_NNODES"]) == 2
+    services = {s["metadata"]["name"]: s for s in objects if s["kind"] == "Service"}
+    peers = services[nodes["spec"]["serviceName"]]
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"] is True
+    assert literal["KVPRESS_MASTER_ADDR"] == f"{nodes['metadata']['name']}-0.{peers['metadata']['name']}"
+    assert services["kvpress"]["spec"]["selector"]["apps.kubernetes.io/pod-index"] == "0"  # the API: pod 0 only
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert peers["spec"]["ports"][0]["port"] == ports["coordinator"] == int(literal["KVPRESS_MASTER_PORT"])
+    for rank in (0, 1):
+        result = subprocess.run(
+            [str(DOCKER / "entrypoint-vllm.sh")],
+            env={"PATH": os.environ["PATH"], **literal, "KVPRESS_NODE_RANK": str(rank), "KVPRESS_PRINT_COMMAND": "1"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        argv = result.stdout.splitlines()
+        flags = dict(itertools.pairwise(argv))
+        assert flags["--nnodes"] == "2" and flags["--node-rank"] == str(rank)
+        assert flags["--master-addr"] == literal["KVPRESS_MASTER_ADDR"] and flags["--tensor-parallel-size"] == "2"
+        if rank == 0:
+            assert int(flags["--port"]) == ports["http"] and "--headless" not in argv
+        else:
+            assert "--headless" in argv and "--port" not in argv
+
+
+def test_the_entrypoint_refuses_a_node_rank_outside_the_nodes() -> None:
+    env = {"PATH": os.environ["PATH"], "KVPRESS_MODEL_DIR": "/m", "KVPRESS_PRINT_COMMAND": "1"}
+    for extra, message in (
+        ({"KVPRESS_NNODES": "2", "KVPRESS_NODE_RANK": "2", "KVPRESS_MASTER_ADDR": "h"}, "between 0 and 1"),
+        ({"KVPRESS_NNODES": "2"}, "needs KVPRESS_MASTER_ADDR"),
+        ({"KVPRESS_TENSOR_PARALLEL_SIZE": "two"}, "must be an integer"),
+    ):
+        result = subprocess.run(
+            [str(DOCKER / "entrypoint-vllm.sh")], env={**env, **extra}, capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)
