@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +32,7 @@ from vllm import LLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.distributed import cleanup_dist_env_and_memory
 from vllm.exceptions import VLLMValidationError
-from vllm_utils import PAGE_SIZE, in_process_engine, vllm_server
+from vllm_utils import PAGE_SIZE, free_port, in_process_engine, vllm_server
 
 from vllm_kvpress_ext.policies.registry import create_policy, policy_names
 from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
@@ -326,6 +330,37 @@ def test_vllm_serve_with_two_tensor_parallel_workers(model: Path, tmp_path: Path
         assert refused.status_code == 400 and "tensor parallelism" in refused.json()["error"]["message"]
         samples = kvpress_samples(url)
         assert samples[("kvpress_requests_finished_total", (("policy", "adakv"),))] == 1
+
+
+def test_one_server_over_two_nodes(model: Path, tmp_path: Path) -> None:
+    """vLLM's multi-node form on one machine: a head (`--node-rank 0`, the API) and a `--headless` worker
+    (`--node-rank 1`), one tensor-parallel worker each, as docker/k8s/multinode runs them on two nodes."""
+    common = [str(model), "--served-model-name", "model", "--dtype", "float32", "--max-model-len", "512"]
+    common += ["--max-num-seqs", "4", "--kv-policy", "snapkv", "--tensor-parallel-size", "2"]
+    common += ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_TARGET_DEVICE", "KVPRESS_VLLM", "VLLM_PLUGINS")}
+    vllm = str(Path(sys.executable).with_name("vllm"))
+    with open(tmp_path / "worker.log", "wb") as log:
+        worker = subprocess.Popen(
+            [vllm, "serve", *common, "--node-rank", "1", "--headless"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**env, **SERVED_IN_PROCESSES},
+            start_new_session=True,
+        )
+    try:
+        with vllm_server([*common, "--node-rank", "0"], tmp_path / "head.log", SERVED_IN_PROCESSES) as url:
+            usage = complete(url)["usage"]
+            written = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+            assert usage["kv_policy"] == "snapkv" and usage["kv_tokens_full"] == 2 * 4 * written  # both halves
+            assert usage["kv_tokens_kept"] < usage["kv_tokens_full"]
+    finally:
+        os.killpg(worker.pid, signal.SIGINT)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(10)
 
 
 def test_vllm_serve_with_two_data_parallel_replicas(model: Path, tmp_path: Path) -> None:
