@@ -85,3 +85,20 @@ def test_a_policy_without_a_store_loads_its_gates_afresh(model_dir: Path, tmp_pa
 def test_a_store_reports_a_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no write gates at"):
         GateStore().get(tmp_path / "missing.wgkv.safetensors")
+
+
+def test_a_workers_heads_of_the_gates_gate_as_all_of_them_do() -> None:
+    """Under tensor parallelism a worker holds some KV heads: their gates (`WriteGates.heads`) give exactly what
+    the whole model's gates give those heads; asked twice, the same object."""
+    import torch
+
+    from vllm_kvpress_ext.models.write_gate import WriteGates
+
+    torch.manual_seed(0)
+    gates = WriteGates(num_layers=2, num_kv_heads=4, head_dim=8)
+    k_pre, k = torch.randn(5, 4, 8), torch.randn(5, 4, 8)
+    part = gates.heads(2, 2)
+    assert part is gates.heads(2, 2) and part.num_kv_heads == 2
+    assert torch.equal(part(1, k_pre[:, 2:], k[:, 2:]), gates(1, k_pre, k)[:, 2:])
+    with pytest.raises(ValueError, match="not among these gates' 4"):
+        gates.heads(3, 2)

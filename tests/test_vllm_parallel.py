@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
-from model_utils import write_suite_model
+from model_utils import write_random_gates, write_suite_model
 from vllm import LLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.distributed import cleanup_dist_env_and_memory
@@ -52,6 +52,8 @@ SPECS: dict[str, Any] = {
     "adakv": {"name": "adakv", "ratio": 0.25, "window": 8, "alpha": 0.0},
     "lava": {"name": "lava", "ratio": 0.25, "window": 8},
     "streaming_llm": {"name": "streaming_llm", "ratio": 0.3},
+    # The random gates beside the checkpoint (`write_random_gates`) admit about half the keys at tau 0.5.
+    "wgkv": {"name": "wgkv", "tau": 0.5},
 }
 
 
@@ -65,7 +67,9 @@ def functions_to_workers() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_suite_model(tmp_path_factory.mktemp("tp"), hidden=64, num_heads=8, num_kv_heads=4)
+    path = write_suite_model(tmp_path_factory.mktemp("tp"), hidden=64, num_heads=8, num_kv_heads=4)
+    write_random_gates(path, 16)
+    return path
 
 
 def parallel_llm(model: Path, workers: int, prefix_caching: bool = False, **additional: Any) -> LLM:
@@ -271,10 +275,13 @@ def test_more_workers_than_kv_heads_serve_the_full_cache_and_refuse_compression(
         parallel_llm(model, 2, kv_policy="snapkv")
 
 
-def test_write_gates_are_refused_under_tensor_parallelism(model: Path) -> None:
-    assert native_refusal(create_policy("wgkv"), TWO_WORKERS) is not None
-    with pytest.raises(Exception, match="write gates, which do not run under tensor parallelism"):
-        parallel_llm(model, 2, kv_policy="wgkv")
+def test_a_write_gate_cap_is_refused_under_tensor_parallelism(model: Path) -> None:
+    """WG-KV's gates run per KV head on each worker (`test_two_workers_keep_exactly_what_one_keeps[wgkv]`); its cap
+    ranks admitted entries across heads at every step, which is refused by name."""
+    capped = {"name": "wgkv", "tau": 0.5, "cap": 8, "local_window": 16}
+    assert native_refusal(create_policy("wgkv"), TWO_WORKERS) is None
+    with pytest.raises(Exception, match="with a cap ranks entries across KV heads"):
+        parallel_llm(model, 2, kv_policy=capped)
 
 
 def test_a_worker_count_that_does_not_divide_the_kv_heads_is_refused(tmp_path: Path) -> None:
@@ -322,9 +329,10 @@ def test_vllm_serve_with_two_tensor_parallel_workers(model: Path, tmp_path: Path
         written = usage["prompt_tokens"] + usage["completion_tokens"] - 1
         assert usage["kv_policy"] == "adakv" and usage["kv_tokens_full"] == 2 * 4 * written  # layers x KV heads
         assert usage["kv_tokens_kept"] < usage["kv_tokens_full"]
+        capped = {"name": "wgkv", "tau": 0.5, "cap": 8, "local_window": 16}
         refused = httpx.post(
             f"{url}/v1/completions",
-            json={"model": "model", "prompt": PROMPT, "max_tokens": 2, "kv_policy": "wgkv"},
+            json={"model": "model", "prompt": PROMPT, "max_tokens": 2, "kv_policy": capped},
             timeout=60,
         )
         assert refused.status_code == 400 and "tensor parallelism" in refused.json()["error"]["message"]

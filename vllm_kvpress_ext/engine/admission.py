@@ -23,7 +23,7 @@ import torch
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.engine.request import RequestRejectedError
 from vllm_kvpress_ext.models.write_gate import GateStore
-from vllm_kvpress_ext.policies.base import Admission, KVPolicy
+from vllm_kvpress_ext.policies.base import Admission, HeadShard, KVPolicy
 
 
 def bind_admission(
@@ -33,12 +33,14 @@ def bind_admission(
     device: torch.device,
     gate_store: GateStore | None = None,
     max_entries: int | None = None,
+    shard: HeadShard | None = None,
 ) -> Admission | None:
     """The policy's write gate bound to this model (checked against it and the pool), or None.
 
     With `max_entries` (the most entries the request can ever write), the ring never spans more than
     that, rounded up to whole pages: a longer one would evict nothing more and only cost pages, so a
-    request whose ring outlasts it holds what `full` holds.
+    request whose ring outlasts it holds what `full` holds. With `shard` (tensor parallelism), the gates of
+    this worker's KV heads.
     """
     if cache.global_layers.numel() == 0:  # every layer slides: no layer is a policy's, the rings bound the cache
         return None
@@ -51,6 +53,11 @@ def bind_admission(
         if admission.window > longest and dataclasses.is_dataclass(admission):
             admission = dataclasses.replace(admission, window=longest)
     gates = getattr(admission, "gates", None)
+    if gates is not None and shard is not None and dataclasses.is_dataclass(admission):
+        # A tensor-parallel worker's pool holds its KV heads: their gates, each as on one worker.
+        gates.check_model(cache.num_layers, shard.total, cache.head_dim, "the write gates")
+        gates = gates.heads(shard.first, shard.count)
+        admission = dataclasses.replace(admission, gates=gates)
     if gates is not None:
         gates.check_model(cache.num_layers, cache.num_kv_heads, cache.head_dim, "the write gates")
     if admission.window < 1 or admission.window % page:

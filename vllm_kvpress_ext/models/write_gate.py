@@ -110,6 +110,19 @@ class WriteGates(nn.Module):
         """Gate values g `[n, H]` in [0, 1]."""
         return torch.sigmoid(self.logits(layer, k_pre_rope, k))
 
+    @torch.no_grad()
+    def heads(self, first: int, count: int) -> WriteGates:
+        """The gates of KV heads [first, first + count) only: a tensor-parallel worker's heads (made once)."""
+        if first < 0 or count < 1 or first + count > self.num_kv_heads:
+            raise ValueError(f"heads [{first}, {first + count}) are not among these gates' {self.num_kv_heads}")
+        parts: dict[tuple[int, int], WriteGates] = self.__dict__.setdefault("_parts", {})
+        if (first, count) not in parts:
+            part = WriteGates(self.num_layers, count, self.head_dim, self.hidden).to(self.w1.device)
+            for name in ("w1", "b1", "w2", "b2"):
+                getattr(part, name).copy_(getattr(self, name)[:, first : first + count])
+            parts[(first, count)] = part
+        return parts[(first, count)]
+
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, where: str = "gates") -> None:
         """Raise a clear error when these gates were made for a model of another shape."""
         have = (self.num_layers, self.num_kv_heads, self.head_dim)

@@ -167,7 +167,7 @@ class KVECPolicy(ObservationWindowScores):
         else:
             keep = self._select(layer, hits[positions], budget, window)
         # Coverage counts a position kept by any head of the layer: every tensor-parallel worker's heads.
-        covered = keep.any(dim=0) if layer.shard is None else layer.all_heads(keep).any(dim=0)
+        covered = layer.all_heads(keep).any(dim=0)
         state[STATE_KEY] = hits.index_add(0, positions, covered.float())
         return keep
 

@@ -387,7 +387,7 @@ class NativePool:
         limit = self.max_model_len or prompt_len + 1
         max_tokens = getattr(params, "max_tokens", None)
         most = min(prompt_len + (max_tokens if max_tokens is not None else limit) - 1, limit)
-        return bind_admission(policy, self.cache, self.model_path, self.cache.device, self.gate_store, most)
+        return bind_admission(policy, self.cache, self.model_path, self.cache.device, self.gate_store, most, self.shard)
 
     def release(self, request_id: str) -> None:
         seat = self.seats.pop(request_id, None)

@@ -238,10 +238,13 @@ def native_refusal(policy: KVPolicy | None, facts: ModelFacts) -> str | None:
             "head's query group, so the replicas would score it differently; serve with "
             "--tensor-parallel-size no larger than the model's KV heads"
         )
-    if facts.tensor_parallel > 1 and type(policy).admission is not KVPolicy.admission:
+    # WG-KV's gates run per KV head on each worker; its cap ranks the admitted entries across heads, after the
+    # prefill and at every decode step, which no exchange serves yet.
+    admits = type(policy).admission is not KVPolicy.admission
+    if facts.tensor_parallel > 1 and admits and getattr(policy, "cap", None) is not None:
         return (
-            f"kv_policy {policy.name!r} admits entries through write gates, which do not run under tensor "
-            "parallelism yet (each worker would need its heads' gates); serve it with --tensor-parallel-size 1"
+            f"kv_policy {policy.name!r} with a cap ranks entries across KV heads at every step, which tensor "
+            "parallelism does not serve yet; serve it without a cap, or with --tensor-parallel-size 1"
         )
     spec = policy.capture_spec()
     missing = [
