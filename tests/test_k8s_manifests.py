@@ -213,6 +213,20 @@ def test_preset_copies_match_configs() -> None:
     assert sorted(listed) == [f"presets/{name}" for name in originals]
 
 
+def printed_command(entrypoint: Path, env: dict[str, str]) -> list[str]:
+    """The command line `entrypoint` builds from the pod's `env` (`KVPRESS_PRINT_COMMAND=1`), one argument each."""
+    result = subprocess.run(
+        [str(entrypoint)],
+        env={"PATH": os.environ["PATH"], **env, "KVPRESS_PRINT_COMMAND": "1"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
 #: Which entrypoint each overlay's image runs (docker/Dockerfile.cpu and docker/Dockerfile.vllm copy them).
 ENTRYPOINTS = {"overlays/cpu": DOCKER / "entrypoint-cpu.sh", "overlays/gpu": DOCKER / "entrypoint-vllm.sh"}
 
@@ -230,16 +244,7 @@ def test_server_flags_built_from_the_pod_env_match_the_manifests(
     for filename, text in one(objects, "ConfigMap")["data"].items():
         (presets / filename).write_text(text)
     env["KVPRESS_PRESETS_DIR"] = str(presets)
-    result = subprocess.run(
-        [str(ENTRYPOINTS[target])],
-        env={"PATH": os.environ["PATH"], **env, "KVPRESS_PRINT_COMMAND": "1"},
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    argv = result.stdout.splitlines()
+    argv = printed_command(ENTRYPOINTS[target], env)
     flags = dict(itertools.pairwise(argv))
     (container_port,) = [p["containerPort"] for p in container["ports"]]
     assert int(flags["--port"]) == container_port and flags["--host"] == "0.0.0.0"
@@ -275,16 +280,7 @@ def test_the_two_node_server_renders_and_its_pods_agree_on_their_roles(tmp_path:
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert peers["spec"]["ports"][0]["port"] == ports["coordinator"] == int(literal["KVPRESS_MASTER_PORT"])
     for rank in (0, 1):
-        result = subprocess.run(
-            [str(DOCKER / "entrypoint-vllm.sh")],
-            env={"PATH": os.environ["PATH"], **literal, "KVPRESS_NODE_RANK": str(rank), "KVPRESS_PRINT_COMMAND": "1"},
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-        assert result.returncode == 0, result.stderr
-        argv = result.stdout.splitlines()
+        argv = printed_command(DOCKER / "entrypoint-vllm.sh", {**literal, "KVPRESS_NODE_RANK": str(rank)})
         flags = dict(itertools.pairwise(argv))
         assert flags["--nnodes"] == "2" and flags["--node-rank"] == str(rank)
         assert flags["--master-addr"] == literal["KVPRESS_MASTER_ADDR"] and flags["--tensor-parallel-size"] == "2"

@@ -18,7 +18,6 @@ import gc
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,7 +31,7 @@ from vllm import LLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.distributed import cleanup_dist_env_and_memory
 from vllm.exceptions import VLLMValidationError
-from vllm_utils import PAGE_SIZE, free_port, in_process_engine, vllm_server
+from vllm_utils import PAGE_SIZE, free_port, in_process_engine, stop, vllm_server
 
 from vllm_kvpress_ext.policies.registry import create_policy, policy_names
 from vllm_kvpress_ext.tasks.tokenizer import VOCABULARY
@@ -363,12 +362,7 @@ def test_one_server_over_two_nodes(model: Path, tmp_path: Path) -> None:
             assert usage["kv_policy"] == "snapkv" and usage["kv_tokens_full"] == 2 * 4 * written  # both halves
             assert usage["kv_tokens_kept"] < usage["kv_tokens_full"]
     finally:
-        os.killpg(worker.pid, signal.SIGINT)
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait(10)
+        stop(worker)
 
 
 def test_vllm_serve_with_two_data_parallel_replicas(model: Path, tmp_path: Path) -> None:

@@ -149,9 +149,14 @@ def http_server(command: list[str], log_path: Path, env_extra: dict[str, str] | 
             time.sleep(1)
         yield url
     finally:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
+        stop(process)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGINT to the process group (a server's graceful shutdown), SIGKILL if it lingers past 30 s."""
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
