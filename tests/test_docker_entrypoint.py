@@ -251,3 +251,20 @@ def test_cpu_entrypoint_with_the_cpu_overlay_environment_serves(tmp_path: Path) 
     output = (tmp_path / "server.log").read_text()
     assert code in (0, -signal.SIGTERM), output
     assert "Application shutdown complete" in output
+
+
+def test_the_vllm_entrypoint_spreads_one_server_over_nodes() -> None:
+    """Node 0 serves HTTP; every other node runs its workers only (`--headless`); the parallel sizes pass through."""
+    nodes = {"KVPRESS_NNODES": "2", "KVPRESS_MASTER_ADDR": "head", "KVPRESS_TENSOR_PARALLEL_SIZE": "2"}
+    head = _command(VLLM, "/m", KVPRESS_NODE_RANK="0", **nodes)
+    worker = _command(VLLM, "/m", KVPRESS_NODE_RANK="1", KVPRESS_MASTER_PORT="29500", **nodes)
+    assert "--port" in head and "--headless" not in head
+    assert "--headless" in worker and "--port" not in worker and worker[-2:] == ["--tensor-parallel-size", "2"]
+    assert worker[worker.index("--node-rank") + 1] == "1" and worker[worker.index("--master-port") + 1] == "29500"
+    assert _command(VLLM, "/m", KVPRESS_DATA_PARALLEL_SIZE="2")[-2:] == ["--data-parallel-size", "2"]
+    for variables, message in (
+        ({"KVPRESS_NNODES": "2", "KVPRESS_NODE_RANK": "2", "KVPRESS_MASTER_ADDR": "h"}, "between 0 and 1"),
+        ({"KVPRESS_NNODES": "2"}, "needs KVPRESS_MASTER_ADDR"),
+        ({"KVPRESS_TENSOR_PARALLEL_SIZE": "two"}, "must be an integer"),
+    ):
+        assert message in _refused(VLLM, "/m", **variables)
