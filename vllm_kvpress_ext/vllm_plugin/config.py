@@ -41,7 +41,8 @@ def refuse_unsupported(vllm_config: Any, runner: str = "project") -> None:
     if tensor > 1 and runner != "vllm":
         raise UnsupportedConfigError(
             f"vllm-kvpress-ext's own runner (kv_runner 'project') runs one worker: tensor_parallel_size={tensor} "
-            "needs vLLM's runner (kv_runner 'vllm')"
+            "needs vLLM's runner (kv_runner 'vllm'), which serves it on the CPU; on a GPU the plugin runs one worker "
+            "so far"
         )
     if parallel.pipeline_parallel_size > 1:
         raise UnsupportedConfigError(
@@ -52,7 +53,7 @@ def refuse_unsupported(vllm_config: Any, runner: str = "project") -> None:
     if data > 1 and runner != "vllm":
         raise UnsupportedConfigError(
             f"vllm-kvpress-ext's own runner (kv_runner 'project') does not serve data_parallel_size={data}: it needs "
-            "vLLM's runner (kv_runner 'vllm')"
+            "vLLM's runner (kv_runner 'vllm'), which serves it on the CPU; on a GPU, run one replica per GPU as pods"
         )
     model = vllm_config.model_config
     if tensor > 1 and model is not None:
