@@ -71,6 +71,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+COLLECTIVE_TIMEOUT_SECONDS = 60
+
+
 def parallel_llm(model: Path, workers: int, prefix_caching: bool = False, **additional: Any) -> LLM:
     return LLM(
         str(model),
@@ -82,6 +85,8 @@ def parallel_llm(model: Path, workers: int, prefix_caching: bool = False, **addi
         enable_prefix_caching=prefix_caching,  # off unless asked: every prompt prefills under its policy
         tensor_parallel_size=workers,
         distributed_executor_backend="mp" if workers > 1 else "uni",
+        # A gather that one worker never joins fails the engine after this long, instead of hanging the suite.
+        cpu_distributed_timeout_seconds=COLLECTIVE_TIMEOUT_SECONDS,
         additional_config={"kv_runner": "vllm", "kv_num_pages": 2048, **additional},
     )
 

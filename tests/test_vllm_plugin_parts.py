@@ -583,3 +583,33 @@ def test_the_scheduler_reads_the_tightest_tensor_parallel_worker() -> None:
     assert kv["kv_retention"] == 0.2 and kv["compression_seconds"] == 0.75 and kv["preemptions"] == 1
     replicated = merge_reports([first, first], replicas=2)  # one head held twice is counted once
     assert replicated.kv["a"]["kv_tokens_kept"] == 30 and replicated.kv["a"]["kv_tokens_full"] == 100
+
+
+def test_a_tensor_parallel_workers_report_travels_as_numbers() -> None:
+    """A usual step's report crosses the workers as one float tensor: the merge of reports rebuilt from it equals
+    the merge of the reports themselves, for requests with and without figures or a next-token count."""
+    from vllm_kvpress_ext.vllm_plugin.native.tensor_parallel import merge_reports, report_from_numbers, report_numbers
+
+    def report(free: int, kept: int, seconds: float) -> PoolReport:
+        made = PoolReport(100, free, 16, 8, 4096, prefix_evictable=free // 3, compresses_layerwise=free > 50)
+        made.pages_held = {"a": kept, "b": 3, "c": 2**40 + kept}
+        made.decode_pages = {"a": 1, "c": kept % 3}
+        made.kv = {
+            "a": {
+                "policy": "adakv",
+                "kv_bytes": 2**40 * kept,
+                "kv_bytes_peak": 2**41,
+                "kv_tokens_kept": kept,
+                "kv_tokens_full": 100,
+                "kv_retention": kept / 100,
+                "compression_seconds": seconds,
+                "preemptions": 2,
+            },
+        }
+        return made
+
+    first, second = report(60, 30, 0.125), report(40, 10, 1 / 3)
+    assert report_numbers(first).shape == (4 + 3 * 8,)
+    rebuilt = [report_from_numbers(first, report_numbers(part)) for part in (first, second)]
+    assert rebuilt[0] == first and rebuilt[1] == second
+    assert merge_reports(rebuilt, replicas=1) == merge_reports([first, second])

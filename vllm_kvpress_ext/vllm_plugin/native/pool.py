@@ -826,9 +826,7 @@ class NativePool:
         )
         if self.prefix_blocks is not None:
             report.prefix_evictable = self.prefix_blocks.evictable_pages()
-            # Under tensor parallelism every kept block, each time: the workers' sets are intersected.
-            blocks = self.prefix_blocks
-            report.prefix_blocks = blocks.changes() if self.shard is None else frozenset(blocks.kept)
+            report.prefix_blocks = self.prefix_blocks.changes()
         if self.contexts is not None:
             self._report_contexts(report, self.contexts)
         decoding = [(request_id, seat) for request_id, seat in self.seats.items() if seat.written >= seat.prompt_len]

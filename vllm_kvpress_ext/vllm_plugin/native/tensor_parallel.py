@@ -12,13 +12,15 @@ pool holds its own KV heads. Three things must still agree across the workers, a
   compressions, and their gathers pair up.
 - **What the scheduler is told.** vLLM hands the scheduler the first worker's output only; its pool report is
   made the tightest of all workers' (`merged_report`): the fewest free pages, the most pages any request needs
-  next, and a request's KV figures summed over the workers that hold its heads.
+  next, and a request's KV figures summed over the workers that hold its heads. A usual step moves numbers only
+  (`report_numbers`); a step where something else changed moves the whole reports.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,9 +121,85 @@ def _merged_figures(figures: list[dict[str, Any]], replicas: int) -> dict[str, A
     return merged
 
 
-def merged_report(report: PoolReport, replicas: int = 1) -> PoolReport:
-    """`report` as the scheduler must read it: every worker's report gathered and merged (`merge_reports`)."""
-    return merge_reports(_all(report), replicas)
+def merged_report(report: PoolReport, replicas: int = 1, kept_blocks: frozenset[int] | None = None) -> PoolReport:
+    """`report` as the scheduler must read it: every worker's report gathered and merged (`merge_reports`).
+
+    `report.prefix_blocks` says whether this worker's kept blocks changed since its last report, and `kept_blocks`
+    is all of them. A usual step moves numbers only: every worker's page counts and its requests' figures in one
+    float tensor (`report_numbers`), after a few integers that show the workers hold the same requests and that
+    nothing else changed. A step where a request failed, a worker's kept blocks changed, or the workers' requests
+    differ gathers the whole reports instead (pickled objects, several times the cost).
+    """
+    group = _group()
+    shape = torch.tensor([_carries_objects(report), report.prefix_blocks is not None, _requests_signature(report)])
+    shapes = [torch.empty_like(shape) for _ in range(group.world_size)]
+    dist.all_gather(shapes, shape, group=group.cpu_group)
+    everywhere = torch.stack(shapes)
+    if everywhere[:, :2].any() or not bool((everywhere[:, 2] == shape[2]).all()):
+        blocks_changed = bool(everywhere[:, 1].any())  # then each worker's whole set: they are intersected
+        sent = dataclasses.replace(report, prefix_blocks=kept_blocks if blocks_changed else None)
+        return merge_reports(_all(sent), replicas)
+    numbers = report_numbers(report)
+    parts = [torch.empty_like(numbers) for _ in range(group.world_size)]
+    dist.all_gather(parts, numbers, group=group.cpu_group)
+    return merge_reports([report_from_numbers(report, part) for part in parts], replicas)
+
+
+def _carries_objects(report: PoolReport) -> bool:
+    """Whether `report` holds anything `report_numbers` does not carry."""
+    return bool(report.failed or report.prefix_keys or report.prefix_added or report.prefix_sessions) or (
+        report.prefix_stats is not None
+    )
+
+
+def _requests_signature(report: PoolReport) -> int:
+    """The running requests' ids, in order, as one integer: equal on workers that hold the same requests."""
+    return zlib.crc32("\n".join(report.pages_held).encode())
+
+
+_HEADER = 4  # pages_total, pages_free, prefix_evictable, compresses_layerwise
+_FIGURES = ("kv_bytes", "kv_bytes_peak", "kv_tokens_kept", "kv_tokens_full", "kv_retention", "compression_seconds")
+_FLOATS = ("kv_retention", "compression_seconds")
+_PER_REQUEST = 2 + len(_FIGURES)  # pages held, decode pages, figures (-1 where absent)
+
+
+def report_numbers(report: PoolReport) -> torch.Tensor:
+    """The numbers in `report` that differ between tensor-parallel workers, as float64 (exact for integers below
+    2**53), in the order of its requests (`pages_held`, which holds every running request)."""
+    values: list[float] = [report.pages_total, report.pages_free, report.prefix_evictable, report.compresses_layerwise]
+    for request_id, held in report.pages_held.items():
+        figures = report.kv.get(request_id)
+        values += [held, report.decode_pages.get(request_id, -1)]
+        values += [figures[name] for name in _FIGURES] if figures is not None else [-1] * len(_FIGURES)
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def report_from_numbers(local: PoolReport, numbers: torch.Tensor) -> PoolReport:
+    """Another worker's report, from its `report_numbers` and this worker's `local` report of the same requests."""
+    values = numbers.tolist()
+    other = dataclasses.replace(
+        local,
+        pages_total=int(values[0]),
+        pages_free=int(values[1]),
+        prefix_evictable=int(values[2]),
+        compresses_layerwise=bool(values[3]),
+        prefix_blocks=None,  # numbers travel only when no worker's kept blocks changed
+        pages_held={},
+        decode_pages={},
+        kv={},
+    )
+    for index, request_id in enumerate(local.pages_held):
+        start = _HEADER + index * _PER_REQUEST
+        held, decode, *figures = values[start : start + _PER_REQUEST]
+        other.pages_held[request_id] = int(held)
+        if decode >= 0:
+            other.decode_pages[request_id] = int(decode)
+        if figures[0] >= 0 and request_id in local.kv:
+            numbers_of = {
+                name: value if name in _FLOATS else int(value) for name, value in zip(_FIGURES, figures, strict=True)
+            }
+            other.kv[request_id] = {**local.kv[request_id], **numbers_of}
+    return other
 
 
 def merge_reports(reports: list[PoolReport], replicas: int = 1) -> PoolReport:

@@ -119,7 +119,8 @@ class VllmRunnerWorker(Worker):
         self.peak_pages = max(self.peak_pages, pool.cache.pool.num_used)
         report = pool.report()
         if pool.shard is not None:  # the scheduler reads the first worker's: make it the tightest worker's
-            report = tensor_parallel.merged_report(report, pool.shard.replicas)
+            kept = frozenset(pool.prefix_blocks.kept) if pool.prefix_blocks is not None else None
+            report = tensor_parallel.merged_report(report, pool.shard.replicas, kept)
             pool.fail_as_elsewhere(report.failed)
         output.kvpress = report
         if report.failed:  # a failed request's token came from zeroed attention: it is not sent
