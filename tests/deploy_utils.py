@@ -83,3 +83,18 @@ def container_env(container: dict[str, Any]) -> dict[str, str]:
         assert "value" in item, f"env {item['name']} is not a literal value"
         env[item["name"]] = item["value"]
     return env
+
+
+def printed_command(script: Path, *args: str, env: dict[str, str]) -> list[str]:
+    """The command line an image's entrypoint `script` builds in the environment `env`, one argument each
+    (`KVPRESS_PRINT_COMMAND=1` prints it instead of running it)."""
+    result = subprocess.run(
+        [str(script), *args],
+        env={**env, "KVPRESS_PRINT_COMMAND": "1"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deploy_utils import DOCKER, K8S, REPO, container_env, one, render, server_container
+from deploy_utils import DOCKER, K8S, REPO, container_env, one, printed_command, render, server_container
 
 from vllm_kvpress_ext.cli import build_parser
 from vllm_kvpress_ext.server.config import parse_size
@@ -39,16 +39,7 @@ def _env(**variables: str) -> dict[str, str]:
 
 
 def _command(script: Path, *args: str, **variables: str) -> list[str]:
-    result = subprocess.run(
-        [str(script), *args],
-        env=_env(KVPRESS_PRINT_COMMAND="1", **variables),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout.splitlines()
+    return printed_command(script, *args, env=_env(**variables))
 
 
 def _refused(script: Path, *args: str, **variables: str) -> str:

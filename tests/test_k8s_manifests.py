@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from deploy_utils import (
     REPO,
     container_env,
     one,
+    printed_command,
     render,
     render_with_autoscaling,
     server_container,
@@ -213,20 +213,6 @@ def test_preset_copies_match_configs() -> None:
     assert sorted(listed) == [f"presets/{name}" for name in originals]
 
 
-def printed_command(entrypoint: Path, env: dict[str, str]) -> list[str]:
-    """The command line `entrypoint` builds from the pod's `env` (`KVPRESS_PRINT_COMMAND=1`), one argument each."""
-    result = subprocess.run(
-        [str(entrypoint)],
-        env={"PATH": os.environ["PATH"], **env, "KVPRESS_PRINT_COMMAND": "1"},
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout.splitlines()
-
-
 #: Which entrypoint each overlay's image runs (docker/Dockerfile.cpu and docker/Dockerfile.vllm copy them).
 ENTRYPOINTS = {"overlays/cpu": DOCKER / "entrypoint-cpu.sh", "overlays/gpu": DOCKER / "entrypoint-vllm.sh"}
 
@@ -244,7 +230,7 @@ def test_server_flags_built_from_the_pod_env_match_the_manifests(
     for filename, text in one(objects, "ConfigMap")["data"].items():
         (presets / filename).write_text(text)
     env["KVPRESS_PRESETS_DIR"] = str(presets)
-    argv = printed_command(ENTRYPOINTS[target], env)
+    argv = printed_command(ENTRYPOINTS[target], env={"PATH": os.environ["PATH"], **env})
     flags = dict(itertools.pairwise(argv))
     (container_port,) = [p["containerPort"] for p in container["ports"]]
     assert int(flags["--port"]) == container_port and flags["--host"] == "0.0.0.0"
@@ -280,7 +266,9 @@ def test_the_two_node_server_renders_and_its_pods_agree_on_their_roles(tmp_path:
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert peers["spec"]["ports"][0]["port"] == ports["coordinator"] == int(literal["KVPRESS_MASTER_PORT"])
     for rank in (0, 1):
-        argv = printed_command(DOCKER / "entrypoint-vllm.sh", {**literal, "KVPRESS_NODE_RANK": str(rank)})
+        argv = printed_command(
+            DOCKER / "entrypoint-vllm.sh", env={"PATH": os.environ["PATH"], **literal, "KVPRESS_NODE_RANK": str(rank)}
+        )
         flags = dict(itertools.pairwise(argv))
         assert flags["--nnodes"] == "2" and flags["--node-rank"] == str(rank)
         assert flags["--master-addr"] == literal["KVPRESS_MASTER_ADDR"] and flags["--tensor-parallel-size"] == "2"
