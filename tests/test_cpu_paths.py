@@ -47,7 +47,7 @@ def test_bf16_runs_where_onednn_has_no_bf16_kernels() -> None:
         "import torch\n"
         "from vllm_kvpress_ext.assets import default_model_dir\n"
         "from vllm_kvpress_ext.engine import LLM, SamplingParams\n"
-        "from vllm_kvpress_ext.utils.env import projection_paths\n"
+        "from vllm_kvpress_ext.engine.environment import projection_paths\n"
         "x = torch.ones(2, 16, dtype=torch.bfloat16)\n"
         "try:\n"
         "    torch.ops.mkldnn._linear_pointwise(x, torch.ones(8, 16, dtype=torch.bfloat16), None, 'none', [], '')\n"

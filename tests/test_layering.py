@@ -24,29 +24,104 @@ def test_importing_the_policies_does_not_import_the_engine() -> None:
     assert "vllm_kvpress_ext.policies.xkv" in loaded  # the check sees what it is meant to see
     assert not any(m.startswith("vllm_kvpress_ext.engine") for m in loaded)
     # `hub` comes with the models (their GGUF tokenizer cache lives in the hub's cache directory).
-    allowed = ("policies", "cache", "attention", "models", "kernels", "utils", "hub")
+    allowed = ("policies", "cache", "attention", "models", "kernels", "utils", "hub", "version")
     outside = {m for m in loaded if m != "vllm_kvpress_ext" and m.split(".")[1] not in allowed}
     assert not outside, f"the policies import {sorted(outside)}"
+
+
+def _file_imports(path: Path) -> dict[str, list[str]]:
+    """Every `vllm_kvpress_ext` module one source file imports (lazily too), with its line."""
+    found: dict[str, list[str]] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:  # relative: resolve against the file's package
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)[: -node.level]
+            names = [".".join(parts + ([node.module] if node.module else []))]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name.startswith("vllm_kvpress_ext."):
+                where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{node.lineno}"
+                found.setdefault(name, []).append(where)
+    return found
+
+
+def source_dir(package: str) -> Path:
+    """Where a package's source lives: under `vllm_kvpress_ext/`, but for the Triton kernels (`kernels/`, which
+    setuptools maps into the package)."""
+    return ROOT / package if package == "kernels" else ROOT / "vllm_kvpress_ext" / package
 
 
 def imported_modules(package: str) -> dict[str, list[str]]:
     """Every `vllm_kvpress_ext` module a package's source imports (lazily too), with where."""
     found: dict[str, list[str]] = {}
-    for path in sorted((ROOT / "vllm_kvpress_ext" / package).rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level:  # relative: resolve against the file's package
-                parts = list(path.relative_to(ROOT).with_suffix("").parts)[: -node.level]
-                names = [".".join(parts + ([node.module] if node.module else []))]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                continue
-            for name in names:
-                if name.startswith("vllm_kvpress_ext."):
-                    found.setdefault(name, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    for path in sorted(source_dir(package).rglob("*.py")):
+        for module, where in _file_imports(path).items():
+            found.setdefault(module, []).extend(where)
     return found
+
+
+# The project's layers, lowest first: a package imports only from packages in earlier layers (docs/architecture.md,
+# "Package layout"). "" is the package root, whose `LLM` is the embedded engine's.
+LAYERS: list[set[str]] = [
+    {"utils", "version", "assets", "hub", "tasks", "kernels"},
+    {"attention"},
+    {"cache", "models"},
+    {"policies"},
+    {"api"},
+    {"engine", "train"},
+    {""},
+    {"server", "vllm_plugin"},
+    {"bench"},
+    {"cli"},
+]
+LAYER_OF = {package: index for index, layer in enumerate(LAYERS) for package in layer}
+
+
+def _package_of(module: str) -> str:
+    """The top-level package (or module) of `vllm_kvpress_ext` that `module` is in: "" for the root itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def upward_imports(package: str) -> list[str]:
+    """Imports in `package` ("" for the root's own `__init__.py`) of a package not in an earlier layer."""
+    if not package:
+        imports = _file_imports(ROOT / "vllm_kvpress_ext" / "__init__.py")
+    elif source_dir(package).is_dir():
+        imports = imported_modules(package)
+    else:  # a module of its own, as `version.py`
+        imports = _file_imports(ROOT / "vllm_kvpress_ext" / f"{package}.py")
+    own = LAYER_OF[package]
+    return [
+        f"{package or '(root)'} -> {module} at {', '.join(where)}"
+        for module, where in imports.items()
+        if _package_of(module) != package and LAYER_OF.get(_package_of(module), len(LAYERS)) >= own
+    ]
+
+
+def test_every_package_is_in_a_layer() -> None:
+    found = {p.name for p in (ROOT / "vllm_kvpress_ext").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    found |= {p.stem for p in (ROOT / "vllm_kvpress_ext").glob("*.py") if p.stem != "__init__"}
+    assert found | {"kernels"} == set(LAYER_OF) - {""}
+    assert (source_dir("kernels") / "__init__.py").exists()
+
+
+def test_imports_point_down_the_layers() -> None:
+    """Every import of one package by another, lazy ones too, goes to an earlier layer: no exemption."""
+    offenders = [line for package in LAYER_OF for line in upward_imports(package)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f():\n    from vllm_kvpress_ext.engine import LLM\n")
+    assert list(_file_imports(planted)) == ["vllm_kvpress_ext.engine"]
+    assert LAYER_OF["engine"] > LAYER_OF["policies"]  # so a policy importing it is an upward import
+    assert upward_imports("cli") == [] and upward_imports("api") == []
 
 
 def _offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:

@@ -12,9 +12,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vllm_kvpress_ext import __version__
 from vllm_kvpress_ext.cli import bench, info, models, profile, serve, train
 from vllm_kvpress_ext.cli.common import Handler, KvpressParser
+from vllm_kvpress_ext.version import __version__
 
 __all__ = ["build_parser", "main"]
 

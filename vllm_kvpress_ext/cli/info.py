@@ -39,7 +39,7 @@ def register(sub: Subparsers) -> None:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    from vllm_kvpress_ext.utils.env import environment_report
+    from vllm_kvpress_ext.engine.environment import environment_report
 
     print(environment_report())
     return 0

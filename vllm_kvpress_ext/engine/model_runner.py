@@ -31,6 +31,7 @@ from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PoolExhaustedError
 from vllm_kvpress_ext.engine.admission import PromptAdmission, bind_admission
 from vllm_kvpress_ext.engine.attention_context import DecodeContext, PrefillContext, PrefillSegment
 from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_decode, layer_prefill
+from vllm_kvpress_ext.engine.environment import cpu_paths_summary
 from vllm_kvpress_ext.engine.host_allocator import tune_host_allocator
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
@@ -48,7 +49,6 @@ from vllm_kvpress_ext.models.write_gate import GateStore
 from vllm_kvpress_ext.policies import KVPolicy
 from vllm_kvpress_ext.policies.base import Admission, LayerPrefill
 from vllm_kvpress_ext.policies.capture import PrefillCapture
-from vllm_kvpress_ext.utils.env import cpu_paths_summary
 from vllm_kvpress_ext.utils.huge_pages import move_to_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class ModelRunner:
             logger.info("CPU paths: %s", self.cpu_paths())
 
     def cpu_paths(self) -> str:
-        """The CPU paths this runner's model runs on (`utils/env.py`): for the startup log."""
+        """The CPU paths this runner's model runs on (`engine/environment.py`): for the startup log."""
         return cpu_paths_summary(self.dtype, self.cache.pool.kv, self._weights_arena)
 
     # ------------------------------------------------------------------ requests

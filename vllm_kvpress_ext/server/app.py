@@ -9,7 +9,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from vllm_kvpress_ext import __version__
 from vllm_kvpress_ext.engine import LLMEngine
 from vllm_kvpress_ext.server.config import ServerConfig
 from vllm_kvpress_ext.server.engine_loop import EngineLoop
@@ -19,6 +18,7 @@ from vllm_kvpress_ext.server.metrics import ServerMetrics
 from vllm_kvpress_ext.server.openapi import install_openapi
 from vllm_kvpress_ext.server.routes import router
 from vllm_kvpress_ext.server.serving import ServerState
+from vllm_kvpress_ext.version import __version__
 
 
 def create_app(

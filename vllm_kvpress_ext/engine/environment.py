@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_kvpress_ext import __version__
+from vllm_kvpress_ext.version import __version__
 
 #: The /proc/cpuinfo flags that decide which vector code runs, in the order a reader expects them.
 VECTOR_FEATURES = (
