@@ -206,3 +206,54 @@ def test_the_pool_under_vllms_runner_shares_the_engines_policy_steps_not_its_run
     engine_modules = {m.removeprefix("vllm_kvpress_ext.") for m in imports if m.split(".")[1] == "engine"}
     assert "engine.compression" in engine_modules
     assert not engine_modules & {"engine.model_runner", "engine.engine", "engine.scheduler", "engine.attention_context"}
+
+
+# A request's cache state: its row and progress, its policy's state and captures, its write gate, its hold on a
+# stored prefix. One runner owns it: the embedded engine's `ModelRunner`, or `NativePool` under vLLM's runner.
+SEAT_FIELDS = frozenset(
+    {
+        "row",
+        "num_processed",
+        "compressed_at",
+        "cached_tokens",
+        "policy_state",
+        "capture",
+        "admission",
+        "prompt_admission",
+        "prefix_lease",
+    }
+)
+SEAT_OWNERS = {"vllm_kvpress_ext/engine/model_runner.py", "vllm_kvpress_ext/vllm_plugin/native/pool.py"}
+
+
+def seat_writes(source: str, where: str) -> list[str]:
+    """Every assignment to a seat field of another object than `self` (`x.row = ...`, `x.row += ...`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        )
+        for target in targets:
+            for part in ast.walk(target):
+                if (
+                    isinstance(part, ast.Attribute)
+                    and part.attr in SEAT_FIELDS
+                    and not (isinstance(part.value, ast.Name) and part.value.id == "self")
+                ):
+                    found.append(f"{where}:{node.lineno} .{part.attr}")
+    return found
+
+
+def test_only_the_runners_write_a_requests_cache_state() -> None:
+    """The prefix store, the samples and the drivers read a request's seat; its runner alone writes it."""
+    assert seat_writes("request.row, request.num_processed = 3, 0\nreq.capture += 1\nself.row = 2", "planted") == [
+        "planted:1 .row",
+        "planted:1 .num_processed",
+        "planted:2 .capture",
+    ]
+    found: list[str] = []
+    for path in sorted((ROOT / "vllm_kvpress_ext").rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        if where not in SEAT_OWNERS:
+            found += seat_writes(path.read_text(), where)
+    assert not found, found

@@ -141,7 +141,10 @@ def test_thousands_of_attach_and_evict_cycles_conserve_pages() -> None:
         if op == "new" and len(live) < 8:
             ctx = rng.choice(contexts)
             req = Request(f"r{step}", [*ctx, 1, 2], SamplingParams(), compress_after=len(ctx), policy=policy)
-            if not store.attach(req):
+            attachment = store.attach(req)
+            if attachment is not None:  # seated as the runner seats it
+                req.row, req.prefix_lease, req.num_processed = attachment.row, attachment.lease, attachment.length
+            else:
                 req.row = cache.add_request(req.request_id)
                 cache.append_slots([req.row], torch.arange(len(ctx)).view(1, -1))
                 if rng.random() < 0.5:  # a compression: drop a random subset
@@ -157,7 +160,8 @@ def test_thousands_of_attach_and_evict_cycles_conserve_pages() -> None:
         elif op == "finish" and live:
             req = live.pop(rng.choice(sorted(live)))
             cache.free_request(req.request_id)
-            store.detach(req)
+            if req.prefix_lease is not None:
+                req.prefix_lease.release()
         elif op == "evict":
             in_use = {k for k, e in store.entries.items() if e.users}
             store.evict_one()
@@ -173,7 +177,8 @@ def test_thousands_of_attach_and_evict_cycles_conserve_pages() -> None:
         assert torch.equal(cache.pool.refcounts(), refs)
     for req in live.values():
         cache.free_request(req.request_id)
-        store.detach(req)
+        if req.prefix_lease is not None:
+            req.prefix_lease.release()
     store.clear()
     assert not store.entries and cache.pool.num_free == cache.pool.num_pages
 
@@ -342,7 +347,7 @@ def test_a_lease_holds_its_entry_until_it_is_released_once(model_path: Path) -> 
     lease = store.lease(entry.key)
     assert lease is not None
     other = engine.runner.new_request("other", tokens(engine, 6, 40), GREEDY, None, max_model_len=512)
-    assert not store.attach_at(other, lease, 20)  # the entry does not hold its tokens
+    assert store.attach_at(other, lease, 20) is None  # the entry does not hold its tokens
     assert not lease.live and entry.users == 0 and other.prefix_lease is None
     assert store.evict_one() is not None and engine.cache.pool.num_free == engine.cache.pool.num_pages
 

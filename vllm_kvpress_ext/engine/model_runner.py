@@ -17,6 +17,8 @@ state is undefined, and the driver must fail the batch).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import logging
 import time
@@ -35,11 +37,10 @@ from vllm_kvpress_ext.engine.environment import cpu_paths_summary
 from vllm_kvpress_ext.engine.host_allocator import tune_host_allocator
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
-from vllm_kvpress_ext.engine.prefix_store import PrefixLease, PrefixStore
+from vllm_kvpress_ext.engine.prefix_store import Attachment, PrefixLease, PrefixStore
 from vllm_kvpress_ext.engine.reconstruction import score_by_reconstruction
 from vllm_kvpress_ext.engine.request import Request, RequestRejectedError, RequestStatus
 from vllm_kvpress_ext.engine.sampler import token_logprobs
-from vllm_kvpress_ext.engine.samples import start_as_fork
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.engine.stats import PrefixStoreStats
 from vllm_kvpress_ext.hub.pull import resolve_model
@@ -250,10 +251,23 @@ class ModelRunner:
         """Start `child` (another sample of `parent`'s prompt) on a fork of the parent's row, with its state
         after the prompt (`engine/samples.py`); False, with nothing changed, when no row or page is free."""
         try:
-            row = self.cache.fork_request(parent.request_id, child.request_id)
+            child.row = self.cache.fork_request(parent.request_id, child.request_id)
         except (RequestCapacityError, PoolExhaustedError):
             return False
-        start_as_fork(parent, child, row)
+        child.status = RequestStatus.RUNNING
+        child.num_processed = parent.num_processed
+        child.compressed_at = parent.compressed_at
+        child.policy_state = copy.deepcopy(parent.policy_state)
+        child.admission = parent.admission
+        child.prompt_admission = parent.prompt_admission
+        child.prompt_logprobs = list(parent.prompt_logprobs)
+        # The prompt's figures are the parent's; the compression work was the parent's alone.
+        child.kv = dataclasses.replace(
+            parent.kv,
+            compression_seconds=0.0,
+            mean_kept_per_layer=list(parent.kv.mean_kept_per_layer),
+            counters=dict(parent.kv.counters),
+        )
         return True
 
     def release(self, request: Request) -> None:
@@ -261,8 +275,9 @@ class ModelRunner:
         if request.row is not None:
             self.cache.free_request(request.request_id)
             request.row = None
-        if self.prefix_store is not None:
-            self.prefix_store.detach(request)
+        if request.prefix_lease is not None:  # the stored prefix its row was forked from may go now
+            request.prefix_lease.release()
+            request.prefix_lease = None
 
     def attach_prefix(self, request: Request) -> bool:
         """Start a waiting request from a cached compressed prefix, if one matches; True if it did.
@@ -270,17 +285,27 @@ class ModelRunner:
         The request then holds a row forked from the prefix and runs the rest of its prompt from it
         (`runs_tail_as_chunk`), exactly as it would right after compressing that prefix itself.
         """
-        if self.prefix_store is None or not self.prefix_store.attach(request):
+        attachment = None if self.prefix_store is None else self.prefix_store.attach(request)
+        if attachment is None:
             return False
-        self._started_from_prefix(request)
+        self._start_from_prefix(request, attachment)
         return True
 
-    def _started_from_prefix(self, request: Request) -> None:
-        """An attached request runs from its prefix: decoding (or its prompt's tail) after a compressed or
-        uncompressed entry it uses whole; prefilling on, for a compressing request that read exact tokens."""
-        if request.compressed_at is None:
+    def _start_from_prefix(self, request: Request, attachment: Attachment) -> None:
+        """Seat a request on a stored prefix's row: decoding (or running its prompt's tail) after an entry it takes
+        whole, compressed or not; prefilling on, for a compressing request that read an entry's exact tokens."""
+        request.row = attachment.row
+        request.prefix_lease = attachment.lease
+        request.num_processed = request.cached_tokens = attachment.length
+        entry = attachment.entry
+        if entry is None:
             request.status = RequestStatus.PREFILLING
             return
+        request.compress_after = request.compressed_at = entry.boundary
+        request.context_is_fallback = False
+        request.policy_state = copy.deepcopy(entry.policy_state)
+        request.kv = copy.deepcopy(entry.kv)
+        request.kv.prompt_tokens = len(request.prompt_token_ids)
         request.status = RequestStatus.RUNNING
         self.update_kv_stats(request)
 
@@ -306,9 +331,10 @@ class ModelRunner:
         if self.prefix_store is None:
             lease.release()
             return False
-        if not self.prefix_store.attach_at(request, lease, length):
+        attachment = self.prefix_store.attach_at(request, lease, length)
+        if attachment is None:
             return False
-        self._started_from_prefix(request)
+        self._start_from_prefix(request, attachment)
         return True
 
     def keep_session(self, request: Request) -> None:

@@ -104,6 +104,22 @@ class PrefixLease:
             self.entry.users -= 1
 
 
+@dataclass
+class Attachment:
+    """A stored prefix a request starts from (`PrefixStore.attach_at`): its row, forked from the entry's and cut to
+    `length` tokens, and the lease that keeps the entry while the row reads it. The runner seats the request on it.
+
+    `entry` is the entry whose boundary, policy state and figures the request takes: it runs on from there as if
+    it had compressed that prefix itself. It is None for a compressing request that read an uncompressed entry's
+    tokens: that request prefills on from `length` and compresses when its prefill completes, as without the entry.
+    """
+
+    row: int
+    lease: PrefixLease
+    length: int
+    entry: CachedPrefix | None
+
+
 def prefix_namespace(model_dir: str | Path, policy: Any) -> str:
     """What two entries must share to be interchangeable: the model and the policy with all its parameters."""
     return f"{model_dir}\0{policy!r}"
@@ -419,16 +435,11 @@ class PrefixStore(PrefixIndex):
             found = self.find_exact(request.prompt_token_ids, reusable)
         return found
 
-    def attach(self, request: Request) -> bool:
-        """Start `request` from a stored prefix if there is one for it; True if it was attached.
-
-        On success the request holds a forked row with the prefix (cut at the matched length),
-        `num_processed` = that length, `compress_after` = the entry's boundary, and the policy state the
-        entry holds; the caller marks it running.
-        """
+    def attach(self, request: Request) -> Attachment | None:
+        """A stored prefix for `request` to start from, if there is one (`attach_at` on the longest match)."""
         found = self.match(request)
         if found is None:
-            return False
+            return None
         entry, length = found
         return self.attach_at(request, self._lease(entry), length)
 
@@ -443,17 +454,17 @@ class PrefixStore(PrefixIndex):
         entry.users += 1
         return PrefixLease(entry)
 
-    def attach_at(self, request: Request, lease: PrefixLease, length: int) -> bool:
-        """Start `request` from the first `length` tokens of the leased entry; the request then holds the lease
-        until it gives its row back (`detach`).
+    def attach_at(self, request: Request, lease: PrefixLease, length: int) -> Attachment | None:
+        """A row for `request` holding the first `length` tokens of the leased entry, the lease handed on with it
+        (the request holds it until it gives its row back). The request itself is not changed: its runner seats it.
 
-        False (the lease released, nothing changed) when the entry is gone, no row is free, or the entry
-        cannot give those tokens: the request then computes them itself.
+        None (the lease released, nothing changed) when the entry is gone, no row is free, or the entry cannot give
+        those tokens: the request then computes them itself.
         """
         entry = lease.entry
         if not lease.live or self.entries.get(entry.key) is not entry:
             lease.release()
-            return False
+            return None
         tokens = request.all_token_ids
         # A compressing request reading an uncompressed entry goes on with its own prefill from `length`.
         prefilling = request.policy is not None and entry.namespace == prefix_namespace(self.model_dir, None)
@@ -467,46 +478,29 @@ class PrefixStore(PrefixIndex):
             or entry.tokens[:length] != tuple(tokens[:length])
         ):
             lease.release()
-            return False
+            return None
         try:
-            request.row = self.cache.fork_request(entry.row_id, request.request_id)
+            row = self.cache.fork_request(entry.row_id, request.request_id)
         except RequestCapacityError:
             lease.release()
-            return False
+            return None
         if length < entry.length:
             try:
                 self.cache.truncate_request(request.request_id, length)
             except InvalidPlanError:  # a sliding-window ring moved past `length`: it cannot be cut back
                 self.cache.free_request(request.request_id)
-                request.row = None
                 lease.release()
-                return False
+                return None
         self.entries.move_to_end(entry.key)
-        request.prefix_lease = lease
-        request.num_processed = length
-        request.cached_tokens = length
         self.hits += 1
         self.tokens_reused += length
-        if prefilling:  # its policy compresses when its prefill completes, as without the entry
-            return True
-        request.compress_after = entry.boundary
-        request.context_is_fallback = False
-        request.compressed_at = entry.boundary
-        request.policy_state = copy.deepcopy(entry.policy_state)
-        request.kv = copy.deepcopy(entry.kv)
-        request.kv.prompt_tokens = len(request.prompt_token_ids)
-        return True
+        return Attachment(row, lease, length, None if prefilling else entry)
 
     def unattach(self, request: Request) -> None:
-        """Take back the figures of an attach the request gives up before running (its row goes with `detach`)."""
+        """Take back the figures of an attach the request gives up before running (its row goes back, and its lease
+        ends, with its runner's `release`)."""
         self.hits -= 1
         self.tokens_reused -= request.cached_tokens
-
-    def detach(self, request: Request) -> None:
-        """The request no longer holds its row (finished, aborted or preempted): its lease ends."""
-        if request.prefix_lease is not None:
-            request.prefix_lease.release()
-        request.prefix_lease = None
 
     def evict_one(self) -> int | None:
         """Drop the least recently used entry no running request is attached to.

@@ -2,8 +2,8 @@
 
 A request added with `sample_of=R` waits, holding nothing, until request R (same prompt, policy and
 protocol) reaches its first sampled token: its prompt is prefilled and compressed by then. The sample
-then starts as a fork of R's cache row (`PagedKVCache.fork_request`: the same pages, copy-on-write),
-with a copy of R's policy state, and draws its first token from R's logits of that step with its own
+then starts as a fork of R's cache row (`ModelRunner.fork`: the same pages, copy-on-write), with a copy
+of R's policy state, and draws its first token from R's logits of that step with its own
 sampling parameters. From there on it is an ordinary running request writing its own tail. So n samples
 cost one prefill, one compressed prompt and n tails.
 
@@ -14,10 +14,7 @@ queues as a request of its own and prefills its prompt itself, with the same res
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-
-from vllm_kvpress_ext.engine.request import Request, RequestStatus
+from vllm_kvpress_ext.engine.request import Request
 
 
 def can_share(parent: Request | None, sample: Request) -> bool:
@@ -34,23 +31,4 @@ def can_share(parent: Request | None, sample: Request) -> bool:
         # What the parent recorded during its prefill must be what the sample would have recorded.
         and parent.params.prompt_logprobs == sample.params.prompt_logprobs
         and parent.params.return_kept == sample.params.return_kept
-    )
-
-
-def start_as_fork(parent: Request, sample: Request, row: int) -> None:
-    """Give `sample` (now holding cache row `row`, a fork of the parent's) the parent's state after its prompt."""
-    sample.row = row
-    sample.status = RequestStatus.RUNNING
-    sample.num_processed = parent.num_processed
-    sample.compressed_at = parent.compressed_at
-    sample.policy_state = copy.deepcopy(parent.policy_state)
-    sample.admission = parent.admission
-    sample.prompt_admission = parent.prompt_admission
-    sample.prompt_logprobs = list(parent.prompt_logprobs)
-    # The prompt's figures are the parent's; the compression work was the parent's alone.
-    sample.kv = dataclasses.replace(
-        parent.kv,
-        compression_seconds=0.0,
-        mean_kept_per_layer=list(parent.kv.mean_kept_per_layer),
-        counters=dict(parent.kv.counters),
     )
