@@ -341,3 +341,84 @@ def test_a_chunk_over_its_ring_equals_dense_windowed_attention(start: int, count
     )
     expected = _dense_window_reference(query, positions, keys, values, window, 0.25, soft_cap)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def _capped_dense(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float, soft_cap: float
+) -> torch.Tensor:
+    """Queries `[n, Hq, d]` over keys `[m, Hkv, d]`, key j visible to query i of KV head h where `allowed[h, i, j]`,
+    in float64 with the logit soft cap written out."""
+    group = query.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, 1).transpose(0, 1)  # [Hq, m, d]
+    v = values.double().repeat_interleave(group, 1).transpose(0, 1)
+    logits = query.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, n, m]
+    logits = soft_cap * torch.tanh(logits / soft_cap)
+    weights = logits.masked_fill(~allowed.repeat_interleave(group, 0), float("-inf")).softmax(-1)
+    return (weights @ v).transpose(0, 1).float()
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_a_soft_capped_decode_reads_ring_and_global_under_the_cap(with_probs: bool) -> None:
+    """Gemma 2's cap on a write-gated row (WG-KV): the decode over the admitted global entries and the local ring
+    equals dense attention under the cap, and the probabilities a policy reads are the capped ones."""
+    torch.manual_seed(2)
+    head_dim, group, window, n, cap, scale = 16, 2, 8, 30, 2.0, 0.25
+    cache = PagedKVCache(1, 2, head_dim, num_pages=64, page_size=4, max_requests=2, dtype=torch.float32)
+    row = cache.add_request("r")
+    slots = cache.append_slots([row], torch.arange(n).view(1, -1))
+    k, v = torch.randn(*slots.shape, head_dim), torch.randn(*slots.shape, head_dim)
+    cache.write(slots, k, v)
+    admitted = torch.rand(1, 2, n) < 0.4
+    cache.start_ring("r", window, admitted)
+    query = torch.randn(1, 2 * group, head_dim)
+    probs: list[torch.Tensor] | None = [] if with_probs else None
+    out = paged_decode_attention(
+        query,
+        cache.pool.kv,
+        cache.pool.positions,
+        cache.block_tables[0],
+        cache.seq_lens[0],
+        torch.tensor([row]),
+        scale,
+        cache.ring_tables[0],
+        cache.ring_lens(),
+        probs_out=probs,
+        soft_cap=cap,
+    )
+    visible = admitted[0].clone()
+    visible[:, n - window :] = True
+    expected = _capped_dense(query, k[0, 0].transpose(0, 1), v[0, 0].transpose(0, 1), visible.unsqueeze(1), scale, cap)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    uncapped = paged_decode_attention(
+        query,
+        cache.pool.kv,
+        cache.pool.positions,
+        cache.block_tables[0],
+        cache.seq_lens[0],
+        torch.tensor([row]),
+        scale,
+        cache.ring_tables[0],
+        cache.ring_lens(),
+    )
+    assert not torch.allclose(uncapped, expected, atol=1e-3)  # the cap matters at this scale
+    if probs is not None:  # [1, Hkv, G, global entries]: each admitted entry's capped weight, summing below 1
+        (weights,) = probs
+        held = int(cache.seq_lens[0, row].max())
+        assert weights.shape == (1, 2, group, held) and bool((weights.sum(-1) < 1).all())
+
+
+@pytest.mark.parametrize("query_start", [0, 300])
+def test_soft_capped_vertical_slash_attention_equals_the_dense_mask(query_start: int) -> None:
+    """A write-gated prompt (or its later chunk) under Gemma 2's cap, in query blocks: dense attention under the
+    capped logits and the vertical-slash mask (the band of `window`, and every admitted key)."""
+    generator = torch.Generator().manual_seed(query_start)
+    total, window, cap, scale = 600, 32, 2.0, 0.25
+    n = total - query_start
+    query = torch.randn(n, 4, 16, generator=generator)
+    keys, values = torch.randn(total, 2, 16, generator=generator), torch.randn(total, 2, 16, generator=generator)
+    admitted = torch.rand(2, total, generator=generator) < 0.3
+    out = reference.vertical_slash_attention(query, keys, values, admitted, window, scale, query_start, soft_cap=cap)
+    i = torch.arange(query_start, total).view(-1, 1)
+    j = torch.arange(total).view(1, -1)
+    allowed = (j <= i) & ((i - j < window) | admitted.unsqueeze(1))  # [Hkv, n, total]
+    torch.testing.assert_close(out, _capped_dense(query, keys, values, allowed, scale, cap), atol=1e-5, rtol=1e-5)

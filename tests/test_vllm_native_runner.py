@@ -53,7 +53,7 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "query_pre_attn_scalar": 16,
             "sliding_window": 8,
             "layer_types": ["sliding_attention", "full_attention"],
-            "attn_logit_softcapping": 2.0,  # small enough that the cap changes the scores: the soft-cap path
+            "attn_logit_softcapping": 2.0,  # with the sharpened projections (`write_checkpoint`), the cap matters
             "final_logit_softcapping": 5.0,
         },
     ),
@@ -85,6 +85,8 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
 }
+# In no list of the project's: its RoPE is not read, its attention is scaled by a multiplier.
+GRANITE = ("GraniteConfig", "GraniteForCausalLM", {"attention_multiplier": 0.2})
 # The third prompt is longer than a row's first block-table width (8 pages of 16 tokens): the pool grows it.
 PROMPTS = [list(range(5, 17)), list(range(30, 70)), list(range(3, 200))]
 NEW_TOKENS = 8
@@ -111,11 +113,23 @@ def write_checkpoint(
     root: Path, name: str, spec: tuple[str, str, dict[str, Any]] | None = None
 ) -> tuple[Path, list[list[int]]]:
     """A random fp32 checkpoint of `name` (from ARCHITECTURES, or `spec`), and HF's greedy continuation of each
-    prompt."""
+    prompt.
+
+    Where the attention caps its logits (Gemma 2), the query and key projections are scaled up tenfold: at this
+    size's initial weights the logits stay far below the cap, which would then change nothing. HF's reference
+    then runs its eager attention: its SDPA path does not apply the cap."""
     config_name, model_name, extra = spec or ARCHITECTURES[name]
     torch.manual_seed(0)
     config = getattr(transformers, config_name)(**COMMON, **extra)
+    capped = getattr(config, "attn_logit_softcapping", None) is not None
+    if capped:
+        config._attn_implementation = "eager"
     model = getattr(transformers, model_name)(config).eval()
+    if capped:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(10.0)
+                layer.self_attn.k_proj.weight.mul_(10.0)
     path = root / name
     model.save_pretrained(path)
     expected = []
@@ -264,13 +278,12 @@ def test_vllms_sampling_features_work_under_compression(checkpoints: Checkpoints
         ("wgkv", "write-time admission gates"),
     ],
 )
-def test_a_policy_needing_the_projects_rope_is_refused_elsewhere(
-    checkpoints: Checkpoints, policy: str, missing: str
-) -> None:
+def test_a_policy_needing_the_projects_rope_is_refused_elsewhere(tmp_path: Path, policy: str, missing: str) -> None:
     """Expected Attention and GVote use the project's RoPE (and GVote the query rows of vLLM's QKV projection),
     WG-KV the keys before RoPE off that projection's output, all known where the project parses the config (the
-    Llama family, Gemma 3). On Gemma 2 they are refused by name, at start and per request."""
-    path, _ = checkpoints("gemma2")
+    Llama family, Gemma 3) or reads the RoPE from it (`ROPE_ARCHITECTURES`). On Granite, in neither, they are
+    refused by name, at start and per request."""
+    path, _ = write_checkpoint(tmp_path, "granite", GRANITE)
     with pytest.raises(ValueError, match=f"kv_policy '{policy}' needs {missing}"):
         native_llm(path, kv_policy=policy)
     llm = native_llm(path)
@@ -326,20 +339,24 @@ def test_a_default_write_gate_that_cannot_run_stops_the_engine_at_start(checkpoi
 
 # GVote's votes keep all of these near-uniform models' prompts (it is run below, not held to keep less); the Phi-3
 # twin of a sharper one keeps what the embedded engine keeps, GVote included (test_vllm_native_policies.py).
-@pytest.mark.parametrize("name", ["phi3", "olmo2"])
+@pytest.mark.parametrize("name", ["phi3", "olmo2", "gemma2", "mixtral", "qwen3_moe"])
 def test_policies_needing_the_rope_run_where_the_config_gives_it(
     checkpoints: Checkpoints, name: str, tmp_path: Path
 ) -> None:
-    """Phi-3 and OLMo-2, which the project's model code does not implement, rotate with the RoPE their config
-    describes (`ROPE_ARCHITECTURES`): Expected Attention, KVzip and WG-KV (whose gates read the keys before RoPE
-    off the hooked QKV projection) run on both: Phi-3 on vLLM's Llama implementation, OLMo-2 on vLLM's
-    Transformers backend, whose query and key norms span all heads (what the hook reads is checked against
-    HF's modules in test_the_hooked_projection_reads_olmo2s_normed_queries_and_keys)."""
+    """Architectures the project's model code does not implement, which rotate with the RoPE their config
+    describes (`ROPE_ARCHITECTURES`): Expected Attention, KVzip, WG-KV (whose gates read the keys before RoPE off
+    the hooked QKV projection) and GVote run on each. Phi-3 runs on vLLM's Llama implementation, OLMo-2 on vLLM's
+    Transformers backend, whose query and key norms span all heads (what the hook reads is checked against HF's
+    modules in test_the_hooked_projection_reads_olmo2s_normed_queries_and_keys), Gemma 2 under its logit soft cap,
+    Mixtral and Qwen3-MoE (a key norm per head) with their experts. Where vLLM rotates with its own rotary
+    embedding, its table is the project's RoPE."""
     path = with_suite_vocabulary(checkpoints(name)[0], tmp_path / name)  # KVzip's pass writes its prompt with it
     write_random_gates(path)
     llm = native_llm(path)
     try:
         pool = in_process_worker(llm).model_runner.pool
+        if name != "olmo2":  # HF's own rotary module on vLLM's Transformers backend
+            assert_rope_is_vllms(llm, path)
         for policy in ("expected_attention", "kvzip", "wgkv"):
             params = VllmSamplingParams(
                 max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, extra_args={"kv_policy": policy}
@@ -424,9 +441,7 @@ def test_kvzip_runs_on_an_architecture_whose_rope_the_project_does_not_know(
     """KVzip needs no RoPE: its reconstruction pass runs vLLM's model over the repeat prompt and attends with the
     project's softmax over the row. Granite (outside `ROPE_ARCHITECTURES`, its attention scaled by a multiplier)
     compresses under it, while Expected Attention, which needs the RoPE, is refused there by name."""
-    path, _ = write_checkpoint(
-        tmp_path, "granite", ("GraniteConfig", "GraniteForCausalLM", {"attention_multiplier": 0.2})
-    )
+    path, _ = write_checkpoint(tmp_path, "granite", GRANITE)
     path = with_suite_vocabulary(path, tmp_path / "granite-suite")
     llm = native_llm(path)
     try:
@@ -446,24 +461,64 @@ def test_kvzip_runs_on_an_architecture_whose_rope_the_project_does_not_know(
         gc.collect()
 
 
-def test_phi3s_rope_read_from_its_config_is_the_one_vllm_applies(checkpoints: Checkpoints) -> None:
-    """The RoPE the project builds from Phi-3's config (`native_rope`) equals the cos/sin table of every layer's
-    rotary embedding in vLLM's implementation, which rotates full-width in the "rotate_half" layout."""
-    path, _ = checkpoints("phi3")
+def assert_rope_is_vllms(llm: LLM, path: Path) -> None:
+    """The RoPE the project builds from the model's config (`native_rope`) equals the cos/sin table of every
+    layer's rotary embedding in vLLM's implementation, which rotates full-width in the "rotate_half" layout."""
     rope = native_rope(path)
     assert rope is not None
-    llm = native_llm(path)
+    model = in_process_worker(llm).model_runner.model
+    rotaries = [m.rotary_emb for n, m in model.named_modules() if n.endswith("self_attn")]
+    assert len(rotaries) == COMMON["num_hidden_layers"]
+    for rotary in rotaries:
+        assert rotary.is_neox_style and rotary.rotary_dim == rotary.head_size
+        table = rotary.cos_sin_cache.float()  # [positions, rotary_dim]: cos of each pair, then sin
+        cos, sin = rope.cos_sin(torch.arange(table.shape[0]))
+        half = rotary.rotary_dim // 2
+        torch.testing.assert_close(cos[:, :half].float(), table[:, :half], rtol=0, atol=1e-5)
+        torch.testing.assert_close(sin[:, :half].float(), table[:, half:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [None, 16])
+def test_write_gates_under_gemma2s_soft_cap_attend_as_transformers(
+    checkpoints: Checkpoints, tmp_path: Path, max_num_batched_tokens: int | None
+) -> None:
+    """WG-KV on Gemma 2, whose attention caps its logits: gates that admit every key (tau 0) leave the full cache,
+    so the tokens are HF's; gates that admit none leave the full layer a window of `local_window` (the slash of
+    the vertical-slash mask, then the local ring at decode), so the tokens are those of HF's Gemma 2 with that
+    layer sliding too. In one prefill and in chunks of 16 (later chunks read the row, rebuilt by position)."""
+    from vllm_kvpress_ext.models.write_gate import WriteGates, default_gate_path
+
+    # The ring is whole pages (16 tokens), so the sliding layer's window is 16 too: HF has one window for both.
+    config_name, model_name, extra = ARCHITECTURES["gemma2"]
+    path, expected = write_checkpoint(tmp_path, "gemma2", (config_name, model_name, {**extra, "sliding_window": 16}))
+    config = json.loads((path / "config.json").read_text())
+    gates = WriteGates(config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"], init_bias=-30.0)
+    with torch.no_grad():
+        gates.w2.zero_()  # every gate value is sigmoid(-30): at least tau 0, below tau 0.1
+    gates.save(default_gate_path(path), {"local_window": 16})
+    torch.manual_seed(0)
+    both_sliding = transformers.Gemma2Config(**{**config, "layer_types": ["sliding_attention"] * 2})
+    both_sliding._attn_implementation = "eager"  # the one that applies the cap
+    sliding = transformers.Gemma2ForCausalLM.from_pretrained(path, config=both_sliding).eval()
+    windowed = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            out = sliding.generate(
+                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+            )
+            windowed.append(out[0, len(prompt) :].tolist())
+    assert windowed[2] != expected[2]  # the window changes what the long prompt says
+    llm = native_llm(path, max_num_batched_tokens=max_num_batched_tokens)
     try:
-        model = in_process_worker(llm).model_runner.model
-        rotaries = [m.rotary_emb for n, m in model.named_modules() if n.endswith("self_attn")]
-        assert len(rotaries) == COMMON["num_hidden_layers"]
-        for rotary in rotaries:
-            assert rotary.is_neox_style and rotary.rotary_dim == rotary.head_size
-            table = rotary.cos_sin_cache.float()  # [positions, rotary_dim]: cos of each pair, then sin
-            cos, sin = rope.cos_sin(torch.arange(table.shape[0]))
-            half = rotary.rotary_dim // 2
-            torch.testing.assert_close(cos[:, :half].float(), table[:, :half], rtol=0, atol=1e-5)
-            torch.testing.assert_close(sin[:, :half].float(), table[:, half:], rtol=0, atol=1e-5)
+        pool = in_process_worker(llm).model_runner.pool
+        for tau, tokens in ((0.0, expected), (0.1, windowed)):
+            spec = json.dumps({"name": "wgkv", "tau": tau})
+            params = VllmSamplingParams(
+                max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, extra_args={"kv_policy": spec}
+            )
+            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == tokens, tau
+            assert_no_page_leaked(pool)
     finally:
         del llm
         gc.collect()

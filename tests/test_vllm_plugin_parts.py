@@ -522,19 +522,6 @@ def test_the_runner_is_vllms_unless_asked_or_on_a_gpu_for_an_architecture_the_ow
     assert settle_runner(config) == "vllm" and config.additional_config == {"kv_runner": "vllm"}
 
 
-def test_a_logit_soft_cap_refuses_the_policies_whose_attention_would_ignore_it() -> None:
-    """vLLM's runner: WG-KV's local ring goes through an attention path without the cap; KVzip's pass applies it."""
-    from vllm_kvpress_ext.policies.registry import create_policy
-    from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts, native_refusal
-
-    plain, capped = ModelFacts(rope=True, projections=True), ModelFacts(rope=True, projections=True, soft_capped=True)
-    assert native_refusal(create_policy("wgkv"), plain) is None
-    refusal = native_refusal(create_policy("wgkv"), capped)
-    assert refusal is not None and "write-time admission gates" in refusal
-    for name in ("snapkv", "kvzip"):
-        assert native_refusal(create_policy(name), capped) is None
-
-
 def test_a_plan_over_all_heads_is_cut_to_each_tensor_parallel_workers_part() -> None:
     import torch
 

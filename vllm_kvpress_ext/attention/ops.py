@@ -133,9 +133,11 @@ def paged_decode_attention(
     ring_tables: torch.Tensor | None = None,
     ring_lens: torch.Tensor | None = None,
     probs_out: list[torch.Tensor] | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Decode attention over the ragged paged cache; see `reference.paged_decode_attention`."""
-    if probs_out is None:
+    """Decode attention over the ragged paged cache; see `reference.paged_decode_attention`. The kernels take
+    no logit soft cap: a capped layer (Gemma 2) runs the torch path on every device."""
+    if probs_out is None and soft_cap is None:
         cuda = _cuda_decode(query, kv_pool, block_tables.shape[1])
         if cuda is not None:
             out: torch.Tensor = cuda.paged_decode_attention(
@@ -154,7 +156,17 @@ def paged_decode_attention(
         if out_cpu is not None:
             return out_cpu
     return reference.paged_decode_attention(
-        query, kv_pool, position_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens, probs_out
+        query,
+        kv_pool,
+        position_pool,
+        block_tables,
+        seq_lens,
+        rows,
+        scale,
+        ring_tables,
+        ring_lens,
+        probs_out,
+        soft_cap,
     )
 
 
@@ -187,12 +199,16 @@ def vertical_slash_attention(
     window: int,
     scale: float,
     query_start: int = 0,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Prefill attention under the vertical-slash mask; see `reference.vertical_slash_attention`.
 
     Triton's block-sparse kernel on CUDA; elsewhere the block-sparse torch path (`block_sparse.py`),
     or the reference's one masked call over the whole square with `KVPRESS_PREFILL_ATTENTION_ORACLE=1`.
+    Under a logit soft cap (Gemma 2), which neither block-sparse path applies, the reference.
     """
+    if soft_cap is not None:
+        return reference.vertical_slash_attention(query, keys, values, admitted, window, scale, query_start, soft_cap)
     kernel = _triton("vertical_slash", query, keys, values)
     if kernel is not None and query.dtype == keys.dtype == values.dtype:
         out: torch.Tensor = kernel.vertical_slash_attention(query, keys, values, admitted, window, scale, query_start)
@@ -214,8 +230,10 @@ def gated_chunk_attention(
     window: int,
     scale: float,
     query_start: int,
+    soft_cap: float | None = None,
 ) -> torch.Tensor | None:
-    """A write-gated prompt chunk (WG-KV) at positions `query_start`.. under the vertical-slash mask.
+    """A write-gated prompt chunk (WG-KV) at positions `query_start`.. under the vertical-slash mask (its logits
+    under `soft_cap` where the layer has one).
 
     `admitted [Hkv, end]` flags every prompt token up to the chunk's end; query `[n, Hq, d]`, the chunk's
     keys/values `[n, Hkv, d]`. A first chunk attends over its own keys. A later one reads the row
@@ -228,7 +246,7 @@ def gated_chunk_attention(
     if end <= window or bool(admitted.all()):
         return None
     if query_start == 0:
-        return vertical_slash_attention(query, keys, values, admitted, window, scale)
+        return vertical_slash_attention(query, keys, values, admitted, window, scale, soft_cap=soft_cap)
     held_keys, held_values, positions, valid = gather_paged(kv_pool, position_pool, block_table, seq_lens)
     # Back to one row per position: the entries earlier chunks dropped are exactly the ones this chunk's
     # mask hides, so the zeros standing in for them are never attended to, and the result is bit for bit
@@ -240,7 +258,9 @@ def gated_chunk_attention(
     position_index = positions[valid].to(torch.int64)
     dense_keys[position_index, head_index] = held_keys[valid]
     dense_values[position_index, head_index] = held_values[valid]
-    return vertical_slash_attention(query, dense_keys, dense_values, admitted, window, scale, query_start=query_start)
+    return vertical_slash_attention(
+        query, dense_keys, dense_values, admitted, window, scale, query_start=query_start, soft_cap=soft_cap
+    )
 
 
 # Attention within a sliding window over a ring's and a chunk's keys: torch's SDPA under a mask on every device

@@ -54,9 +54,11 @@ def _grouped_attention(
     scale: float,
     probs_out: list[torch.Tensor] | None = None,
     lse_out: list[torch.Tensor] | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """`query[B, Hkv, G, Q, d]` against `keys/values[B, Hkv, N, d]` under `mask[B, Hkv, G or 1, Q, N]`."""
-    scores = torch.einsum("bhgqd,bhnd->bhgqn", query.float(), keys.float()) * scale
+    """`query[B, Hkv, G, Q, d]` against `keys/values[B, Hkv, N, d]` under `mask[B, Hkv, G or 1, Q, N]`, the
+    logits under `soft_cap` where there is one (`soft_capped`)."""
+    scores = soft_capped(torch.einsum("bhgqd,bhnd->bhgqn", query.float(), keys.float()) * scale, soft_cap)
     scores = scores.masked_fill(~mask, float("-inf"))
     if lse_out is not None:
         lse_out.append(torch.logsumexp(scores, dim=-1))  # [B, Hkv, G, Q]
@@ -79,6 +81,7 @@ def paged_decode_attention(
     ring_tables: torch.Tensor | None = None,
     ring_lens: torch.Tensor | None = None,
     probs_out: list[torch.Tensor] | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One decode query per request over the ragged paged cache of one layer.
 
@@ -87,7 +90,7 @@ def paged_decode_attention(
     ring is attended to as a second segment. Returns `[B, Hq, d]` in the query's dtype.
     If `probs_out` is a list, the attention probabilities `[B, Hkv, G, N]` over the global
     entries (in storage order, N = longest head) are appended to it, for policies that score
-    entries by the attention they receive.
+    entries by the attention they receive. With `soft_cap` (Gemma 2) the logits are capped first.
 
     Requests are densified in buckets of similar length (`length_buckets`), so a batch that mixes a
     full cache with compressed ones does not pad every request to the longest: the dense work is
@@ -106,7 +109,17 @@ def paged_decode_attention(
     buckets = length_buckets(lengths, kv_pool.shape[2])
     if len(buckets) <= 1:
         return _dense_decode(
-            query, kv_pool, position_pool, block_tables, seq_lens, rows, scale, ring_tables, ring_lens, probs_out
+            query,
+            kv_pool,
+            position_pool,
+            block_tables,
+            seq_lens,
+            rows,
+            scale,
+            ring_tables,
+            ring_lens,
+            probs_out,
+            soft_cap,
         )
     out = torch.empty_like(query)
     probs = None
@@ -128,6 +141,7 @@ def paged_decode_attention(
             ring_tables,
             ring_lens,
             part,
+            soft_cap,
         )
         if probs is not None and part:
             probs[device_index, ..., : part[0].shape[-1]] = part[0].to(probs.dtype)
@@ -163,6 +177,7 @@ def _dense_decode(
     ring_tables: torch.Tensor | None,
     ring_lens: torch.Tensor | None,
     probs_out: list[torch.Tensor] | None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention of requests densified together (padded to the longest of them)."""
     batch, num_q_heads, head_dim = query.shape
@@ -174,9 +189,10 @@ def _dense_decode(
         keys, values = torch.cat([keys, ring_k], dim=2), torch.cat([values, ring_v], dim=2)
         valid = torch.cat([valid, ring_valid], dim=2)
     group = num_q_heads // num_kv_heads
-    if probs_out is None:
+    if probs_out is None and soft_cap is None:
         # Fused SDPA, one batch entry per (request, KV head) with its G query heads: the einsum path below
-        # makes three fp32 passes over the scores and is kept for the probabilities a policy reads.
+        # makes three fp32 passes over the scores and is kept for the probabilities a policy reads, and for a
+        # soft cap, which SDPA does not apply.
         n = keys.shape[2]
         fused = F.scaled_dot_product_attention(
             query.float().view(batch * num_kv_heads, group, 1, head_dim),
@@ -189,7 +205,7 @@ def _dense_decode(
         return torch.nan_to_num(fused, nan=0.0).view(batch, num_q_heads, head_dim).to(query.dtype)
     q = query.view(batch, num_kv_heads, group, 1, head_dim)
     mask = valid.view(batch, num_kv_heads, 1, 1, -1)
-    out = _grouped_attention(q, keys, values, mask, scale, probs_out)
+    out = _grouped_attention(q, keys, values, mask, scale, probs_out, soft_cap=soft_cap)
     if probs_out is not None:
         global_len = int(seq_lens[rows].max()) if rows.numel() else 0
         probs_out[-1] = probs_out[-1][..., 0, :global_len]
@@ -492,6 +508,7 @@ def vertical_slash_attention(
     window: int,
     scale: float,
     query_start: int = 0,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal prefill attention under the write-gate's vertical-slash mask, one sequence.
 
@@ -500,7 +517,8 @@ def vertical_slash_attention(
     bool. Query at position i sees key j of its KV head iff `j <= i` and (`i - j < window` -- the
     slash: the local band every token keeps -- or `admitted[h, j]` -- the verticals: columns the gate
     wrote to the global cache). The diagonal is inside the band for any `window >= 1`, so no row is
-    empty. Returns `[n, Hq, d]`.
+    empty. With `soft_cap` (Gemma 2) the logits are capped before the mask, in query blocks of 256. Returns
+    `[n, Hq, d]`.
     """
     check_vertical_slash_arguments(query, keys, admitted, window, query_start)
     n, num_q_heads, head_dim = query.shape
@@ -517,7 +535,15 @@ def vertical_slash_attention(
     q = query.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).float()  # [Hkv, G, n, d]
     k = keys.transpose(0, 1).unsqueeze(1).float()  # [Hkv, 1, N, d]
     v = values.transpose(0, 1).unsqueeze(1).float()
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True)
+    if soft_cap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True)
+    else:  # SDPA takes no cap: the capped logits of a block of queries at a time ([Hkv, G, 256, N] at most)
+        out = torch.empty_like(q)
+        for first in range(0, n, 256):
+            rows = slice(first, first + 256)
+            logits = soft_capped(torch.matmul(q[:, :, rows], k.transpose(-1, -2)) * scale, soft_cap)
+            weights = logits.masked_fill(~mask[:, rows].unsqueeze(1), float("-inf")).softmax(-1)
+            out[:, :, rows] = torch.matmul(weights, v)
     return out.permute(2, 0, 1, 3).reshape(n, num_q_heads, head_dim).to(query.dtype)
 
 

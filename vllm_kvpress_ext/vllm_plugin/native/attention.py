@@ -22,9 +22,10 @@ else:
   head), token t at entry `t % w` (`PagedKVCache(layer_windows=...)`): a prompt chunk reads the ring before
   writing over it and attends within the window (`attention.ring_chunk_attention`, shared with the embedded engine);
   a decode's ring is exactly what its query sees, so the decode kernel reads it unmasked;
-- a layer with a logit soft cap (Gemma 2), which the kernels do not take, gathers each request's entries
-  and attends with masks in torch: position q sees k when `k <= q`. GQA reads KV head
-  `h // (num_heads / num_kv_heads)`.
+- a layer with a logit soft cap (Gemma 2), which the kernels do not take, runs torch's paths under the cap:
+  decodes batched over rows and rings (`attention.paged_decode_attention(soft_cap=...)`), a write-gated
+  chunk under the capped vertical-slash mask, and any other chunk over its row's entries gathered and masked
+  by position (position q sees k when `k <= q`). GQA reads KV head `h // (num_heads / num_kv_heads)`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -194,12 +194,12 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
         if self.sliding_window is not None:
             self._ring(plan, queries, key, value, out)
             return output
-        if self.logits_soft_cap is not None:
-            self._masked(plan, queries, out)
-            return output
-        cache, layer_index = self.pool.cache, self.layer_index
         self._admit_decodes(plan, key)
         self._decode(plan, queries, out)
+        if self.logits_soft_cap is not None:
+            self._masked_prefills(plan, queries, key, value, out)
+            return output
+        cache, layer_index = self.pool.cache, self.layer_index
         for span in plan.prefills:
             chunk = slice(span.begin, span.end)
             if span.layerwise is not None and span.layerwise.error is not None:
@@ -257,6 +257,7 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             cache.device_ring_tables[layer_index] if plan.rings and rings else None,
             cache.ring_lens().to(cache.device) if plan.rings and rings else None,
             probs_out=plan.decode_probs,
+            soft_cap=self.logits_soft_cap,
         ).to(out.dtype)
 
     def _keys_pre_rope(self, plan: StepPlan) -> torch.Tensor:
@@ -300,6 +301,7 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             span.admission.window,
             self.scale,
             span.first_position,
+            soft_cap=self.logits_soft_cap,
         )
 
     def _ring(
@@ -309,8 +311,8 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
 
         A prompt chunk attends over the ring and itself within the window (`attention.ring_chunk_attention`, as
         the embedded engine does), then writes itself into the ring. A decode's ring holds exactly the window
-        its query sees, so decodes need no mask: the paged decode kernel, or with a soft cap the masked torch
-        path. No policy compresses these layers, so nothing of them is captured.
+        its query sees, so decodes need no mask (`_decode`). No policy compresses these layers, so nothing of them
+        is captured.
         """
         assert self.pool is not None and self.sliding_window is not None
         cache = self.pool.cache
@@ -330,10 +332,7 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
                 soft_cap=self.logits_soft_cap,
             ).to(out.dtype)
             cache.write(plan.token_slots[self.layer_index, chunk], keys[chunk], values[chunk])  # after the ring's read
-        if self.logits_soft_cap is not None:
-            self._masked(plan, queries, out, prefills=False)
-        else:
-            self._decode(plan, queries, out, rings=False)
+        self._decode(plan, queries, out, rings=False)
 
     def _record(self, span: PrefillSpan, plan: StepPlan, queries: torch.Tensor, lse: torch.Tensor | None) -> None:
         """What the request's policy captures of this chunk in this layer (the window's queries, after RoPE)."""
@@ -341,67 +340,39 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             positions = plan.query_positions[span.begin : span.end].to(queries.device)
             span.capture.record(self.layer_index, positions, None, queries, None, None, lse)
 
-    def _masked(self, plan: StepPlan, queries: torch.Tensor, out: torch.Tensor, prefills: bool = True) -> None:
-        """Each request's queries over its row's entries, masked by position, with the soft cap (torch); the
-        decodes alone when `prefills` is False."""
+    def _masked_prefills(
+        self, plan: StepPlan, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """Prompt chunks in a layer with a logit soft cap (Gemma 2), which the prefill kernels do not apply: a
+        write-gated chunk under the vertical-slash mask (`_gated`, capped), else each chunk over its row's entries,
+        masked by position, in torch."""
         assert self.pool is not None
         cache, layer_index = self.pool.cache, self.layer_index
-        spans: list[tuple[int, int, int, PrefillSpan | None]] = (
-            [(p.begin, p.end, p.row, p) for p in plan.prefills] if prefills else []
-        )
-        decodes = zip(plan.decode_tokens.tolist(), plan.decode_rows.tolist(), strict=True)
-        spans += [(token, token + 1, row, None) for token, row in decodes]
-        decode_probs: list[torch.Tensor] = []
-        for begin, end, row, prefill in spans:
-            keys, values, positions, valid = gather_paged(
-                cache.pool.kv,
-                cache.pool.positions,
-                cache.device_block_tables[layer_index, row],
-                cache.device_seq_lens[layer_index, row],
-            )  # [Hkv, N, d], positions and validity [Hkv, N]
-            query_positions = plan.query_positions[begin:end].to(positions.device).view(1, -1, 1)
-            key_positions = positions.to(torch.int64).unsqueeze(1)  # [Hkv, 1, N]
-            mask = valid.unsqueeze(1) & (key_positions <= query_positions)  # [Hkv, n, N]
-            want_probs = prefill is None and plan.decode_probs is not None
-            attended, probs = self._attend(queries[begin:end].transpose(0, 1), keys, values, mask, want_probs)
-            out[begin:end] = attended.transpose(0, 1)
-            if probs is not None:
-                decode_probs.append(probs)
-            if prefill is not None:
-                self._record(prefill, plan, queries[begin:end], None)
-                if prefill.layerwise is not None:
-                    prefill.layerwise.compress(self.layer_index)
-        if plan.decode_probs is not None:
-            plan.decode_probs.append(_padded_batch(decode_probs, self.num_kv_heads))
-
-    def _attend(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, want_probs: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`queries [Hq, n, d]` over `keys`/`values [Hkv, N, d]` under `mask [Hkv, n, N]` -> `[Hq, n, d]`, and
-        with `want_probs` (one query) the attention `[Hkv, G, N]` each entry receives, for decode-time policies."""
         group = self.num_heads // self.num_kv_heads
-        keys, values = keys.to(queries.dtype), values.to(queries.dtype)
-        mask = mask.repeat_interleave(group, 0)
-        if self.logits_soft_cap is None and not want_probs:
-            attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=group > 1
-            )
-            return attended, None
-        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        scores = soft_capped(torch.matmul(queries, keys.transpose(-1, -2)).float() * self.scale, self.logits_soft_cap)
-        weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        attended = torch.matmul(weights.to(values.dtype), values)
-        probs = weights[:, 0].view(self.num_kv_heads, group, -1) if want_probs else None
-        return attended, probs
-
-
-def _padded_batch(probs: list[torch.Tensor], num_kv_heads: int) -> torch.Tensor:
-    """Per-request `[Hkv, G, N_b]` attention as one `[B, Hkv, G, max N]` batch, zeros past each request's entries
-    (`paged_decode_attention`'s `probs_out` layout)."""
-    if not probs:
-        return torch.zeros(0, num_kv_heads, 1, 0)
-    longest = max(p.shape[-1] for p in probs)
-    return torch.stack([F.pad(p, (0, longest - p.shape[-1])) for p in probs])
+        for span in plan.prefills:
+            chunk = slice(span.begin, span.end)
+            gated = self._gated(span, plan, queries[chunk], keys[chunk], values[chunk])
+            if gated is not None:
+                out[chunk] = gated.to(out.dtype)
+            else:
+                held_keys, held_values, positions, valid = gather_paged(
+                    cache.pool.kv,
+                    cache.pool.positions,
+                    cache.device_block_tables[layer_index, span.row],
+                    cache.device_seq_lens[layer_index, span.row],
+                )  # [Hkv, N, d], positions and validity [Hkv, N]
+                query_positions = plan.query_positions[chunk].to(positions.device).view(1, -1, 1)
+                mask = valid.unsqueeze(1) & (positions.to(torch.int64).unsqueeze(1) <= query_positions)  # [Hkv, n, N]
+                chunk_queries = queries[chunk].transpose(0, 1)  # [Hq, n, d]
+                held_keys = held_keys.to(chunk_queries.dtype).repeat_interleave(group, 0)
+                held_values = held_values.to(chunk_queries.dtype).repeat_interleave(group, 0)
+                logits = torch.matmul(chunk_queries, held_keys.transpose(-1, -2)).float() * self.scale
+                weights = soft_capped(logits, self.logits_soft_cap)
+                weights = weights.masked_fill(~mask.repeat_interleave(group, 0), float("-inf")).softmax(-1)
+                out[chunk] = torch.matmul(weights.to(held_values.dtype), held_values).transpose(0, 1).to(out.dtype)
+            self._record(span, plan, queries[chunk], None)
+            if span.layerwise is not None:
+                span.layerwise.compress(self.layer_index)
 
 
 class KVPressAttentionBackend(AttentionBackend):

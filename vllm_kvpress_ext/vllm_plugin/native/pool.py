@@ -263,7 +263,6 @@ class NativePool:
         facts = ModelFacts(
             rope=self.rotary is not None,
             projections=self.query_projections is not None,
-            soft_capped=any(cap is not None for cap in self.soft_caps),
             tensor_parallel=1 if self.shard is None else self.shard.workers,
             kv_head_replicas=1 if self.shard is None else self.shard.replicas,
         )

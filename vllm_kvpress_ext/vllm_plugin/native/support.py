@@ -15,12 +15,16 @@ model (`layer_projections`), and the runner hooks it:
 KVzip's pass runs vLLM's model with the embedded engine's reconstruction attention
 (`NativePool._score_by_reconstruction`), on any model, under each layer's logit soft cap where it has one.
 
-Outside those, for a few architectures whose vLLM implementation applies the same full-width RoPE as their
-config describes (`ROPE_ARCHITECTURES`: Phi-3, OLMo-2), the project reads that RoPE from the config, and where
-vLLM fuses the model's projections into one `qkv_proj` (Phi-3 on vLLM's Llama implementation, OLMo-2 on its
-Transformers backend, whose query and key norms span all heads) hooks the projection too. On any other model Expected
-Attention, GVote and WG-KV are refused by name (`native_refusal`), and WG-KV where the attention has a logit
-soft cap, which the backend's ring path does not apply.
+Outside those, for architectures whose vLLM implementation applies the same full-width RoPE as their config
+describes (`ROPE_ARCHITECTURES`: Phi-3, OLMo-2, Gemma 2, Mixtral, Qwen3-MoE), the project reads that RoPE from
+the config, and where vLLM fuses the model's projections into one `qkv_proj` (all of them: Phi-3 on vLLM's Llama
+implementation, OLMo-2 on its Transformers backend, whose query and key norms span all heads) hooks the projection
+too. On any other model Expected Attention, GVote and WG-KV are refused by name (`native_refusal`).
+
+Under a logit soft cap (Gemma 2) the backend's attention applies the cap everywhere, WG-KV's rings and
+vertical-slash prefill included, and so does KVzip's scoring. Expected Attention's expected logits and GVote's
+sampled queries' attention are taken without it: both estimate where future queries will attend, and the cap,
+which is monotone in each logit, changes how sharp that attention is, not its order within a query.
 """
 
 from __future__ import annotations
@@ -148,8 +152,15 @@ def _key_split(attention: Any) -> KeySplit:
 # with the full-width "rotate_half" RoPE their config describes (as the Llama family's), each with whether vLLM lays
 # it out as its Llama family (a fused `qkv_proj`, a query norm per head or none), whose projection the runner hooks.
 # Phi-3 runs on vLLM's Llama implementation; OLMo-2 on vLLM's Transformers backend, HF's own modules with the
-# projections fused into a `qkv_proj` (its query and key norms span all heads).
-ROPE_ARCHITECTURES: dict[str, bool] = {"Phi3ForCausalLM": True, "Olmo2ForCausalLM": True}
+# projections fused into a `qkv_proj` (its query and key norms span all heads); Gemma 2, Mixtral and Qwen3-MoE
+# (a key norm per head, as Qwen3) on vLLM's own implementations of them, laid out as its Llama.
+ROPE_ARCHITECTURES: dict[str, bool] = {
+    "Phi3ForCausalLM": True,
+    "Olmo2ForCausalLM": True,
+    "Gemma2ForCausalLM": True,
+    "MixtralForCausalLM": True,
+    "Qwen3MoeForCausalLM": True,
+}
 
 
 @dataclass(frozen=True)
@@ -159,7 +170,6 @@ class ModelFacts:
 
     rope: bool = False  # the project knows the model's RoPE (`native_rope`)
     projections: bool = False  # the runner hooks its QKV projections (`layer_projections`), and knows its RoPE
-    soft_capped: bool = False  # its attention logits have a soft cap (Gemma 2's `attn_logit_softcapping`)
     tensor_parallel: int = 1  # workers that split each layer's heads (`--tensor-parallel-size`)
     kv_head_replicas: int = 1  # workers that hold each KV head (more workers than KV heads: vLLM replicates them)
 
@@ -184,14 +194,8 @@ def model_facts(model_dir: str) -> ModelFacts:
         parsed = True
     except Exception:
         parsed = False
-    try:
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        raw = {}
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    capped = raw.get("attn_logit_softcapping") is not None or text.get("attn_logit_softcapping") is not None
     laid_out = parsed or ROPE_ARCHITECTURES.get(_architecture(model_dir) or "", False)
-    return ModelFacts(rope=rope, projections=rope and laid_out, soft_capped=capped)
+    return ModelFacts(rope=rope, projections=rope and laid_out)
 
 
 def native_rope(model_dir: str | Path) -> RotaryEmbedding | None:
@@ -255,12 +259,8 @@ def native_refusal(policy: KVPolicy | None, facts: ModelFacts) -> str | None:
             ("the queries before RoPE", (spec.query_moments or spec.leading_queries > 0) and not facts.rope),
             # The pass runs vLLM's model over the repeat prompt, with the project's attention over the pool (a softmax
             # within each layer's window, of logits under the layer's soft cap where it has one): any architecture's.
-            # The gates read each key before RoPE, which the runner reads off the hooked QKV projection's output;
-            # the backend's soft-capped attention reads no local ring.
-            (
-                "write-time admission gates",
-                type(policy).admission is not KVPolicy.admission and (not facts.projections or facts.soft_capped),
-            ),
+            # The gates read each key before RoPE, which the runner reads off the hooked QKV projection's output.
+            ("write-time admission gates", type(policy).admission is not KVPolicy.admission and not facts.projections),
         )
         if needed
     ]
