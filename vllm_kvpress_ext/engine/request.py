@@ -13,7 +13,12 @@ from vllm_kvpress_ext.engine.kept import KeptEntries
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from vllm_kvpress_ext.engine.admission import PromptAdmission
     from vllm_kvpress_ext.engine.prefix_store import PrefixLease
+    from vllm_kvpress_ext.engine.sampler import TokenLogprob
+    from vllm_kvpress_ext.policies import KVPolicy
+    from vllm_kvpress_ext.policies.base import Admission
+    from vllm_kvpress_ext.policies.capture import PrefillCapture
 
 
 class RequestStatus(enum.Enum):
@@ -104,7 +109,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     compress_after: int | None = None
-    policy: Any = None
+    policy: KVPolicy | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -117,10 +122,10 @@ class Request:
     num_preemptions: int = 0
     reserved_pages: int = 0  # what the embedded scheduler set aside for this prefill when it started
     kv: KVStats = field(default_factory=KVStats)
-    policy_state: Any = None
-    capture: Any = None  # PrefillCapture while a compressing policy's prefill runs
-    admission: Any = None  # the policy's `Admission` (WG-KV write gate) bound to the model, if any
-    prompt_admission: Any = None  # `PromptAdmission`: what the gates said of the prompt, while it is prefilled
+    policy_state: Any = None  # whatever the policy keeps between its steps (`KVPolicy.init_state`)
+    capture: PrefillCapture | None = None  # while a compressing policy's prefill runs
+    admission: Admission | None = None  # the policy's write gate (WG-KV) bound to the model, if any
+    prompt_admission: PromptAdmission | None = None  # what the gates said of the prompt, while it is prefilled
     first_token_time: float | None = None
     error: str | None = None  # why the runner failed this request alone (finish_reason "error")
     prefix_lease: PrefixLease | None = None  # its hold on the stored prefix its row was forked from
@@ -130,8 +135,8 @@ class Request:
     compressed_at: int | None = None  # tokens prefilled when the prefill completed (the policy's boundary)
     # SamplingParams.logprobs / prompt_logprobs: one entry per output token; one per prompt token
     # (None for the first, which nothing predicts), filled as the prefill reaches each position.
-    output_logprobs: list[Any] = field(default_factory=list)
-    prompt_logprobs: list[Any] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     detokenizer: IncrementalText | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

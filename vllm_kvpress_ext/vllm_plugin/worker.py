@@ -355,6 +355,7 @@ class KVPressWorker(WorkerBase):
             logprobs = torch.full((len(entries), k + 1), float("-inf"), dtype=torch.float32)
             ranks = torch.zeros(len(entries), dtype=torch.int64)
             for row, entry in enumerate(entries):
+                assert entry is not None  # only the first prompt token has none
                 token_ids[row, 0], logprobs[row, 0], ranks[row] = entry.token_id, entry.logprob, entry.rank
                 for column, (alt_id, alt_logprob) in enumerate(entry.top, start=1):
                     token_ids[row, column], logprobs[row, column] = alt_id, alt_logprob
