@@ -401,7 +401,7 @@ def test_the_hooked_projection_reads_olmo2s_normed_queries_and_keys(checkpoints:
     llm = native_llm(path)
     try:
         model = in_process_worker(llm).model_runner.model
-        found = layer_projections(model, COMMON["num_hidden_layers"])
+        found = layer_projections(model, list(range(COMMON["num_hidden_layers"])))
         assert found is not None
         for layer, hooked in enumerate(found):
             fused = projection(hooked.module, hidden, hooked.module.weight, None)

@@ -1,4 +1,4 @@
-"""Tensor and data parallelism on vLLM's runner.
+"""Tensor, pipeline and data parallelism on vLLM's runner.
 
 Tensor parallelism (`--tensor-parallel-size 2`, two worker processes over gloo):
 
@@ -7,6 +7,9 @@ over a layer's heads, GVote's request total, K-VEC's coverage, LAVa's and XKV's 
 ranking) gathers its per-head scores over the workers, so two workers keep exactly what one keeps: the same
 entries in every (layer, KV head), the same greedy tokens, and the same KV figures, summed over the workers.
 What cannot be served so is refused, at start and per request, with the reason.
+
+Pipeline parallelism (`--pipeline-parallel-size 2`): each stage's pool holds its layers; the policies that decide
+layer by layer keep what one worker keeps, the others are refused by name.
 
 Data parallelism (`--data-parallel-size 2`): two replicas, each an engine with its own scheduler and pool,
 behind `vllm serve`'s API servers; the `kvpress_*` series carry vLLM's `engine` label.
@@ -74,7 +77,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 COLLECTIVE_TIMEOUT_SECONDS = 60
 
 
-def parallel_llm(model: Path, workers: int, prefix_caching: bool = False, **additional: Any) -> LLM:
+def parallel_llm(model: Path, workers: int, prefix_caching: bool = False, stages: int = 1, **additional: Any) -> LLM:
+    """`workers` tensor-parallel workers in each of `stages` pipeline stages."""
     return LLM(
         str(model),
         dtype="float32",
@@ -84,7 +88,8 @@ def parallel_llm(model: Path, workers: int, prefix_caching: bool = False, **addi
         skip_tokenizer_init=True,
         enable_prefix_caching=prefix_caching,  # off unless asked: every prompt prefills under its policy
         tensor_parallel_size=workers,
-        distributed_executor_backend="mp" if workers > 1 else "uni",
+        pipeline_parallel_size=stages,
+        distributed_executor_backend="mp" if workers * stages > 1 else "uni",
         # A gather that one worker never joins fails the engine after this long, instead of hanging the suite.
         cpu_distributed_timeout_seconds=COLLECTIVE_TIMEOUT_SECONDS,
         additional_config={"kv_runner": "vllm", "kv_num_pages": 2048, **additional},
@@ -127,11 +132,12 @@ def prompts() -> list[list[int]]:
 Run = dict[str, tuple[list[list[int]], list[dict[str, Any]], list[list[list[set[int]]]]]]
 
 
-def run_every_policy(llm: LLM) -> Run:
-    """Per served policy: the greedy tokens, the KV figures and the kept sets (joined over the workers' heads)."""
+def run_every_policy(llm: LLM, policies: list[str] = SERVED, stages: int = 1) -> Run:
+    """Per policy: the greedy tokens, the KV figures and the kept sets (joined over the workers' heads, and over the
+    pipeline stages' layers)."""
     llm.collective_rpc(record_kept)
     results: Run = {}
-    for name in SERVED:
+    for name in policies:
         spec = SPECS.get(name, name)
         params = VllmSamplingParams(
             max_tokens=NEW_TOKENS,
@@ -142,6 +148,9 @@ def run_every_policy(llm: LLM) -> Run:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
         per_worker = llm.collective_rpc(kept_and_free)
         assert all(free for _, free in per_worker), name  # no page leaked on any worker
+        if stages > 1:  # each stage (one worker each) holds its layers, in order
+            layers = [[layer for kept, _ in per_worker for layer in kept[r]] for r in range(len(outputs))]
+            per_worker = [(layers, True)]
         joined = [
             [
                 [head for worker, _ in per_worker for head in worker[request][layer]]
@@ -165,6 +174,11 @@ def every_policy_on(model: Path, workers: int) -> Run:
         close(llm)
 
 
+TWO_STAGES = ModelFacts(rope=True, projections=True, pipeline_parallel=2)
+# Policies that decide layer by layer: what pipeline stages serve.
+STAGED = [n for n in SERVED if native_refusal(create_policy(n), TWO_STAGES) is None]
+
+
 @pytest.fixture(scope="module")
 def one_worker(model: Path) -> Run:
     return every_policy_on(model, 1)
@@ -184,6 +198,45 @@ def test_two_workers_keep_exactly_what_one_keeps(name: str, one_worker: Run, two
     for mine, theirs in zip(figures, figures_tp, strict=True):
         for field in ("kv_tokens_kept", "kv_tokens_full", "kv_bytes", "kv_retention", "policy"):
             assert theirs[field] == mine[field], field
+
+
+@pytest.fixture(scope="module")
+def two_stages(model: Path) -> Run:
+    llm = parallel_llm(model, 1, stages=2)
+    try:
+        return run_every_policy(llm, STAGED, stages=2)
+    finally:
+        close(llm)
+
+
+@pytest.mark.parametrize("name", STAGED)
+def test_two_pipeline_stages_keep_exactly_what_one_worker_keeps(name: str, one_worker: Run, two_stages: Run) -> None:
+    """Each stage's pool holds its layers; a policy that decides layer by layer keeps there what one worker keeps in
+    those layers, and the scheduler reads the figures of every stage's layers (the first stage's report merged into
+    the last's)."""
+    tokens, figures, kept = one_worker[name]
+    tokens_pp, figures_pp, kept_pp = two_stages[name]
+    assert kept_pp == kept
+    assert tokens_pp == tokens
+    for mine, theirs in zip(figures, figures_pp, strict=True):
+        for field in ("kv_tokens_kept", "kv_tokens_full", "kv_bytes", "kv_retention", "policy"):
+            assert theirs[field] == mine[field], field
+
+
+def test_policies_deciding_across_layers_are_refused_under_pipeline_parallelism(model: Path) -> None:
+    """PyramidKV, LAVa, XKV, GVote, K-VEC and KVzip decide each layer's entries from every layer's: refused by
+    name, per request (HTTP 400 over a server) and at start, while layer-by-layer policies serve."""
+    assert set(SERVED) - set(STAGED) == {"gvote", "kvec", "kvzip", "lava", "pyramidkv", "xkv"}
+    assert {"snapkv", "adakv", "h2o", "streaming_llm", "expected_attention", "wgkv"} <= set(STAGED)
+    llm = parallel_llm(model, 1, stages=2)
+    try:
+        params = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": "pyramidkv"})
+        with pytest.raises(VLLMValidationError, match="pipeline parallelism"):
+            llm.generate([{"prompt_token_ids": prompts()[0]}], params, use_tqdm=False)
+    finally:
+        close(llm)
+    with pytest.raises(Exception, match="kv_policy 'lava' decides what each layer keeps from every layer"):
+        parallel_llm(model, 1, stages=2, kv_policy="lava")
 
 
 def test_cross_head_budgets_move_entries_between_the_workers(two_workers: Run) -> None:
@@ -294,9 +347,10 @@ def test_a_worker_count_that_does_not_divide_the_kv_heads_is_refused(tmp_path: P
         parallel_llm(model, 2)
 
 
-def test_the_plugins_own_runner_refuses_tensor_parallelism(model: Path) -> None:
+@pytest.mark.parametrize("parallelism", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_the_plugins_own_runner_refuses_tensor_and_pipeline_parallelism(model: Path, parallelism: str) -> None:
     with pytest.raises(Exception, match="needs vLLM's runner"):
-        LLM(str(model), dtype="float32", tensor_parallel_size=2, additional_config={"kv_runner": "project"})
+        LLM(str(model), dtype="float32", additional_config={"kv_runner": "project"}, **{parallelism: 2})
 
 
 PROMPT = "key trout 65 . key clam 62 . key lion 17 . what is key trout ? answer :"

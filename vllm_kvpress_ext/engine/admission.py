@@ -34,13 +34,15 @@ def bind_admission(
     gate_store: GateStore | None = None,
     max_entries: int | None = None,
     shard: HeadShard | None = None,
+    stage: tuple[int, int] | None = None,
 ) -> Admission | None:
     """The policy's write gate bound to this model (checked against it and the pool), or None.
 
     With `max_entries` (the most entries the request can ever write), the ring never spans more than
     that, rounded up to whole pages: a longer one would evict nothing more and only cost pages, so a
     request whose ring outlasts it holds what `full` holds. With `shard` (tensor parallelism), the gates of
-    this worker's KV heads.
+    this worker's KV heads; with `stage` (pipeline parallelism: this pool's first layer among the model's
+    layers, and their number), the gates of this stage's layers.
     """
     if cache.global_layers.numel() == 0:  # every layer slides: no layer is a policy's, the rings bound the cache
         return None
@@ -53,10 +55,15 @@ def bind_admission(
         if admission.window > longest and dataclasses.is_dataclass(admission):
             admission = dataclasses.replace(admission, window=longest)
     gates = getattr(admission, "gates", None)
-    if gates is not None and shard is not None and dataclasses.is_dataclass(admission):
-        # A tensor-parallel worker's pool holds its KV heads: their gates, each as on one worker.
-        gates.check_model(cache.num_layers, shard.total, cache.head_dim, "the write gates")
-        gates = gates.heads(shard.first, shard.count)
+    if gates is not None and (shard is not None or stage is not None) and dataclasses.is_dataclass(admission):
+        # A tensor-parallel worker's pool holds its KV heads, a pipeline stage's its layers: their gates, each as on
+        # one worker.
+        first_layer, num_layers = stage if stage is not None else (0, cache.num_layers)
+        first_head, num_heads = (shard.first, shard.count) if shard is not None else (0, cache.num_kv_heads)
+        gates.check_model(
+            num_layers, shard.total if shard is not None else num_heads, cache.head_dim, "the write gates"
+        )
+        gates = gates.part(first_layer, cache.num_layers, first_head, num_heads)
         admission = dataclasses.replace(admission, gates=gates)
     if gates is not None:
         gates.check_model(cache.num_layers, cache.num_kv_heads, cache.head_dim, "the write gates")

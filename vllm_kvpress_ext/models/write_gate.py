@@ -110,18 +110,33 @@ class WriteGates(nn.Module):
         """Gate values g `[n, H]` in [0, 1]."""
         return torch.sigmoid(self.logits(layer, k_pre_rope, k))
 
-    @torch.no_grad()
     def heads(self, first: int, count: int) -> WriteGates:
         """The gates of KV heads [first, first + count) only: a tensor-parallel worker's heads (made once)."""
-        if first < 0 or count < 1 or first + count > self.num_kv_heads:
-            raise ValueError(f"heads [{first}, {first + count}) are not among these gates' {self.num_kv_heads}")
-        parts: dict[tuple[int, int], WriteGates] = self.__dict__.setdefault("_parts", {})
-        if (first, count) not in parts:
-            part = WriteGates(self.num_layers, count, self.head_dim, self.hidden).to(self.w1.device)
+        return self.part(0, self.num_layers, first, count)
+
+    @torch.no_grad()
+    def part(self, first_layer: int, num_layers: int, first_head: int, num_heads: int) -> WriteGates:
+        """The gates of layers [first_layer, first_layer + num_layers) and KV heads [first_head, first_head +
+        num_heads) only (made once): a pipeline stage's layers, a tensor-parallel worker's heads."""
+        if first_layer < 0 or num_layers < 1 or first_layer + num_layers > self.num_layers:
+            raise ValueError(
+                f"layers [{first_layer}, {first_layer + num_layers}) are not among these gates' {self.num_layers}"
+            )
+        if first_head < 0 or num_heads < 1 or first_head + num_heads > self.num_kv_heads:
+            raise ValueError(
+                f"heads [{first_head}, {first_head + num_heads}) are not among these gates' {self.num_kv_heads}"
+            )
+        key = (first_layer, num_layers, first_head, num_heads)
+        if key == (0, self.num_layers, 0, self.num_kv_heads):
+            return self
+        parts: dict[tuple[int, int, int, int], WriteGates] = self.__dict__.setdefault("_parts", {})
+        if key not in parts:
+            part = WriteGates(num_layers, num_heads, self.head_dim, self.hidden).to(self.w1.device)
+            layers, heads = slice(first_layer, first_layer + num_layers), slice(first_head, first_head + num_heads)
             for name in ("w1", "b1", "w2", "b2"):
-                getattr(part, name).copy_(getattr(self, name)[:, first : first + count])
-            parts[(first, count)] = part
-        return parts[(first, count)]
+                getattr(part, name).copy_(getattr(self, name)[layers, heads])
+            parts[key] = part
+        return parts[key]
 
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, where: str = "gates") -> None:
         """Raise a clear error when these gates were made for a model of another shape."""

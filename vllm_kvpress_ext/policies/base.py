@@ -342,6 +342,10 @@ class KVPolicy:
     #: context itself, not from the attention of the prompt's last tokens (which, before the question, are the
     #: context's own). Such a policy compresses a chat's context for reuse (`api/context_policy.py`).
     question_agnostic: ClassVar[bool] = False
+    #: Whether what it keeps in one layer depends on the other layers (a budget split over the layer stack, a
+    #: ranking or coverage across layers, a pass through the whole model): under pipeline parallelism, where each
+    #: stage holds some of the layers, such a policy is not served yet.
+    decides_across_layers: ClassVar[bool] = False
 
     @classmethod
     def field_limits(cls) -> dict[str, tuple[float, float]]:

@@ -226,6 +226,7 @@ class GVotePolicy(KVPolicy):
     """GVote; equations, defaults and divergences in the module docstring. Budget-free: no ratio/tokens."""
 
     name = "gvote"
+    decides_across_layers = True  # its budget is one total for the request, split over every layer
     summary = "budget-free: union of top-p nucleus votes of Gaussian-sampled future queries (Tang et al. 2025)"
 
     # Each layer scores num_samples x future_positions synthetic queries against the whole prompt: these

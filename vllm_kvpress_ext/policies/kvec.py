@@ -120,6 +120,7 @@ class KVECPolicy(ObservationWindowScores):
     """K-VEC; equations, defaults and divergences in the module docstring."""
 
     name = "kvec"
+    decides_across_layers = True  # its coverage counts what every layer before keeps
     summary = "coverage-driven eviction: cross-head extended windows and cross-layer focus (Roy et al. 2026)"
 
     window: int = 16

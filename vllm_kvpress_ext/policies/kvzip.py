@@ -73,6 +73,7 @@ class KVzipPolicy(KVPolicy):
     """KVzip; equations, defaults and divergences in the module docstring."""
 
     name = "kvzip"
+    decides_across_layers = True  # its global ranking spans the layers, and its pass runs the whole model
     question_agnostic = True
     summary = "entries scored by the attention they get while the model repeats its context (Kim et al. 2025)"
     limits: ClassVar[dict[str, tuple[float, float]]] = {

@@ -213,6 +213,7 @@ class LavaPolicy(ObservationWindowScores):
     """LAVa; equations, defaults and divergences in the module docstring."""
 
     name = "lava"
+    decides_across_layers = True  # its layer budgets come from every layer's entropy
     summary = "attention x value-norm scores, flattened head budgets, entropy layer budgets (Shen et al. 2025)"
 
     kernel_size: int = 7

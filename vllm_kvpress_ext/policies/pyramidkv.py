@@ -151,6 +151,7 @@ class PyramidKVPolicy(ObservationWindowScores):
     """PyramidKV; equations, defaults and divergences in the module docstring."""
 
     name = "pyramidkv"
+    decides_across_layers = True  # its budgets follow a schedule over the whole layer stack
     summary = "SnapKV votes with per-layer budgets shrinking linearly with depth (Cai et al. 2024)"
 
     window: int = 8

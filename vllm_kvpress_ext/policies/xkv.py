@@ -305,6 +305,7 @@ class XKVPolicy(ObservationWindowScores):
     """XKV; equations, budgets, defaults and divergences in the module docstring."""
 
     name = "xkv"
+    decides_across_layers = True  # its allocation shares one budget among the layers
     summary = "per-layer sizes by an optimal greedy allocation of window-attention coverage (Li et al. 2024)"
 
     ratio: float | None = None

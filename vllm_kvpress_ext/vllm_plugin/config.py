@@ -44,10 +44,11 @@ def refuse_unsupported(vllm_config: Any, runner: str = "project") -> None:
             "needs vLLM's runner (kv_runner 'vllm'), which serves it on the CPU; on a GPU the plugin runs one worker "
             "so far"
         )
-    if parallel.pipeline_parallel_size > 1:
+    stages = parallel.pipeline_parallel_size
+    if stages > 1 and runner != "vllm":
         raise UnsupportedConfigError(
-            "vllm-kvpress-ext does not support pipeline parallelism yet "
-            f"(got pipeline_parallel_size={parallel.pipeline_parallel_size})"
+            f"vllm-kvpress-ext's own runner (kv_runner 'project') runs one worker: pipeline_parallel_size={stages} "
+            "needs vLLM's runner (kv_runner 'vllm'), which serves it on the CPU"
         )
     data = getattr(parallel, "data_parallel_size", 1)
     if data > 1 and runner != "vllm":

@@ -124,9 +124,10 @@ def check_context(
 def contexts_kept(vllm_config: Any, runner: str) -> bool:
     """Whether this server keeps named contexts: prefix caching on (vLLM's on vLLM's runner; the plugin's store on
     its own runner, where vLLM's is always off), on one worker (a stored context would be a row in every
-    tensor-parallel worker's pool, each dropped on its own: not kept there yet)."""
+    tensor-parallel worker's or pipeline stage's pool, each dropped on its own: not kept there yet)."""
     if runner == "vllm":
-        one_worker = vllm_config.parallel_config.tensor_parallel_size == 1
+        parallel = vllm_config.parallel_config
+        one_worker = parallel.tensor_parallel_size == 1 and parallel.pipeline_parallel_size == 1
         return bool(vllm_config.cache_config.enable_prefix_caching) and one_worker
     from vllm_kvpress_ext.vllm_plugin.config import prefix_matching_mode
 

@@ -181,6 +181,10 @@ class NativePool:
         # what crosses heads (`policies/base.HeadShard`); layer-wise compression is off, its collectives would run
         # inside the forward pass, where one worker's failed request would leave the others waiting.
         self.shard = shard
+        # Pipeline parallelism: the stages the model's layers are split over (this pool holds one stage's layers; set
+        # by the runner). Only policies that decide layer by layer run then (`support.native_refusal`).
+        self.pipeline_stages = 1
+        self.stage: tuple[int, int] | None = None  # this stage's first layer among the model's, and their number
         self.scale = scale
         self.default_policy = default_policy
         self.seats: dict[str, _Seat] = {}
@@ -264,6 +268,7 @@ class NativePool:
             rope=self.rotary is not None,
             projections=self.query_projections is not None,
             tensor_parallel=1 if self.shard is None else self.shard.workers,
+            pipeline_parallel=self.pipeline_stages,
             kv_head_replicas=1 if self.shard is None else self.shard.replicas,
         )
         refusal = native_refusal(policy, facts)
@@ -386,7 +391,9 @@ class NativePool:
         limit = self.max_model_len or prompt_len + 1
         max_tokens = getattr(params, "max_tokens", None)
         most = min(prompt_len + (max_tokens if max_tokens is not None else limit) - 1, limit)
-        return bind_admission(policy, self.cache, self.model_path, self.cache.device, self.gate_store, most, self.shard)
+        return bind_admission(
+            policy, self.cache, self.model_path, self.cache.device, self.gate_store, most, self.shard, self.stage
+        )
 
     def release(self, request_id: str) -> None:
         seat = self.seats.pop(request_id, None)

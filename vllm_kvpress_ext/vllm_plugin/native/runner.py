@@ -116,7 +116,11 @@ class KVPressModelRunner(CPUModelRunner):
             ),
         )
         self.pool = pool
-        self._hook_projections(pool, len(layers))
+        model_layers = [extract_layer_index(name) for name in names]
+        pool.pipeline_stages = int(self.parallel_config.pipeline_parallel_size)
+        if pool.pipeline_stages > 1:
+            pool.stage = (model_layers[0], int(self.model_config.get_total_num_hidden_layers()))
+        self._hook_projections(pool, model_layers)
         pool.reconstruction_forward = self._reconstruction_forward
         pool.tokenizer_dir = str(self.model_config.tokenizer or self.model_config.model)
         # Where WG-KV looks for the model's write gates: beside the model, or a GGUF file's shipped ones.
@@ -151,12 +155,12 @@ class KVPressModelRunner(CPUModelRunner):
         bind_kv_cache(placeholders, context, self.kv_caches, kv_cache_groups=kv_cache_config.kv_cache_groups)
         return placeholders
 
-    def _hook_projections(self, pool: NativePool, num_layers: int) -> None:
+    def _hook_projections(self, pool: NativePool, model_layers: list[int]) -> None:
         """Where the model is laid out as vLLM's Llama family and the project knows its RoPE: each layer's QKV
         projection reports its input (the normed hidden states) and its output (whose keys, before RoPE, the
         write gates read) to the pool, and its query rows serve policies that project synthetic hidden states
         (GVote)."""
-        projections = layer_projections(self.model, num_layers) if pool.rotary is not None else None
+        projections = layer_projections(self.model, model_layers) if pool.rotary is not None else None
         if projections is None:
             return
         for layer, projection in enumerate(projections):

@@ -61,20 +61,21 @@ class LayerProjections:
 SUPPORTED_MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
-def layer_projections(model: torch.nn.Module, num_layers: int) -> list[LayerProjections] | None:
-    """Per layer, vLLM's fused QKV projection, the query projection it holds (with the layer's query norm where
-    it has one, as Qwen3) and the split of its output into the keys before RoPE (with the key norm); None where
-    the model is not laid out as vLLM's Llama-family implementations are."""
+def layer_projections(model: torch.nn.Module, layers: list[int]) -> list[LayerProjections] | None:
+    """Per layer of the model's `layers` (its own indices: all of them, or a pipeline stage's), vLLM's fused QKV
+    projection, the query projection it holds (with the layer's query norm where it has one, as Qwen3) and the
+    split of its output into the keys before RoPE (with the key norm); None where the model is not laid out as
+    vLLM's Llama-family implementations are."""
     found: dict[int, Any] = {}
     for name, module in model.named_modules():
         match = re.search(r"layers\.(\d+)\.self_attn$", name)
         if match is not None and _llama_layout(module):
             found[int(match.group(1))] = module
-    if sorted(found) != list(range(num_layers)):
+    if sorted(found) != layers:
         return None
     return [
         LayerProjections(found[layer].qkv_proj, _query_projection(found[layer]), _key_split(found[layer]))
-        for layer in range(num_layers)
+        for layer in layers
     ]
 
 
@@ -171,11 +172,14 @@ class ModelFacts:
     rope: bool = False  # the project knows the model's RoPE (`native_rope`)
     projections: bool = False  # the runner hooks its QKV projections (`layer_projections`), and knows its RoPE
     tensor_parallel: int = 1  # workers that split each layer's heads (`--tensor-parallel-size`)
+    pipeline_parallel: int = 1  # stages that split the layers (`--pipeline-parallel-size`)
     kv_head_replicas: int = 1  # workers that hold each KV head (more workers than KV heads: vLLM replicates them)
 
 
 def with_parallelism(facts: ModelFacts, vllm_config: Any) -> ModelFacts:
-    """`facts` with the tensor parallelism `vllm_config` serves the model with."""
+    """`facts` with the tensor and pipeline parallelism `vllm_config` serves the model with."""
+    stages = int(vllm_config.parallel_config.pipeline_parallel_size)
+    facts = dataclasses.replace(facts, pipeline_parallel=stages)
     size = int(vllm_config.parallel_config.tensor_parallel_size)
     if size == 1 or vllm_config.model_config is None:
         return facts
@@ -241,6 +245,15 @@ def native_refusal(policy: KVPolicy | None, facts: ModelFacts) -> str | None:
             f"({facts.tensor_parallel} workers, more than the model's KV heads): each worker holds part of a "
             "head's query group, so the replicas would score it differently; serve with "
             "--tensor-parallel-size no larger than the model's KV heads"
+        )
+    if facts.pipeline_parallel > 1 and policy.decides_across_layers:
+        from vllm_kvpress_ext.policies.registry import create_policy, policy_names
+
+        layer_by_layer = [n for n in policy_names() if n != "full" and not create_policy(n).decides_across_layers]
+        return (
+            f"kv_policy {policy.name!r} decides what each layer keeps from every layer, which pipeline parallelism "
+            f"({facts.pipeline_parallel} stages, each holding some of the layers) does not serve yet; serve a "
+            f"policy that decides layer by layer ({', '.join(layer_by_layer)}), or with --pipeline-parallel-size 1"
         )
     # WG-KV's gates run per KV head on each worker; its cap ranks the admitted entries across heads, after the
     # prefill and at every decode step, which no exchange serves yet.

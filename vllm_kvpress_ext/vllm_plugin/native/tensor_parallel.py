@@ -10,10 +10,11 @@ pool holds its own KV heads. Three things must still agree across the workers, a
 - **Which requests failed.** A request that fails on one worker (its pool ran out, a policy raised) is failed
   on every worker before any policy runs (`agree_on_failures`), so that all of them run the same requests'
   compressions, and their gathers pair up.
-- **What the scheduler is told.** vLLM hands the scheduler the first worker's output only; its pool report is
-  made the tightest of all workers' (`merged_report`): the fewest free pages, the most pages any request needs
-  next, and a request's KV figures summed over the workers that hold its heads. A usual step moves numbers only
-  (`report_numbers`); a step where something else changed moves the whole reports.
+- **What the scheduler is told.** vLLM hands the scheduler one worker's output only; its pool report is made the
+  tightest of all workers' (`merged_report`): the fewest free pages, the most pages any request needs next, and
+  a request's KV figures summed over the workers that hold its heads. The reports are gathered over the
+  engine's whole group, so pipeline stages, whose pools hold their own layers, are merged alike. A usual step
+  moves numbers only (`report_numbers`); a step where something else changed moves the whole reports.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def _group() -> Any:
     from vllm.distributed import get_tp_group
 
     return get_tp_group()
+
+
+def _engine_group() -> Any:
+    """Every worker of this engine: its tensor-parallel workers of every pipeline stage."""
+    from vllm.distributed import get_world_group
+
+    return get_world_group()
 
 
 def gather_heads(tensor: torch.Tensor) -> torch.Tensor:
@@ -84,8 +92,8 @@ def _no_gather(tensor: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("KV heads replicated over workers are not compressed (support.native_refusal)")
 
 
-def _all(value: Any) -> list[Any]:
-    group = _group()
+def _all(value: Any, group: Any = None) -> list[Any]:
+    group = group or _group()
     values: list[Any] = [None] * group.world_size
     dist.all_gather_object(values, value, group=group.cpu_group)
     return values
@@ -130,7 +138,7 @@ def merged_report(report: PoolReport, replicas: int = 1, kept_blocks: frozenset[
     nothing else changed. A step where a request failed, a worker's kept blocks changed, or the workers' requests
     differ gathers the whole reports instead (pickled objects, several times the cost).
     """
-    group = _group()
+    group = _engine_group()
     shape = torch.tensor([_carries_objects(report), report.prefix_blocks is not None, _requests_signature(report)])
     shapes = [torch.empty_like(shape) for _ in range(group.world_size)]
     dist.all_gather(shapes, shape, group=group.cpu_group)
@@ -138,7 +146,7 @@ def merged_report(report: PoolReport, replicas: int = 1, kept_blocks: frozenset[
     if everywhere[:, :2].any() or not bool((everywhere[:, 2] == shape[2]).all()):
         blocks_changed = bool(everywhere[:, 1].any())  # then each worker's whole set: they are intersected
         sent = dataclasses.replace(report, prefix_blocks=kept_blocks if blocks_changed else None)
-        return merge_reports(_all(sent), replicas)
+        return merge_reports(_all(sent, group), replicas)
     numbers = report_numbers(report)
     parts = [torch.empty_like(numbers) for _ in range(group.world_size)]
     dist.all_gather(parts, numbers, group=group.cpu_group)
@@ -209,6 +217,9 @@ def merge_reports(reports: list[PoolReport], replicas: int = 1) -> PoolReport:
     merged = dataclasses.replace(first)
     merged.pages_total = min(r.pages_total for r in reports)
     merged.pages_free = min(r.pages_free for r in reports)
+    # Pipeline stages may hold different numbers of layers: a prompt's pages are counted for the largest.
+    merged.num_layers = max(r.num_layers for r in reports)
+    merged.pages_per_token_block = max(r.pages_per_token_block for r in reports)
     merged.failed = {k: v for r in reversed(reports) for k, v in r.failed.items()}
     merged.pages_held = {k: max(r.pages_held.get(k, 0) for r in reports) for k in first.pages_held}
     merged.decode_pages = {k: max(r.decode_pages.get(k, 0) for r in reports) for k in first.decode_pages}

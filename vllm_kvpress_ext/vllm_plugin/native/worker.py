@@ -26,6 +26,7 @@ import math
 from typing import Any
 
 import torch
+from vllm.distributed import get_pp_group
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
@@ -79,6 +80,14 @@ class VllmRunnerWorker(Worker):
         # On the thread that runs the model: packing probes oneDNN's kernel for the dtype there first.
         packed = adapter.pack_projections(self.model_runner.get_model())
         logger.info("vllm-kvpress-ext: %d projection weights packed for oneDNN", packed)
+        runner = self.model_runner
+        if not get_pp_group().is_first_rank:
+            # vLLM allocates the buffer a later pipeline stage receives its activations in during its profiling run,
+            # which this worker does not make (`determine_available_memory`): allocated here instead.
+            model: Any = runner.get_model()
+            runner.intermediate_tensors = model.make_empty_intermediate_tensors(
+                batch_size=runner.max_num_tokens, dtype=self.model_config.dtype, device=self.device
+            )
 
     def determine_available_memory(self) -> int:
         """Room for every block vLLM's scheduler could plan (max_num_seqs requests of max_model_len tokens)
@@ -118,9 +127,10 @@ class VllmRunnerWorker(Worker):
         output = copy.copy(output)
         self.peak_pages = max(self.peak_pages, pool.cache.pool.num_used)
         report = pool.report()
-        if pool.shard is not None:  # the scheduler reads the first worker's: make it the tightest worker's
+        if pool.shard is not None or pool.pipeline_stages > 1:  # the scheduler reads one worker's: the tightest's
             kept = frozenset(pool.prefix_blocks.kept) if pool.prefix_blocks is not None else None
-            report = tensor_parallel.merged_report(report, pool.shard.replicas, kept)
+            replicas = 1 if pool.shard is None else pool.shard.replicas
+            report = tensor_parallel.merged_report(report, replicas, kept)
             pool.fail_as_elsewhere(report.failed)
         output.kvpress = report
         if report.failed:  # a failed request's token came from zeroed attention: it is not sent
