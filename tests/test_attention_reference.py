@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -372,35 +374,20 @@ def test_a_soft_capped_decode_reads_ring_and_global_under_the_cap(with_probs: bo
     cache.start_ring("r", window, admitted)
     query = torch.randn(1, 2 * group, head_dim)
     probs: list[torch.Tensor] | None = [] if with_probs else None
-    out = paged_decode_attention(
-        query,
-        cache.pool.kv,
-        cache.pool.positions,
-        cache.block_tables[0],
-        cache.seq_lens[0],
-        torch.tensor([row]),
-        scale,
-        cache.ring_tables[0],
-        cache.ring_lens(),
-        probs_out=probs,
-        soft_cap=cap,
-    )
+
+    def decode(**capping: Any) -> torch.Tensor:
+        tables, lens, rows = cache.block_tables[0], cache.seq_lens[0], torch.tensor([row])
+        rings = (cache.ring_tables[0], cache.ring_lens())
+        return paged_decode_attention(
+            query, cache.pool.kv, cache.pool.positions, tables, lens, rows, scale, *rings, **capping
+        )
+
+    out = decode(probs_out=probs, soft_cap=cap)
     visible = admitted[0].clone()
     visible[:, n - window :] = True
     expected = _capped_dense(query, k[0, 0].transpose(0, 1), v[0, 0].transpose(0, 1), visible.unsqueeze(1), scale, cap)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    uncapped = paged_decode_attention(
-        query,
-        cache.pool.kv,
-        cache.pool.positions,
-        cache.block_tables[0],
-        cache.seq_lens[0],
-        torch.tensor([row]),
-        scale,
-        cache.ring_tables[0],
-        cache.ring_lens(),
-    )
-    assert not torch.allclose(uncapped, expected, atol=1e-3)  # the cap matters at this scale
+    assert not torch.allclose(decode(), expected, atol=1e-3)  # the cap matters at this scale
     if probs is not None:  # [1, Hkv, G, global entries]: each admitted entry's capped weight, summing below 1
         (weights,) = probs
         held = int(cache.seq_lens[0, row].max())

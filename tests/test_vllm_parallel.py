@@ -189,15 +189,19 @@ def two_workers(model: Path) -> Run:
     return every_policy_on(model, 2)
 
 
+def assert_same_run(mine: tuple[Any, Any, Any], theirs: tuple[Any, Any, Any]) -> None:
+    """The same kept sets, greedy tokens and KV figures."""
+    (tokens, figures, kept), (their_tokens, their_figures, their_kept) = mine, theirs
+    assert their_kept == kept
+    assert their_tokens == tokens
+    for one, other in zip(figures, their_figures, strict=True):
+        for field in ("kv_tokens_kept", "kv_tokens_full", "kv_bytes", "kv_retention", "policy"):
+            assert other[field] == one[field], field
+
+
 @pytest.mark.parametrize("name", SERVED)
 def test_two_workers_keep_exactly_what_one_keeps(name: str, one_worker: Run, two_workers: Run) -> None:
-    tokens, figures, kept = one_worker[name]
-    tokens_tp, figures_tp, kept_tp = two_workers[name]
-    assert kept_tp == kept
-    assert tokens_tp == tokens
-    for mine, theirs in zip(figures, figures_tp, strict=True):
-        for field in ("kv_tokens_kept", "kv_tokens_full", "kv_bytes", "kv_retention", "policy"):
-            assert theirs[field] == mine[field], field
+    assert_same_run(one_worker[name], two_workers[name])
 
 
 @pytest.fixture(scope="module")
@@ -214,13 +218,7 @@ def test_two_pipeline_stages_keep_exactly_what_one_worker_keeps(name: str, one_w
     """Each stage's pool holds its layers; a policy that decides layer by layer keeps there what one worker keeps in
     those layers, and the scheduler reads the figures of every stage's layers (the first stage's report merged into
     the last's)."""
-    tokens, figures, kept = one_worker[name]
-    tokens_pp, figures_pp, kept_pp = two_stages[name]
-    assert kept_pp == kept
-    assert tokens_pp == tokens
-    for mine, theirs in zip(figures, figures_pp, strict=True):
-        for field in ("kv_tokens_kept", "kv_tokens_full", "kv_bytes", "kv_retention", "policy"):
-            assert theirs[field] == mine[field], field
+    assert_same_run(one_worker[name], two_stages[name])
 
 
 def test_policies_deciding_across_layers_are_refused_under_pipeline_parallelism(model: Path) -> None:
