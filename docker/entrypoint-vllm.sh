@@ -10,7 +10,8 @@
 #   KVPRESS_HOST, KVPRESS_PORT address and port to bind (image: 0.0.0.0, 8000)
 #   KVPRESS_MAX_NUM_SEQS, KVPRESS_MAX_MODEL_LEN, KVPRESS_SERVED_MODEL_NAME
 #   KVPRESS_GPU_MEMORY_UTILIZATION  vLLM's --gpu-memory-utilization, e.g. 0.9
-#   KVPRESS_TENSOR_PARALLEL_SIZE, KVPRESS_DATA_PARALLEL_SIZE  vLLM's --tensor/--data-parallel-size
+#   KVPRESS_TENSOR_PARALLEL_SIZE, KVPRESS_PIPELINE_PARALLEL_SIZE, KVPRESS_DATA_PARALLEL_SIZE
+#                                   vLLM's --tensor/--pipeline/--data-parallel-size
 #   KVPRESS_NNODES, KVPRESS_NODE_RANK, KVPRESS_MASTER_ADDR, KVPRESS_MASTER_PORT
 #                              one server over several nodes (vLLM's multiprocessing executor): node 0
 #                              serves HTTP, every other node runs its workers only (--headless)
@@ -69,7 +70,7 @@ if ((nnodes > 1)); then
     cmd+=(--master-port "$KVPRESS_MASTER_PORT")
   fi
 fi
-for name in TENSOR_PARALLEL_SIZE DATA_PARALLEL_SIZE; do
+for name in TENSOR_PARALLEL_SIZE PIPELINE_PARALLEL_SIZE DATA_PARALLEL_SIZE; do
   variable="KVPRESS_$name"
   if [[ -n "${!variable:-}" ]]; then
     require_integer "$variable" "${!variable}" 1 1024

@@ -253,6 +253,7 @@ def test_the_vllm_entrypoint_spreads_one_server_over_nodes() -> None:
     assert "--headless" in worker and "--port" not in worker and worker[-2:] == ["--tensor-parallel-size", "2"]
     assert worker[worker.index("--node-rank") + 1] == "1" and worker[worker.index("--master-port") + 1] == "29500"
     assert _command(VLLM, "/m", KVPRESS_DATA_PARALLEL_SIZE="2")[-2:] == ["--data-parallel-size", "2"]
+    assert _command(VLLM, "/m", KVPRESS_PIPELINE_PARALLEL_SIZE="2")[-2:] == ["--pipeline-parallel-size", "2"]
     for variables, message in (
         ({"KVPRESS_NNODES": "2", "KVPRESS_NODE_RANK": "2", "KVPRESS_MASTER_ADDR": "h"}, "between 0 and 1"),
         ({"KVPRESS_NNODES": "2"}, "needs KVPRESS_MASTER_ADDR"),
