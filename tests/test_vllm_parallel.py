@@ -17,6 +17,7 @@ behind `vllm serve`'s API servers; the `kvpress_*` series carry vLLM's `engine` 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -454,3 +455,6 @@ def test_the_tensor_parallel_bench_measures_memory_and_the_exchange(capsys: pyte
     assert rows[(2, "full")]["worker_peak_kv_mib"] == rows[(1, "full")]["worker_peak_kv_mib"] / 2
     assert rows[(2, "adakv")]["kv_mib"] == rows[(1, "adakv")]["kv_mib"] < rows[(1, "full")]["kv_mib"]
     assert "exchange_share_of_prefill" in capsys.readouterr().out
+    staged = run_tensor_parallel_bench(dataclasses.replace(config, workers=(1,), stages=(2,), policies=("full",)))
+    assert staged[0]["stages"] == 2 and staged[0]["kv_mib"] == rows[(1, "full")]["kv_mib"]
+    assert staged[0]["worker_peak_kv_mib"] == rows[(1, "full")]["worker_peak_kv_mib"] / 2  # each stage: 2 of 4 layers

@@ -1,7 +1,8 @@
-"""`kvpress bench tensor-parallel`: the plugin on vLLM's runner at several tensor-parallel sizes, side by side.
+"""`kvpress bench tensor-parallel`: the plugin on vLLM's runner at several tensor-parallel sizes (and pipeline
+stages), side by side.
 
-Per worker count, one offline `vllm.LLM` (vLLM's runner over the plugin's pool; more than one worker: vLLM's
-multiprocessing executor, gloo between the workers) runs the same requests under each policy:
+Per worker count and stage count, one offline `vllm.LLM` (vLLM's runner over the plugin's pool; more than one
+worker: vLLM's multiprocessing executor, gloo between the workers) runs the same requests under each policy:
 
 - requests/s and output tokens/s of the whole batch (`--num-prompts` random prompts at once);
 - the KV bytes the requests held when they finished (their `kv_bytes`, summed) and each worker's pool
@@ -32,6 +33,7 @@ PAGE_SIZE = 16
 class TensorParallelBenchConfig:
     model: str | None = None
     workers: tuple[int, ...] = (1, 2)
+    stages: tuple[int, ...] = (1,)  # pipeline stages, each of `workers` tensor-parallel workers
     policies: tuple[str, ...] = ("full", "snapkv", "adakv")
     num_prompts: int = 16
     input_len: int = 512
@@ -51,7 +53,7 @@ def _pool_pages(model: str, config: TensorParallelBenchConfig) -> int:
     return per_request * -(-(config.input_len + config.output_len) // PAGE_SIZE) * config.max_num_seqs
 
 
-def _llm(model: str, workers: int, config: TensorParallelBenchConfig) -> Any:
+def _llm(model: str, workers: int, stages: int, config: TensorParallelBenchConfig) -> Any:
     from vllm import LLM
 
     return LLM(
@@ -63,7 +65,8 @@ def _llm(model: str, workers: int, config: TensorParallelBenchConfig) -> Any:
         skip_tokenizer_init=True,
         enable_prefix_caching=False,  # every request prefills its whole prompt under every policy
         tensor_parallel_size=workers,
-        distributed_executor_backend="mp" if workers > 1 else "uni",
+        pipeline_parallel_size=stages,
+        distributed_executor_backend="mp" if workers * stages > 1 else "uni",
         seed=config.seed,
         block_size=PAGE_SIZE,
         additional_config={"kv_runner": "vllm", "kv_num_pages": _pool_pages(model, config)},
@@ -84,7 +87,9 @@ def _stats(llm: Any, restart_peak: bool = False) -> list[dict[str, Any]]:
     return list(llm.collective_rpc("kvpress_worker_stats", args=(restart_peak,)))
 
 
-def _run_policy(llm: Any, policy: str, prompts: list[Any], config: TensorParallelBenchConfig) -> dict[str, Any]:
+def _run_policy(
+    llm: Any, policy: str, prompts: list[Any], config: TensorParallelBenchConfig, workers: int, stages: int
+) -> dict[str, Any]:
     from vllm import SamplingParams
 
     extra = {} if policy == "full" else {"kv_policy": policy}
@@ -106,7 +111,8 @@ def _run_policy(llm: Any, policy: str, prompts: list[Any], config: TensorParalle
     prefill_per_request = prefill_s / len(prompts)
     per_compression = exchange_s / compressed if compressed else 0.0
     return {
-        "workers": len(after),
+        "workers": workers,
+        "stages": stages,
         "policy": policy,
         "requests_per_s": round(len(prompts) / seconds, 3),
         "output_tokens_per_s": round(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds, 1),
@@ -125,15 +131,15 @@ def run_tensor_parallel_bench(config: TensorParallelBenchConfig) -> list[dict[st
     with model_or_bench_model(config.model, config.seed) as model_dir:
         vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
         prompts = _prompts(config, vocab)
-        for workers in config.workers:
-            llm = _llm(str(model_dir), workers, config)
+        for workers, stages in ((w, s) for s in config.stages for w in config.workers):
+            llm = _llm(str(model_dir), workers, stages, config)
             try:
                 # Warm-up: the batch's prefill and a few decodes, so that no policy's row pays for first calls.
                 from vllm import SamplingParams
 
                 llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
                 for policy in config.policies:
-                    rows.append(_run_policy(llm, policy, prompts, config))
+                    rows.append(_run_policy(llm, policy, prompts, config, workers, stages))
             finally:
                 llm.llm_engine.engine_core.shutdown()
                 del llm
