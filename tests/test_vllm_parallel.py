@@ -206,34 +206,37 @@ def test_two_workers_keep_exactly_what_one_keeps(name: str, one_worker: Run, two
 
 
 @pytest.fixture(scope="module")
-def two_stages(model: Path) -> Run:
+def two_stages(model: Path) -> tuple[Run, str]:
+    """Every layer-by-layer policy on two pipeline stages, and what a request for PyramidKV is told there."""
     llm = parallel_llm(model, 1, stages=2)
     try:
-        return run_every_policy(llm, STAGED, stages=2)
+        refused = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": "pyramidkv"})
+        with pytest.raises(VLLMValidationError) as refusal:
+            llm.generate([{"prompt_token_ids": prompts()[0]}], refused, use_tqdm=False)
+        return run_every_policy(llm, STAGED, stages=2), str(refusal.value)
     finally:
         close(llm)
 
 
 @pytest.mark.parametrize("name", STAGED)
-def test_two_pipeline_stages_keep_exactly_what_one_worker_keeps(name: str, one_worker: Run, two_stages: Run) -> None:
+def test_two_pipeline_stages_keep_exactly_what_one_worker_keeps(
+    name: str, one_worker: Run, two_stages: tuple[Run, str]
+) -> None:
     """Each stage's pool holds its layers; a policy that decides layer by layer keeps there what one worker keeps in
     those layers, and the scheduler reads the figures of every stage's layers (the first stage's report merged into
     the last's)."""
-    assert_same_run(one_worker[name], two_stages[name])
+    assert_same_run(one_worker[name], two_stages[0][name])
 
 
-def test_policies_deciding_across_layers_are_refused_under_pipeline_parallelism(model: Path) -> None:
+def test_policies_deciding_across_layers_are_refused_under_pipeline_parallelism(
+    model: Path, two_stages: tuple[Run, str]
+) -> None:
     """PyramidKV, LAVa, XKV, GVote, K-VEC and KVzip decide each layer's entries from every layer's: refused by
     name, per request (HTTP 400 over a server) and at start, while layer-by-layer policies serve."""
     assert set(SERVED) - set(STAGED) == {"gvote", "kvec", "kvzip", "lava", "pyramidkv", "xkv"}
     assert {"snapkv", "adakv", "h2o", "streaming_llm", "expected_attention", "wgkv"} <= set(STAGED)
-    llm = parallel_llm(model, 1, stages=2)
-    try:
-        params = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": "pyramidkv"})
-        with pytest.raises(VLLMValidationError, match="pipeline parallelism"):
-            llm.generate([{"prompt_token_ids": prompts()[0]}], params, use_tqdm=False)
-    finally:
-        close(llm)
+    assert "kv_policy 'pyramidkv' decides what each layer keeps" in two_stages[1]
+    assert "pipeline parallelism (2 stages" in two_stages[1]
     with pytest.raises(Exception, match="kv_policy 'lava' decides what each layer keeps from every layer"):
         parallel_llm(model, 1, stages=2, kv_policy="lava")
 
