@@ -92,17 +92,25 @@ def test_decode_attention_matches_dense_sdpa(head_dim: int, group: int) -> None:
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_attention_reads_ring_and_global() -> None:
-    torch.manual_seed(1)
-    head_dim, group, window = 32, 2, 16
-    cache = PagedKVCache(1, 2, head_dim, num_pages=64, page_size=8, max_requests=2, dtype=torch.float32)
+def _gated_row(
+    head_dim: int, page_size: int, n: int, window: int
+) -> tuple[PagedKVCache, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A one-layer, two-KV-head cache whose row "r" holds `n` random entries, about 40 % of them admitted to the
+    global region and the last `window` in the local ring (WG-KV's layout after a prompt)."""
+    cache = PagedKVCache(1, 2, head_dim, num_pages=64, page_size=page_size, max_requests=2, dtype=torch.float32)
     row = cache.add_request("r")
-    n = 40
     slots = cache.append_slots([row], torch.arange(n).view(1, -1))
     k, v = torch.randn(*slots.shape, head_dim), torch.randn(*slots.shape, head_dim)
     cache.write(slots, k, v)
     admitted = torch.rand(1, 2, n) < 0.4
     cache.start_ring("r", window, admitted)
+    return cache, row, k, v, admitted
+
+
+def test_decode_attention_reads_ring_and_global() -> None:
+    torch.manual_seed(1)
+    head_dim, group, window, n = 32, 2, 16, 40
+    cache, row, k, v, admitted = _gated_row(head_dim, 8, n, window)
     query = torch.randn(1, 2 * group, head_dim)
     out = paged_decode_attention(
         query,
@@ -365,13 +373,7 @@ def test_a_soft_capped_decode_reads_ring_and_global_under_the_cap(with_probs: bo
     equals dense attention under the cap, and the probabilities a policy reads are the capped ones."""
     torch.manual_seed(2)
     head_dim, group, window, n, cap, scale = 16, 2, 8, 30, 2.0, 0.25
-    cache = PagedKVCache(1, 2, head_dim, num_pages=64, page_size=4, max_requests=2, dtype=torch.float32)
-    row = cache.add_request("r")
-    slots = cache.append_slots([row], torch.arange(n).view(1, -1))
-    k, v = torch.randn(*slots.shape, head_dim), torch.randn(*slots.shape, head_dim)
-    cache.write(slots, k, v)
-    admitted = torch.rand(1, 2, n) < 0.4
-    cache.start_ring("r", window, admitted)
+    cache, row, k, v, admitted = _gated_row(head_dim, 4, n, window)
     query = torch.randn(1, 2 * group, head_dim)
     probs: list[torch.Tensor] | None = [] if with_probs else None
 
