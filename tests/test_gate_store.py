@@ -88,8 +88,9 @@ def test_a_store_reports_a_missing_file(tmp_path: Path) -> None:
 
 
 def test_a_workers_heads_of_the_gates_gate_as_all_of_them_do() -> None:
-    """Under tensor parallelism a worker holds some KV heads: their gates (`WriteGates.heads`) give exactly what
-    the whole model's gates give those heads; asked twice, the same object."""
+    """Under tensor parallelism a worker holds some KV heads, under pipeline parallelism a stage some layers: their
+    gates (`WriteGates.part`) give exactly what the whole model's gates give those heads and layers; asked twice,
+    the same object."""
     import torch
 
     from vllm_kvpress_ext.models.write_gate import WriteGates
@@ -97,8 +98,13 @@ def test_a_workers_heads_of_the_gates_gate_as_all_of_them_do() -> None:
     torch.manual_seed(0)
     gates = WriteGates(num_layers=2, num_kv_heads=4, head_dim=8)
     k_pre, k = torch.randn(5, 4, 8), torch.randn(5, 4, 8)
-    part = gates.heads(2, 2)
-    assert part is gates.heads(2, 2) and part.num_kv_heads == 2
+    part = gates.part(0, 2, 2, 2)
+    assert part is gates.part(0, 2, 2, 2) and part.num_kv_heads == 2
     assert torch.equal(part(1, k_pre[:, 2:], k[:, 2:]), gates(1, k_pre, k)[:, 2:])
+    stage = gates.part(1, 1, 0, 4)  # the second of two stages: layer 1 is its layer 0
+    assert stage.num_layers == 1 and torch.equal(stage(0, k_pre, k), gates(1, k_pre, k))
+    assert gates.part(0, 2, 0, 4) is gates
     with pytest.raises(ValueError, match="not among these gates' 4"):
-        gates.heads(3, 2)
+        gates.part(0, 2, 3, 2)
+    with pytest.raises(ValueError, match="layers \\[1, 3\\) are not among these gates' 2"):
+        gates.part(1, 2, 0, 4)

@@ -110,10 +110,6 @@ class WriteGates(nn.Module):
         """Gate values g `[n, H]` in [0, 1]."""
         return torch.sigmoid(self.logits(layer, k_pre_rope, k))
 
-    def heads(self, first: int, count: int) -> WriteGates:
-        """The gates of KV heads [first, first + count) only: a tensor-parallel worker's heads (made once)."""
-        return self.part(0, self.num_layers, first, count)
-
     @torch.no_grad()
     def part(self, first_layer: int, num_layers: int, first_head: int, num_heads: int) -> WriteGates:
         """The gates of layers [first_layer, first_layer + num_layers) and KV heads [first_head, first_head +

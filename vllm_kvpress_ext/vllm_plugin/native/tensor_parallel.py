@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,14 +130,17 @@ def _merged_figures(figures: list[dict[str, Any]], replicas: int) -> dict[str, A
     return merged
 
 
-def merged_report(report: PoolReport, replicas: int = 1, kept_blocks: frozenset[int] | None = None) -> PoolReport:
+def merged_report(
+    report: PoolReport, replicas: int = 1, kept_blocks: Callable[[], frozenset[int]] | None = None
+) -> PoolReport:
     """`report` as the scheduler must read it: every worker's report gathered and merged (`merge_reports`).
 
     `report.prefix_blocks` says whether this worker's kept blocks changed since its last report, and `kept_blocks`
-    is all of them. A usual step moves numbers only: every worker's page counts and its requests' figures in one
-    float tensor (`report_numbers`), after a few integers that show the workers hold the same requests and that
-    nothing else changed. A step where a request failed, a worker's kept blocks changed, or the workers' requests
-    differ gathers the whole reports instead (pickled objects, several times the cost).
+    gives all of them (asked only on a step where some worker's changed). A usual step moves numbers only: every
+    worker's page counts and its requests' figures in one float tensor (`report_numbers`), after a few integers
+    that show the workers hold the same requests and that nothing else changed. A step where a request failed, a
+    worker's kept blocks changed, or the workers' requests differ gathers the whole reports instead (pickled
+    objects, several times the cost).
     """
     group = _engine_group()
     shape = torch.tensor([_carries_objects(report), report.prefix_blocks is not None, _requests_signature(report)])
@@ -145,7 +149,8 @@ def merged_report(report: PoolReport, replicas: int = 1, kept_blocks: frozenset[
     everywhere = torch.stack(shapes)
     if everywhere[:, :2].any() or not bool((everywhere[:, 2] == shape[2]).all()):
         blocks_changed = bool(everywhere[:, 1].any())  # then each worker's whole set: they are intersected
-        sent = dataclasses.replace(report, prefix_blocks=kept_blocks if blocks_changed else None)
+        all_kept = kept_blocks() if blocks_changed and kept_blocks is not None else None
+        sent = dataclasses.replace(report, prefix_blocks=all_kept)
         return merge_reports(_all(sent, group), replicas)
     numbers = report_numbers(report)
     parts = [torch.empty_like(numbers) for _ in range(group.world_size)]

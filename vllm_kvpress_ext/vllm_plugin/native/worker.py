@@ -128,7 +128,8 @@ class VllmRunnerWorker(Worker):
         self.peak_pages = max(self.peak_pages, pool.cache.pool.num_used)
         report = pool.report()
         if pool.shard is not None or pool.pipeline_stages > 1:  # the scheduler reads one worker's: the tightest's
-            kept = frozenset(pool.prefix_blocks.kept) if pool.prefix_blocks is not None else None
+            blocks = pool.prefix_blocks
+            kept = (lambda: frozenset(blocks.kept)) if blocks is not None else None
             replicas = 1 if pool.shard is None else pool.shard.replicas
             report = tensor_parallel.merged_report(report, replicas, kept)
             pool.fail_as_elsewhere(report.failed)
