@@ -55,6 +55,8 @@ SPECS: dict[str, Any] = {
     "adakv": {"name": "adakv", "ratio": 0.25, "window": 8, "alpha": 0.0},
     "lava": {"name": "lava", "ratio": 0.25, "window": 8},
     "streaming_llm": {"name": "streaming_llm", "ratio": 0.3},
+    # Scores from a few queries, so that each decode step's attention decides what the step evicts.
+    "h2o": {"name": "h2o", "ratio": 0.25, "observation_window": 4},
     # The random gates beside the checkpoint (`write_random_gates`) admit about half the keys at tau 0.5.
     "wgkv": {"name": "wgkv", "tau": 0.5},
 }
@@ -106,22 +108,43 @@ def close(llm: LLM) -> None:
 
 
 def record_kept(worker: Any) -> None:
-    worker.model_runner.pool.kept_at_compression = {}
+    """Keep what each request holds right after compression and, as its row is released, at its end."""
+    from vllm_kvpress_ext.engine.kept import kept_entries
+
+    pool = worker.model_runner.pool
+    pool.kept_at_compression, pool.kept_at_end = {}, {}
+    release = pool.release
+
+    def release_recording(request_id: str) -> None:
+        if request_id in pool.seats and request_id in pool.kept_at_compression:
+            pool.kept_at_end[request_id] = kept_entries(pool.cache, request_id)
+        release(request_id)
+
+    pool.release = release_recording
 
 
 def kept_and_free(worker: Any) -> tuple[list[list[list[set[int]]]], bool]:
-    """Per request this worker compressed (in order), the positions each (layer, KV head) of it held right after;
-    and whether every page of its pool is free or held by a request's row."""
+    """Per request this worker compressed (in order), the positions each (layer, KV head) of it held right after,
+    then, in the same order, those it holds at its end (after the decode steps' evictions); and whether every page
+    of its pool is free or held by a request's row."""
+    from vllm_kvpress_ext.engine.kept import kept_entries
+
     pool = worker.model_runner.pool
+    # A finished request's row is freed at a later step: what one still seated holds now is what it held at its end.
+    ends = [
+        pool.kept_at_end.pop(rid) if rid in pool.kept_at_end else kept_entries(pool.cache, rid)
+        for rid in pool.kept_at_compression
+    ]
+    moments = [*pool.kept_at_compression.values(), *ends]
     kept = [
         [
             [set(entries.head(layer, head)) for head in range(entries.lengths.shape[1])]
             for layer in range(entries.lengths.shape[0])
         ]
-        for entries in pool.kept_at_compression.values()
+        for entries in moments
     ]
     pool.kept_at_compression = {}
-    held = sum(pool.cache.usage(request_id).pages for request_id in pool.seats)  # finished rows go at the next step
+    held = sum(pool.cache.usage(request_id).pages for request_id in pool.seats)
     return kept, pool.cache.pool.num_free + held == pool.cache.pool.num_pages
 
 
@@ -134,8 +157,8 @@ Run = dict[str, tuple[list[list[int]], list[dict[str, Any]], list[list[list[set[
 
 
 def run_every_policy(llm: LLM, policies: list[str] = SERVED, stages: int = 1) -> Run:
-    """Per policy: the greedy tokens, the KV figures and the kept sets (joined over the workers' heads, and over the
-    pipeline stages' layers)."""
+    """Per policy: the greedy tokens, the KV figures and the kept sets after compression and at the end (joined over
+    the workers' heads, and over the pipeline stages' layers)."""
     llm.collective_rpc(record_kept)
     results: Run = {}
     for name in policies:
@@ -149,15 +172,16 @@ def run_every_policy(llm: LLM, policies: list[str] = SERVED, stages: int = 1) ->
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
         per_worker = llm.collective_rpc(kept_and_free)
         assert all(free for _, free in per_worker), name  # no page leaked on any worker
+        moments = range(len(per_worker[0][0]))  # each request right after compression, then at its end
         if stages > 1:  # each stage (one worker each) holds its layers, in order
-            layers = [[layer for kept, _ in per_worker for layer in kept[r]] for r in range(len(outputs))]
+            layers = [[layer for kept, _ in per_worker for layer in kept[m]] for m in moments]
             per_worker = [(layers, True)]
         joined = [
             [
-                [head for worker, _ in per_worker for head in worker[request][layer]]
-                for layer in range(len(per_worker[0][0][request]))
+                [head for worker, _ in per_worker for head in worker[moment][layer]]
+                for layer in range(len(per_worker[0][0][moment]))
             ]
-            for request in range(len(outputs))
+            for moment in moments
         ]
         results[name] = (
             [list(o.outputs[0].token_ids) for o in outputs],
@@ -306,32 +330,46 @@ def test_vllms_prefix_caching_reads_the_blocks_every_worker_keeps(model: Path) -
         close(llm)
 
 
-def test_more_workers_than_kv_heads_serve_the_full_cache_and_refuse_compression(tmp_path: Path) -> None:
-    """One KV head, two workers: vLLM replicates the head. The full cache serves, token for token as on one
-    worker; a compressing policy is refused by name, per request and at start (each replica holds half the
-    head's query group, so the two would score it differently)."""
-    model = write_suite_model(tmp_path / "mqa", hidden=64, num_heads=4, num_kv_heads=1)
-    params = VllmSamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    batch = [{"prompt_token_ids": p} for p in prompts()]
-    expected = []
-    llm = parallel_llm(model, 1)
-    try:
-        expected = [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
-    finally:
-        close(llm)
-    llm = parallel_llm(model, 2)
-    try:
-        outputs = llm.generate(batch, params, use_tqdm=False)
-        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-        figures = outputs[0].kv_transfer_params["kvpress"]
-        assert figures["kv_tokens_full"] == 2 * (96 + NEW_TOKENS - 1)  # each head once, not once per replica
-        compressing = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": "snapkv"})
-        with pytest.raises(VLLMValidationError, match="replicates over tensor-parallel workers"):
-            llm.generate(batch[:1], compressing, use_tqdm=False)
-    finally:
-        close(llm)
-    with pytest.raises(Exception, match="replicates over tensor-parallel workers"):
-        parallel_llm(model, 2, kv_policy="snapkv")
+@pytest.fixture(scope="module")
+def one_kv_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One KV head of four query heads: on two workers vLLM replicates the head, two query heads on each."""
+    path = write_suite_model(tmp_path_factory.mktemp("mqa"), hidden=64, num_heads=4, num_kv_heads=1)
+    write_random_gates(path, 16)
+    return path
+
+
+def one_copy_of_each_head(run: tuple[Any, Any, Any], replicas: int) -> tuple[Any, Any, Any]:
+    """A policy's run on workers that replicate each KV head, with each head once: the replicas keep alike."""
+    tokens, figures, kept = run
+    heads = []
+    for moment in kept:
+        layers = []
+        for layer in moment:
+            copies = [layer[i : i + replicas] for i in range(0, len(layer), replicas)]
+            assert all(c == copy[0] for copy in copies for c in copy)
+            layers.append([copy[0] for copy in copies])
+        heads.append(layers)
+    return tokens, figures, heads
+
+
+@pytest.fixture(scope="module")
+def replicated_runs(one_kv_head: Path) -> tuple[Run, Run]:
+    """Every policy on one worker and on two that replicate the KV head."""
+    return every_policy_on(one_kv_head, 1), every_policy_on(one_kv_head, 2)
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_workers_replicating_a_kv_head_keep_exactly_what_one_worker_keeps(
+    name: str, replicated_runs: tuple[Run, Run]
+) -> None:
+    """More workers than KV heads: each replica computes half the head's query group, and the replicas join what
+    they captured of it (window queries, query moments, KVzip's scores, H2O's decode attention) before the policy
+    runs. Both replicas then keep what one worker keeps, after compression and at the end, token for token, and
+    the figures count each head once."""
+    one, two = replicated_runs
+    assert_same_run(one[name], one_copy_of_each_head(two[name], replicas=2))
+    figures = two[name][1][0]
+    assert figures["kv_tokens_full"] == 2 * (96 + NEW_TOKENS - 1)  # each head once, not once per replica
 
 
 def test_a_write_gate_cap_is_refused_under_tensor_parallelism(model: Path) -> None:

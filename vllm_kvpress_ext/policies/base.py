@@ -122,7 +122,8 @@ class HeadShard:
     total: int
     gather: Callable[[torch.Tensor], torch.Tensor]
     # Workers holding each head: more than 1 where there are more workers than KV heads and vLLM replicates them
-    # (no compressing policy runs there: each replica holds part of the head's query group).
+    # (the runner joins each replica's part of the head's query group first, so the replicas decide alike, and
+    # `gather` gives each head once).
     replicas: int = 1
 
     @property

@@ -6,6 +6,7 @@ and the attention context then only passes tensors by reference (no copies, no s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,6 +154,16 @@ class LayerCapture:
         return mean, outer / count - mean.unsqueeze(-1) * mean.unsqueeze(-2)
 
 
+# The records whose dimension `dim` runs over query heads (`PrefillCapture.join_query_heads`).
+_QUERY_HEAD_FIELDS = (
+    ("queries", 1),
+    ("query_lse", 1),
+    ("query_sum", 0),
+    ("query_outer_sum", 0),
+    ("leading_queries", 1),
+)
+
+
 class PrefillCapture:
     """Accumulates a request's per-layer captures across prefill chunks.
 
@@ -210,6 +221,22 @@ class PrefillCapture:
         rec.hidden_sum = total if rec.hidden_sum is None else rec.hidden_sum + total
         rec.hidden_sq_sum = squares if rec.hidden_sq_sum is None else rec.hidden_sq_sum + squares
         rec.hidden_count += h.shape[0]
+
+    def join_query_heads(self, join: Callable[[list[tuple[torch.Tensor, int]]], list[torch.Tensor]]) -> None:
+        """Make every per-query-head record the whole query group's, where each KV head's group is split over the
+        workers that hold it (tensor parallelism with more workers than KV heads: vLLM replicates each head, and
+        gives each replica part of its query heads). `join` takes `(tensor, dim)` pairs, `dim` over this worker's
+        query heads, and returns each joined with the other replicas' (`tensor_parallel.join_replicas`). The
+        replicas' policies then see what one worker holding the whole group sees, and keep the same entries."""
+        records = [
+            (rec, name, dim)
+            for rec in self.layers
+            for name, dim in _QUERY_HEAD_FIELDS
+            if getattr(rec, name) is not None
+        ]
+        joined = join([(getattr(rec, name), dim) for rec, name, dim in records])
+        for (rec, name, _), tensor in zip(records, joined, strict=True):
+            setattr(rec, name, tensor)
 
     def _record_queries(self, rec: LayerCapture, positions: torch.Tensor, q: torch.Tensor) -> None:
         assert self.rotary is not None

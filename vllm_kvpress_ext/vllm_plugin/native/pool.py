@@ -53,6 +53,7 @@ from vllm_kvpress_ext.policies.base import Admission, HeadShard
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import PrefixBlocks, keeps_prompt_blocks, readable_prefix
 from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts, QueryProjection, native_refusal
+from vllm_kvpress_ext.vllm_plugin.native.tensor_parallel import join_replicas
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 from vllm_kvpress_ext.vllm_plugin.request_policy import request_policy
 
@@ -269,7 +270,6 @@ class NativePool:
             projections=self.query_projections is not None,
             tensor_parallel=1 if self.shard is None else self.shard.workers,
             pipeline_parallel=self.pipeline_stages,
-            kv_head_replicas=1 if self.shard is None else self.shard.replicas,
         )
         refusal = native_refusal(policy, facts)
         if refusal is not None:
@@ -679,10 +679,29 @@ class NativePool:
                 admission = seat.admission
                 self._run_policy(span.request_id, lambda rid, a=admission: a.drop_unadmitted(self.cache, rid))
         decode_batch = {request_id: index for index, request_id in enumerate(self.decode_request_ids)}
+        if plan.decode_probs and self._replicas > 1:  # `[B, Hkv, G, N]` per layer: the whole query group's G
+            plan.decode_probs = self._join_replicas([(probs, 2) for probs in plan.decode_probs])
         for request_id, index in decode_batch.items():
             seat = self.seats.get(request_id)
             if seat is not None and seat.compressed and seat.policy is not None and seat.policy.wants_decode_steps:
                 self._run_policy(request_id, lambda rid, i=index: self._evict(rid, i, plan))
+
+    @property
+    def _replicas(self) -> int:
+        """Workers holding each of this worker's KV heads: more than 1 where vLLM replicates them (more
+        tensor-parallel workers than KV heads), each replica computing part of the head's query group."""
+        return 1 if self.shard is None else self.shard.replicas
+
+    def _join_replicas(self, tensors: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+        return join_replicas(tensors, self._replicas)
+
+    def _group_projection(self, project: QueryProjection) -> QueryProjection:
+        """A layer's query projection `[S, D] -> [S, Hq, d]` giving every query head of this worker's KV head."""
+
+        def projected(hidden: torch.Tensor) -> torch.Tensor:
+            return self._join_replicas([(project(hidden), 1)])[0]
+
+        return projected
 
     def _keep_full_blocks(self, seat: _Seat) -> None:
         """Hand an aligned row's newly full blocks to `prefix_blocks`, under their vLLM block ids: the row's own
@@ -723,6 +742,12 @@ class NativePool:
             self._score_by_reconstruction(request_id, seat)
         seat.state = {}
         shard = self.shard
+        projections = self.query_projections
+        if self._replicas > 1:  # every replica of a KV head sees its whole query group, as one worker would
+            if seat.capture is not None:
+                seat.capture.join_query_heads(self._join_replicas)
+            if projections is not None:
+                projections = [self._group_projection(project) for project in projections]
         if seat.admission is not None:  # the last window into the local ring, older entries only if admitted
             seat.admission.start_ring(self.cache, request_id)
             seat.admission = None
@@ -731,13 +756,13 @@ class NativePool:
             request_id,
             seat.policy,
             seat.capture,
-            num_q_heads=self.num_q_heads if shard is None else self.num_q_heads * shard.total // shard.count,
+            num_q_heads=self.num_q_heads if shard is None else self.num_q_heads * shard.workers,
             length=seat.written,
             model=None,
             scale=self.scale,
             state=seat.state,
             rotary=self.rotary,
-            query_projections=self.query_projections,
+            query_projections=projections,
             gated=seat.gate is not None,
             # Entries moved into pages shared with kept blocks copy them first; kept blocks go where that lacks room.
             make_room=self._drop_one_kept,
@@ -787,6 +812,8 @@ class NativePool:
             )
         finally:
             self.reconstructing = False
+        if self._replicas > 1:  # each entry's score is its largest over the KV head's query group
+            scores = [joined.amax(0) for joined in self._join_replicas([(score[None], 0) for score in scores])]
         for layer, layer_scores in zip(capture.layers, scores, strict=True):
             layer.reconstruction_scores = layer_scores
 

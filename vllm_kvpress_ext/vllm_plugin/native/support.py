@@ -173,18 +173,16 @@ class ModelFacts:
     projections: bool = False  # the runner hooks its QKV projections (`layer_projections`), and knows its RoPE
     tensor_parallel: int = 1  # workers that split each layer's heads (`--tensor-parallel-size`)
     pipeline_parallel: int = 1  # stages that split the layers (`--pipeline-parallel-size`)
-    kv_head_replicas: int = 1  # workers that hold each KV head (more workers than KV heads: vLLM replicates them)
 
 
 def with_parallelism(facts: ModelFacts, vllm_config: Any) -> ModelFacts:
     """`facts` with the tensor and pipeline parallelism `vllm_config` serves the model with."""
-    stages = int(vllm_config.parallel_config.pipeline_parallel_size)
-    facts = dataclasses.replace(facts, pipeline_parallel=stages)
-    size = int(vllm_config.parallel_config.tensor_parallel_size)
-    if size == 1 or vllm_config.model_config is None:
-        return facts
-    kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
-    return dataclasses.replace(facts, tensor_parallel=size, kv_head_replicas=max(1, size // kv_heads))
+    parallel = vllm_config.parallel_config
+    return dataclasses.replace(
+        facts,
+        tensor_parallel=int(parallel.tensor_parallel_size),
+        pipeline_parallel=int(parallel.pipeline_parallel_size),
+    )
 
 
 @functools.cache
@@ -239,13 +237,6 @@ def native_refusal(policy: KVPolicy | None, facts: ModelFacts) -> str | None:
     records each layer's attention input and the keys before RoPE, and knows the query projection."""
     if policy is None:
         return None
-    if facts.kv_head_replicas > 1 and policy.compresses:
-        return (
-            f"kv_policy {policy.name!r} cannot compress KV heads that vLLM replicates over tensor-parallel workers "
-            f"({facts.tensor_parallel} workers, more than the model's KV heads): each worker holds part of a "
-            "head's query group, so the replicas would score it differently; serve with "
-            "--tensor-parallel-size no larger than the model's KV heads"
-        )
     if facts.pipeline_parallel > 1 and policy.decides_across_layers:
         from vllm_kvpress_ext.policies.registry import create_policy, policy_names
 

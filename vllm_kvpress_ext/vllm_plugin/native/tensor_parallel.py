@@ -7,6 +7,10 @@ pool holds its own KV heads. Three things must still agree across the workers, a
 - **Decisions that cross heads.** A policy gathers its per-head scores, counts or statistics
   (`policies/base.HeadShard`), decides for every head as one worker would, and each worker keeps its heads'
   part. A layer's scores are `[heads, n]` floats: `n * heads * 4` bytes per layer per request.
+- **A replicated head's query group.** With more workers than KV heads, vLLM replicates each head and gives each
+  replica part of its query heads. Before a policy runs, the replicas join what they captured per query head
+  (`join_replicas`: the window's queries, their moments, KVzip's scores, a decode step's attention), so each sees
+  the whole group and they keep the same entries, those one worker keeps.
 - **Which requests failed.** A request that fails on one worker (its pool ran out, a policy raised) is failed
   on every worker before any policy runs (`agree_on_failures`), so that all of them run the same requests'
   compressions, and their gathers pair up.
@@ -20,6 +24,7 @@ pool holds its own KV heads. Three things must still agree across the workers, a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import zlib
 from collections.abc import Callable
@@ -58,22 +63,48 @@ def _engine_group() -> Any:
     return get_world_group()
 
 
-def gather_heads(tensor: torch.Tensor) -> torch.Tensor:
-    """Every worker's `[heads, ...]` (the same shape on each) joined into `[all heads, ...]` in worker order, which
-    is head order."""
+def _gathered(local: torch.Tensor) -> list[torch.Tensor]:
+    """Every worker's `local` (the same shape on each), in worker order, over the tensor-parallel group."""
     start = time.perf_counter()
     group = _group()
-    local = tensor.detach().cpu()
-    kind = local.dtype
-    if kind == torch.bool:  # gloo moves no bools
-        local = local.to(torch.uint8)
+    local = local.detach().cpu()
     parts = [torch.empty_like(local) for _ in range(group.world_size)]
     dist.all_gather(parts, local.contiguous(), group=group.cpu_group)
-    joined = torch.cat(parts, dim=0)
     EXCHANGED.gathers += 1
     EXCHANGED.bytes_sent += local.numel() * local.element_size()
     EXCHANGED.seconds += time.perf_counter() - start
-    return joined.to(kind).to(tensor.device)
+    return parts
+
+
+def gather_heads(tensor: torch.Tensor, replicas: int = 1) -> torch.Tensor:
+    """Every worker's `[heads, ...]` (the same shape on each) joined into `[all heads, ...]` in worker order, which
+    is head order. Where `replicas` workers hold each head, their tensors are equal (`join_replicas` gave each the
+    head's whole query group), and the first replica's stands for the head."""
+    kind = tensor.dtype
+    parts = _gathered(tensor.to(torch.uint8) if kind == torch.bool else tensor)  # gloo moves no bools
+    return torch.cat(parts[::replicas], dim=0).to(kind).to(tensor.device)
+
+
+def join_replicas(tensors: list[tuple[torch.Tensor, int]], replicas: int) -> list[torch.Tensor]:
+    """Each `(tensor, dim)`, whose `dim` runs over this worker's query heads of its KV head, joined along `dim` with
+    the same tensor of the other workers holding that head (vLLM gives each replica an equal, consecutive part of
+    the head's query group): the whole group's, in query-head order. One gather for all of them, in the widest of
+    their float types (float32 at least), which holds each of them exactly."""
+    if not tensors:
+        return []
+    wide = functools.reduce(torch.promote_types, (tensor.dtype for tensor, _ in tensors), torch.float32)
+    flat = torch.cat([tensor.detach().cpu().to(wide).reshape(-1) for tensor, _ in tensors])
+    parts = _gathered(flat)
+    first = int(_group().rank_in_group) // replicas * replicas
+    group = parts[first : first + replicas]
+    joined: list[torch.Tensor] = []
+    offset = 0
+    for tensor, dim in tensors:
+        size = tensor.numel()
+        pieces = [part[offset : offset + size].view(tensor.shape) for part in group]
+        joined.append(torch.cat(pieces, dim=dim).to(dtype=tensor.dtype, device=tensor.device))
+        offset += size
+    return joined
 
 
 def head_shard(size: int, num_kv_heads: int, total_kv_heads: int) -> HeadShard | None:
@@ -85,12 +116,9 @@ def head_shard(size: int, num_kv_heads: int, total_kv_heads: int) -> HeadShard |
     rank = int(_group().rank_in_group)
     if size > total_kv_heads:
         replicas = size // total_kv_heads
-        return HeadShard(rank // replicas, 1, total_kv_heads, _no_gather, replicas=replicas)
+        gather = functools.partial(gather_heads, replicas=replicas)
+        return HeadShard(rank // replicas, 1, total_kv_heads, gather, replicas=replicas)
     return HeadShard(rank * num_kv_heads, num_kv_heads, total_kv_heads, gather_heads)
-
-
-def _no_gather(tensor: torch.Tensor) -> torch.Tensor:
-    raise RuntimeError("KV heads replicated over workers are not compressed (support.native_refusal)")
 
 
 def _all(value: Any, group: Any = None) -> list[Any]:
