@@ -8,8 +8,9 @@ ranking) gathers its per-head scores over the workers, so two workers keep exact
 entries in every (layer, KV head), the same greedy tokens, and the same KV figures, summed over the workers.
 What cannot be served so is refused, at start and per request, with the reason.
 
-Pipeline parallelism (`--pipeline-parallel-size 2`): each stage's pool holds its layers; the policies that decide
-layer by layer keep what one worker keeps, the others are refused by name.
+Pipeline parallelism (`--pipeline-parallel-size 2`): each stage's pool holds its layers; a policy that decides
+across layers runs stage after stage and plans on the last. Every policy but KVzip (refused by name) keeps what one
+worker keeps.
 
 Data parallelism (`--data-parallel-size 2`): two replicas, each an engine with its own scheduler and pool,
 behind `vllm serve`'s API servers; the `kvpress_*` series carry vLLM's `engine` label.
@@ -200,7 +201,7 @@ def every_policy_on(model: Path, workers: int) -> Run:
 
 
 TWO_STAGES = ModelFacts(rope=True, projections=True, pipeline_parallel=2)
-# Policies that decide layer by layer: what pipeline stages serve.
+# What pipeline stages serve: every policy but KVzip.
 STAGED = [n for n in SERVED if native_refusal(create_policy(n), TWO_STAGES) is None]
 
 
@@ -231,10 +232,10 @@ def test_two_workers_keep_exactly_what_one_keeps(name: str, one_worker: Run, two
 
 @pytest.fixture(scope="module")
 def two_stages(model: Path) -> tuple[Run, str]:
-    """Every layer-by-layer policy on two pipeline stages, and what a request for PyramidKV is told there."""
+    """Every policy the stages serve on two pipeline stages, and what a request for KVzip is told there."""
     llm = parallel_llm(model, 1, stages=2)
     try:
-        refused = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": "pyramidkv"})
+        refused = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": "kvzip"})
         with pytest.raises(VLLMValidationError) as refusal:
             llm.generate([{"prompt_token_ids": prompts()[0]}], refused, use_tqdm=False)
         return run_every_policy(llm, STAGED, stages=2), str(refusal.value)
@@ -246,23 +247,23 @@ def two_stages(model: Path) -> tuple[Run, str]:
 def test_two_pipeline_stages_keep_exactly_what_one_worker_keeps(
     name: str, one_worker: Run, two_stages: tuple[Run, str]
 ) -> None:
-    """Each stage's pool holds its layers; a policy that decides layer by layer keeps there what one worker keeps in
-    those layers, and the scheduler reads the figures of every stage's layers (the first stage's report merged into
-    the last's)."""
+    """Each stage's pool holds its layers. A policy that decides layer by layer keeps there what one worker keeps
+    in those layers; one that decides across layers (PyramidKV, LAVa, XKV, GVote, K-VEC) sees the second stage's
+    layers after the first's, carrying its state over, and plans every layer on the last stage, as one worker
+    would. The scheduler reads the figures of every stage's layers (the first stage's report merged into the
+    last's)."""
     assert_same_run(one_worker[name], two_stages[0][name])
 
 
-def test_policies_deciding_across_layers_are_refused_under_pipeline_parallelism(
-    model: Path, two_stages: tuple[Run, str]
-) -> None:
-    """PyramidKV, LAVa, XKV, GVote, K-VEC and KVzip decide each layer's entries from every layer's: refused by
-    name, per request (HTTP 400 over a server) and at start, while layer-by-layer policies serve."""
-    assert set(SERVED) - set(STAGED) == {"gvote", "kvec", "kvzip", "lava", "pyramidkv", "xkv"}
-    assert {"snapkv", "adakv", "h2o", "streaming_llm", "expected_attention", "wgkv"} <= set(STAGED)
-    assert "kv_policy 'pyramidkv' decides what each layer keeps" in two_stages[1]
+def test_kvzip_is_refused_under_pipeline_parallelism(model: Path, two_stages: tuple[Run, str]) -> None:
+    """KVzip's reconstruction pass runs the whole model over the cached prompt, which the stages do not: refused by
+    name, per request (HTTP 400 over a server) and at start, while every other policy serves."""
+    assert set(SERVED) - set(STAGED) == {"kvzip"}
+    assert {"pyramidkv", "lava", "xkv", "gvote", "kvec"} <= set(STAGED)
+    assert "kv_policy 'kvzip' scores the cache with a reconstruction pass" in two_stages[1]
     assert "pipeline parallelism (2 stages" in two_stages[1]
-    with pytest.raises(Exception, match="kv_policy 'lava' decides what each layer keeps from every layer"):
-        parallel_llm(model, 1, stages=2, kv_policy="lava")
+    with pytest.raises(Exception, match="kv_policy 'kvzip' scores the cache with a reconstruction pass"):
+        parallel_llm(model, 1, stages=2, kv_policy="kvzip")
 
 
 def test_cross_head_budgets_move_entries_between_the_workers(two_workers: Run) -> None:
@@ -311,6 +312,58 @@ def test_a_request_failing_on_one_worker_fails_on_all_and_alone(model: Path, one
         assert outputs[1].outputs[0].finish_reason == "error" and not outputs[1].outputs[0].token_ids
         again = llm.generate([{"prompt_token_ids": good}], params, use_tqdm=False)  # nothing left waiting
         assert list(again[0].outputs[0].token_ids) == one_worker["adakv"][0][0]
+    finally:
+        close(llm)
+
+
+PLANNING_FAILS = 97  # a prompt of this length fails in the last stage's planning alone
+
+
+def fail_marked_requests_on_the_last_stage(worker: Any) -> None:
+    """On the last pipeline stage only: a marked prompt finds no pages (before any policy runs), and PyramidKV's
+    plan raises for a prompt of `PLANNING_FAILS` tokens (after the first stage's layers were scored)."""
+    from vllm_kvpress_ext.policies.pyramidkv import PyramidKVPolicy
+
+    pool = worker.model_runner.pool
+    if pool.stage is None or pool.stage[0] == 0:
+        return
+    seat = pool._seat
+
+    def seat_unless_marked(request_id: str, *args: Any) -> None:
+        if pool.prompt_tokens.get(request_id, [None])[0] == MARKED:
+            pool.failed[request_id] = "this stage's pool is out of pages"
+            return
+        seat(request_id, *args)
+
+    pool._seat = seat_unless_marked
+    plan = PyramidKVPolicy.plan
+
+    def plan_unless_marked(self: Any, request: Any, results: Any, state: Any) -> Any:
+        if request.length == PLANNING_FAILS:
+            raise RuntimeError("planning failed on the last stage")
+        return plan(self, request, results, state)
+
+    PyramidKVPolicy.plan = plan_unless_marked  # type: ignore[method-assign]
+
+
+def test_a_request_failing_on_one_stage_fails_on_all_and_alone(model: Path, one_worker: Run) -> None:
+    """A request the last stage cannot seat is failed on both stages before the policies run, and one whose policy
+    raises on the last stage, while the first stage waits for its plan, is failed on both: neither stage waits for
+    the other in vain, and the batch's other request keeps what one worker keeps."""
+    llm = parallel_llm(model, 1, stages=2)
+    try:
+        llm.collective_rpc(fail_marked_requests_on_the_last_stage)
+        params = VllmSamplingParams(
+            max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, extra_args={"kv_policy": "pyramidkv"}
+        )
+        good, other = prompts()
+        batch = [good, [MARKED, *other], [*other, 5]]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        assert list(outputs[0].outputs[0].token_ids) == one_worker["pyramidkv"][0][0]
+        for failed in outputs[1:]:
+            assert failed.outputs[0].finish_reason == "error" and not failed.outputs[0].token_ids
+        again = llm.generate([{"prompt_token_ids": good}], params, use_tqdm=False)  # nothing left waiting
+        assert list(again[0].outputs[0].token_ids) == one_worker["pyramidkv"][0][0]
     finally:
         close(llm)
 

@@ -68,6 +68,15 @@ class KeepPlan:
         indices = self.indices[:, first : first + count, :width]
         return KeepPlan(indices=indices.contiguous(), lengths=lengths.contiguous())
 
+    def layers(self, first: int, count: int) -> KeepPlan:
+        """The plan of layers [first, first + count) only (a pipeline stage's part of a plan over all)."""
+        if first < 0 or first + count > self.lengths.shape[0]:
+            raise InvalidPlanError(f"keep plan has {self.lengths.shape[0]} layers, not [{first}, {first + count})")
+        lengths = self.lengths[first : first + count]
+        width = int(lengths.max()) if lengths.numel() else 0
+        indices = self.indices[first : first + count, :, :width]
+        return KeepPlan(indices=indices.contiguous(), lengths=lengths.contiguous())
+
     def to_mask(self, current_lengths: torch.Tensor) -> torch.Tensor:
         """Validate against the current lengths `[L, H]` and return the keep mask `[L, H, max_len]`.
 

@@ -17,6 +17,7 @@ call these, so a policy sees the same inputs, and plans the same kept sets, on e
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,19 +41,23 @@ def layer_prefill(
     rotary: RotaryEmbedding | None = None,
     queries_from_hidden: Callable[[torch.Tensor], torch.Tensor] | None = None,
     shard: HeadShard | None = None,
+    numbering: tuple[int, int] | None = None,
 ) -> LayerPrefill:
     """What a policy sees of one layer after prefill: the entries it holds and what the pass captured.
 
     `gated` (WG-KV admission) passes every head's own positions: heads hold different entries. Where `model`
     is not the project's, `rotary` is the model's RoPE and `queries_from_hidden` the layer's query projection.
+    `numbering` (the layer's index among the compressed layers, and their number) stands for this cache's own
+    where it holds some of the model's layers (a pipeline stage).
     """
     keys, values, positions, _ = cache.gather_layer(request_id, layer)
     compressed = cache.global_layers.tolist()
     if layer not in compressed:
         raise ValueError(f"layer {layer} slides over a window: no policy compresses it")
+    index, total = numbering if numbering is not None else (compressed.index(layer), len(compressed))
     return LayerPrefill(
-        layer=compressed.index(layer),
-        num_layers=len(compressed),
+        layer=index,
+        num_layers=total,
         model_layer=layer,
         keys=keys,
         values=values,
@@ -65,6 +70,25 @@ def layer_prefill(
         queries_from_hidden=queries_from_hidden,
         shard=shard,
     )
+
+
+@dataclass(frozen=True)
+class StageRelay:
+    """Pipeline stages, each holding consecutive layers of the model, for a policy that decides across layers.
+
+    `total` is the number of compressed layers over every stage. `relay(work)` runs `work` on each stage in turn,
+    giving it what the stage before returned (None on the first), and returns on every stage what the last
+    stage's `work` returned (`vllm_plugin/native/tensor_parallel.relay_stages`)."""
+
+    total: int
+    relay: Callable[[Callable[[Any], Any]], Any]
+
+
+@dataclass(frozen=True)
+class StageFailure:
+    """What a stage relays when the policy raised there: the stages after it skip their part."""
+
+    message: str
 
 
 def workers_part(plan: KeepPlan, shard: HeadShard | None) -> KeepPlan:
@@ -96,31 +120,34 @@ def compress_prefill(
     query_projections: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
     make_room: Callable[[], bool] | None = None,
     shard: HeadShard | None = None,
+    stages: StageRelay | None = None,
 ) -> None:
     """Score every layer, plan, compact the request's cache to the plan (`state` is the policy's, kept
     for its decode steps). `rotary` and `query_projections` (per layer) stand in for `model`'s where the
     model is not the project's; `shard` is this worker's heads under tensor parallelism. A compaction that
     moves kept entries into pages the row shares (an exact cached prefix) copies those pages first; where the
     pool has no room for the copies, `make_room` frees some (False: nothing left to free) and the compaction
-    is tried again."""
-    results = []
+    is tried again. With `stages`, the policy sees this stage's layers after the earlier stages' and plans on the
+    last (`plan_stage_by_stage`)."""
     layers = cache.global_layers.tolist()
-    if not layers:
+    if not layers and stages is None:
         return  # every layer slides (Mistral 7B v0.1): each already holds no more than its window
-    for layer in layers:
+
+    def seen(layer: int, numbering: tuple[int, int] | None = None) -> LayerPrefill:
         project = query_projections[layer] if query_projections is not None else None
-        seen = layer_prefill(cache, request_id, layer, capture, model, scale, gated, rotary, project, shard)
-        results.append(policy.on_layer_prefilled(seen, state))
-    summary = RequestPrefill(
-        request_id=request_id,
-        num_layers=len(layers),
-        num_kv_heads=cache.num_kv_heads if shard is None else shard.total,
-        num_q_heads=num_q_heads,
-        length=length,
-        shard=shard,
-    )
-    plan = policy.plan(summary, results, state)
-    if plan is None:
+        return layer_prefill(cache, request_id, layer, capture, model, scale, gated, rotary, project, shard, numbering)
+
+    def summary(num_layers: int) -> RequestPrefill:
+        num_kv_heads = cache.num_kv_heads if shard is None else shard.total
+        return RequestPrefill(request_id, num_layers, num_kv_heads, num_q_heads, length, shard)
+
+    if stages is None:
+        results = [policy.on_layer_prefilled(seen(layer), state) for layer in layers]
+        plan = policy.plan(summary(len(layers)), results, state)
+    else:
+        plan, before = plan_stage_by_stage(policy, stages, layers, seen, summary, state)
+        plan = None if plan is None else plan.layers(before, len(layers))
+    if plan is None or not layers:
         return
     plan = workers_part(plan, shard)
     while True:
@@ -130,6 +157,45 @@ def compress_prefill(
         except PoolExhaustedError:  # raised before anything changed
             if make_room is None or not make_room():
                 raise
+
+
+def plan_stage_by_stage(
+    policy: KVPolicy,
+    stages: StageRelay,
+    layers: list[int],
+    seen: Callable[[int, tuple[int, int]], LayerPrefill],
+    summary: Callable[[int], RequestPrefill],
+    state: dict[str, Any],
+) -> tuple[KeepPlan | None, int]:
+    """A policy that decides across layers, over pipeline stages that each hold some of the layers: each stage
+    continues the policy's pass over the layers (`on_layer_prefilled`, in layer order, with the state and the
+    results of the stages before it), and the last one plans for every layer, as one worker would. Returns that
+    plan (over all compressed layers) and how many of them precede this stage's."""
+    before = 0
+
+    def work(carried: Any) -> Any:
+        nonlocal before
+        if isinstance(carried, StageFailure):  # passed on, so that every stage ends the relay and fails alike
+            return carried
+        earlier_state, results = carried if carried is not None else ({}, [])
+        before = len(results)
+        try:
+            state.clear()
+            state.update(earlier_state)
+            for index, layer in enumerate(layers):
+                results.append(policy.on_layer_prefilled(seen(layer, (before + index, stages.total)), state))
+            if len(results) < stages.total:  # a later stage holds the rest
+                return state, results
+            return policy.plan(summary(stages.total), results, state)
+        except Exception as exc:
+            return StageFailure(f"{type(exc).__name__}: {exc}")
+
+    plan = stages.relay(work)
+    if isinstance(plan, StageFailure):
+        raise RuntimeError(f"the policy failed on a pipeline stage: {plan.message}")
+    if plan is not None and not isinstance(plan, KeepPlan):
+        raise RuntimeError(f"the last pipeline stage planned {type(plan).__name__}, not a keep plan")
+    return plan, before
 
 
 def evict_after_decode(

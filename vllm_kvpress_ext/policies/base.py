@@ -345,7 +345,8 @@ class KVPolicy:
     question_agnostic: ClassVar[bool] = False
     #: Whether what it keeps in one layer depends on the other layers (a budget split over the layer stack, a
     #: ranking or coverage across layers, a pass through the whole model): under pipeline parallelism, where each
-    #: stage holds some of the layers, such a policy is not served yet.
+    #: stage holds some of the layers, such a policy sees the stages' layers one stage after another and plans on
+    #: the last (`engine/compression.plan_stage_by_stage`).
     decides_across_layers: ClassVar[bool] = False
 
     @classmethod

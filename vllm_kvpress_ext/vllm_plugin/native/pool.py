@@ -39,7 +39,7 @@ from vllm_kvpress_ext.api.usage import kv_figures
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.admission import PromptAdmission, bind_admission
-from vllm_kvpress_ext.engine.compression import compress_prefill, evict_after_decode, layer_prefill
+from vllm_kvpress_ext.engine.compression import StageRelay, compress_prefill, evict_after_decode, layer_prefill
 from vllm_kvpress_ext.engine.kept import KeptEntries, kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression
 from vllm_kvpress_ext.engine.prefix_store import CachedPrefix, PrefixLease, PrefixStore, prefix_namespace
@@ -53,7 +53,11 @@ from vllm_kvpress_ext.policies.base import Admission, HeadShard
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import PrefixBlocks, keeps_prompt_blocks, readable_prefix
 from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts, QueryProjection, native_refusal
-from vllm_kvpress_ext.vllm_plugin.native.tensor_parallel import join_replicas
+from vllm_kvpress_ext.vllm_plugin.native.tensor_parallel import (
+    compressed_layers_per_stage,
+    join_replicas,
+    relay_stages,
+)
 from vllm_kvpress_ext.vllm_plugin.report import PoolReport
 from vllm_kvpress_ext.vllm_plugin.request_policy import request_policy
 
@@ -183,9 +187,11 @@ class NativePool:
         # inside the forward pass, where one worker's failed request would leave the others waiting.
         self.shard = shard
         # Pipeline parallelism: the stages the model's layers are split over (this pool holds one stage's layers; set
-        # by the runner). Only policies that decide layer by layer run then (`support.native_refusal`).
+        # by the runner). A policy that decides across layers runs stage after stage (`_stage_relay`); layer-wise
+        # compression is off, as under tensor parallelism.
         self.pipeline_stages = 1
         self.stage: tuple[int, int] | None = None  # this stage's first layer among the model's, and their number
+        self._compressed_layers: int | None = None  # over every stage, once a policy deciding across layers ran
         self.scale = scale
         self.default_policy = default_policy
         self.seats: dict[str, _Seat] = {}
@@ -519,7 +525,8 @@ class NativePool:
         """Layer-wise compression (`engine/layerwise.py`, as the embedded engine runs it) of the chunk `[first, end)`
         if it completes a prompt whose policy compresses layer by layer: the prefill then holds the policy's
         declared peak, which the scheduler reserved for a prompt in one chunk, rather than the whole prompt in
-        every layer. Not with a write gate, nor on a model with sliding-window layers (as in the embedded engine)."""
+        every layer. Not with a write gate, nor on a model with sliding-window layers (as in the embedded engine),
+        nor over tensor-parallel workers or pipeline stages."""
         policy = seat.policy
         if (
             policy is None
@@ -529,6 +536,7 @@ class NativePool:
             or seat.gate is not None
             or self.cache.has_sliding_layers
             or self.shard is not None
+            or self.pipeline_stages > 1
         ):
             return None
         capture, projections = seat.capture, self.query_projections
@@ -767,8 +775,16 @@ class NativePool:
             # Entries moved into pages shared with kept blocks copy them first; kept blocks go where that lacks room.
             make_room=self._drop_one_kept,
             shard=shard,
+            stages=self._stage_relay() if self.pipeline_stages > 1 and seat.policy.decides_across_layers else None,
         )
         self._compressed(request_id, seat)
+
+    def _stage_relay(self) -> StageRelay:
+        """The pipeline stages' relay for a policy that decides across layers (`compression.plan_stage_by_stage`);
+        the stages' layer counts are exchanged at the first such request, which every stage compresses."""
+        if self._compressed_layers is None:
+            self._compressed_layers = sum(compressed_layers_per_stage(len(self.cache.global_layers)))
+        return StageRelay(self._compressed_layers, relay_stages)
 
     def _finish_layerwise(self, request_id: str, compression: LayerwiseCompression) -> None:
         """The prompt's last chunk compressed every layer during the pass; a failure there fails the request."""
@@ -855,7 +871,7 @@ class NativePool:
             failed=dict(self.failed),
             num_layers=cache.num_layers,
             num_kv_heads=cache.num_kv_heads,
-            compresses_layerwise=not cache.has_sliding_layers and self.shard is None,  # `_layerwise`
+            compresses_layerwise=not cache.has_sliding_layers and self.shard is None and self.pipeline_stages == 1,
         )
         if self.prefix_blocks is not None:
             report.prefix_evictable = self.prefix_blocks.evictable_pages()

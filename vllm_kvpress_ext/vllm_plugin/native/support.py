@@ -237,14 +237,11 @@ def native_refusal(policy: KVPolicy | None, facts: ModelFacts) -> str | None:
     records each layer's attention input and the keys before RoPE, and knows the query projection."""
     if policy is None:
         return None
-    if facts.pipeline_parallel > 1 and policy.decides_across_layers:
-        from vllm_kvpress_ext.policies.registry import create_policy, policy_names
-
-        layer_by_layer = [n for n in policy_names() if n != "full" and not create_policy(n).decides_across_layers]
+    if facts.pipeline_parallel > 1 and policy.capture_spec().reconstruction is not None:
         return (
-            f"kv_policy {policy.name!r} decides what each layer keeps from every layer, which pipeline parallelism "
-            f"({facts.pipeline_parallel} stages, each holding some of the layers) does not serve yet; serve a "
-            f"policy that decides layer by layer ({', '.join(layer_by_layer)}), or with --pipeline-parallel-size 1"
+            f"kv_policy {policy.name!r} scores the cache with a reconstruction pass through the whole model, which "
+            f"pipeline parallelism ({facts.pipeline_parallel} stages, each holding some of the layers) does not run; "
+            "serve it with --pipeline-parallel-size 1"
         )
     # WG-KV's gates run per KV head on each worker; its cap ranks the admitted entries across heads, after the
     # prefill and at every decode step, which no exchange serves yet.

@@ -1,8 +1,8 @@
-"""Tensor parallelism over the plugin's pool: what workers exchange so that they act as one.
+"""Tensor and pipeline parallelism over the plugin's pool: what workers exchange so that they act as one.
 
 vLLM's parallel model code gives each of N workers 1/N of every layer's query and KV heads, and each worker's
-pool holds its own KV heads. Three things must still agree across the workers, and only these cross them
-(over vLLM's tensor-parallel group, on its CPU side: gloo), never a cache entry:
+pool holds its own KV heads; pipeline stages hold consecutive layers. These must still agree across the workers,
+and only these cross them (over vLLM's groups, on their CPU side: gloo), never a cache entry:
 
 - **Decisions that cross heads.** A policy gathers its per-head scores, counts or statistics
   (`policies/base.HeadShard`), decides for every head as one worker would, and each worker keeps its heads'
@@ -11,9 +11,11 @@ pool holds its own KV heads. Three things must still agree across the workers, a
   replica part of its query heads. Before a policy runs, the replicas join what they captured per query head
   (`join_replicas`: the window's queries, their moments, KVzip's scores, a decode step's attention), so each sees
   the whole group and they keep the same entries, those one worker keeps.
+- **A policy's pass over the layers, across pipeline stages.** A policy that decides across layers scores each
+  stage's layers after the stages before, from the state they relay, and plans on the last (`relay_stages`).
 - **Which requests failed.** A request that fails on one worker (its pool ran out, a policy raised) is failed
-  on every worker before any policy runs (`agree_on_failures`), so that all of them run the same requests'
-  compressions, and their gathers pair up.
+  on every worker of every stage before any policy runs (`agree_on_failures`), so that all of them run the same
+  requests' compressions, and their gathers pair up.
 - **What the scheduler is told.** vLLM hands the scheduler one worker's output only; its pool report is made the
   tightest of all workers' (`merged_report`): the fewest free pages, the most pages any request needs next, and
   a request's KV figures summed over the workers that hold its heads. The reports are gathered over the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
 import time
 import zlib
 from collections.abc import Callable
@@ -54,6 +57,13 @@ def _group() -> Any:
     from vllm.distributed import get_tp_group
 
     return get_tp_group()
+
+
+def _stage_group() -> Any:
+    """This worker and the workers of the other pipeline stages that hold the same heads."""
+    from vllm.distributed import get_pp_group
+
+    return get_pp_group()
 
 
 def _engine_group() -> Any:
@@ -129,17 +139,40 @@ def _all(value: Any, group: Any = None) -> list[Any]:
 
 
 def agree_on_failures(failed: dict[str, str]) -> dict[str, str]:
-    """The requests that failed on another worker this step and not here, with the reason given there."""
+    """The requests that failed on another worker of the engine (any tensor-parallel worker of any pipeline stage)
+    this step and not here, with the reason given there."""
+    group = _engine_group()
     counts = torch.tensor([len(failed)], dtype=torch.int64)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=_group().cpu_group)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group.cpu_group)
     if int(counts) == 0:  # the usual step: one integer crossed, nothing failed anywhere
         return {}
     elsewhere: dict[str, str] = {}
-    for other in _all(failed):
+    for other in _all(failed, group):
         for request_id, message in other.items():
             if request_id not in failed:
                 elsewhere.setdefault(request_id, message)
     return elsewhere
+
+
+def relay_stages(work: Callable[[Any], Any]) -> Any:
+    """`work` run on each pipeline stage in turn, given what the stage before returned (None on the first); what
+    the last stage's returned, on every stage (`engine/compression.StageRelay`). One object gather per stage."""
+    group = _stage_group()
+    carried = None
+    for stage in range(group.world_size):
+        mine = work(carried) if stage == group.rank_in_group else None
+        start = time.perf_counter()  # the wait for the stages before counts: the exchange makes this stage wait
+        carried = _all(mine, group)[stage]
+        EXCHANGED.seconds += time.perf_counter() - start
+        EXCHANGED.gathers += 1
+        if mine is not None:
+            EXCHANGED.bytes_sent += len(pickle.dumps(mine))
+    return carried
+
+
+def compressed_layers_per_stage(count: int) -> list[int]:
+    """Every pipeline stage's number of compressed (not sliding-window) layers, in stage order."""
+    return [int(n) for n in _all(count, _stage_group())]
 
 
 _SUMMED = ("kv_bytes", "kv_bytes_peak", "kv_tokens_kept", "kv_tokens_full")

@@ -110,7 +110,8 @@ class VllmRunnerWorker(Worker):
             pool.begin_step(scheduler_output)
         output = super().execute_model(scheduler_output)
         if pool is not None:  # the pass is done (its logits are kept for sampling): the policies run now
-            if pool.shard is not None:  # every worker runs the same requests' policies, whose gathers pair up
+            if pool.shard is not None or pool.pipeline_stages > 1:  # every worker runs the same requests' policies,
+                # whose gathers (over heads, over stages) pair up
                 pool.fail_as_elsewhere(tensor_parallel.agree_on_failures(pool.failed))
             pool.apply_policies()
         return self._with_report(output)
