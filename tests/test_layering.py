@@ -191,11 +191,10 @@ def test_the_http_server_reads_the_engine_only_through_its_api() -> None:
 
 def test_the_vllm_worker_uses_the_runner_not_its_cache() -> None:
     """The plugin reaches pages and rows through `ModelRunner`'s lifecycle and pool methods."""
-    # `runner` is the worker's own; `scheduler` and `pool` name vLLM's scheduler and a metrics method there;
-    # `prefix_store` is the runner's index of stored prefixes, which the plugin's scheduler mirrors (it answers
-    # vLLM's cached-block queries from it) and the worker pins for the requests it promised them to.
+    # `runner` is the worker's own; `scheduler` and `pool` name vLLM's scheduler and a metrics method there. The
+    # stored prefixes the plugin's scheduler mirrors are read and leased through the runner's methods.
     # native/ hosts the pool itself, as the engine does (vLLM's runner drives it): its own cache is not the engine's.
-    allowed = {"runner", "scheduler", "pool", "prefix_store"}
+    allowed = {"runner", "scheduler", "pool"}
     assert not _package_reads("vllm_plugin", ENGINE_INTERNALS - allowed, skip="native")
 
 

@@ -37,7 +37,7 @@ from vllm_kvpress_ext.engine.environment import cpu_paths_summary
 from vllm_kvpress_ext.engine.host_allocator import tune_host_allocator
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
-from vllm_kvpress_ext.engine.prefix_store import Attachment, PrefixLease, PrefixStore
+from vllm_kvpress_ext.engine.prefix_store import Attachment, PrefixLease, PrefixStore, StoreView
 from vllm_kvpress_ext.engine.reconstruction import score_by_reconstruction
 from vllm_kvpress_ext.engine.request import Request, RequestRejectedError, RequestStatus
 from vllm_kvpress_ext.engine.sampler import token_logprobs
@@ -345,10 +345,24 @@ class ModelRunner:
 
     def prefix_store_stats(self) -> PrefixStoreStats | None:
         """The compressed prefix store's cumulative hits and reused tokens and what it holds now (None: off)."""
-        store = self.prefix_store
-        if store is None:
-            return None
-        return PrefixStoreStats(store.hits, store.tokens_reused, store.pages_held(), len(store.entries))
+        return None if self.prefix_store is None else self.prefix_store.stats()
+
+    def prefix_store_view(self, known: set[str]) -> StoreView | None:
+        """The prefix store as a driver that mirrors it sees it, given the keys it knows (None: the store is off)."""
+        return None if self.prefix_store is None else self.prefix_store.view(known)
+
+    def lease_prefix(self, key: str) -> PrefixLease | None:
+        """A hold on the stored prefix `key`, which keeps it from being dropped until released (None: not there)."""
+        return None if self.prefix_store is None else self.prefix_store.lease(key)
+
+    def session_boundary(self, request: Request) -> int | None:
+        """Where a stored session of the request would start its compressed context (None: it would store none)."""
+        return None if self.prefix_store is None else self.prefix_store.session_boundary(request)
+
+    def free_pages_for(self, pages: int) -> None:
+        """Drop unused stored prefixes, least recently used first, until `pages` are free or none is left."""
+        if self.prefix_store is not None:
+            self.prefix_store.evict_until(pages)
 
     def evict_cached_prefix(self) -> int | None:
         """Drop the least recently used unused cached prefix: pages freed, or None if none can go."""

@@ -68,6 +68,7 @@ from vllm_kvpress_ext.api import PREFIX_MATCHING_MODES
 from vllm_kvpress_ext.cache import InvalidPlanError, PagedKVCache, RequestCapacityError
 from vllm_kvpress_ext.cache.pool import PoolExhaustedError
 from vllm_kvpress_ext.engine.request import KVStats, Request
+from vllm_kvpress_ext.engine.stats import PrefixStoreStats
 
 
 @dataclass
@@ -83,6 +84,20 @@ class CachedPrefix:
     boundary: int = 0  # tokens prefilled before the policy compressed; the rest was written after it
     truncatable: bool = False  # whether a request may attach to a part of it (m in [boundary, length])
     page_hashes: tuple[bytes, ...] = ()  # its whole pages' chained hashes, under which the index lists it
+
+
+@dataclass
+class StoreView:
+    """The store as a scheduler that mirrors it sees it (`PrefixStore.view`): every key, the entries it did not
+    know yet (their tokens and boundaries; no row, policy state or figures), the pages dropping every unused
+    entry would free, and the store's figures."""
+
+    model_dir: str
+    matching: str
+    keys: list[str]
+    added: list[CachedPrefix]
+    evictable_pages: int
+    stats: PrefixStoreStats
 
 
 @dataclass(eq=False)
@@ -540,3 +555,16 @@ class PrefixStore(PrefixIndex):
     def pages_held(self) -> int:
         """Pages the stored prefixes reference (a page shared with a running request counts too)."""
         return sum(self.cache.usage(entry.row_id).pages for entry in self.entries.values())
+
+    def stats(self) -> PrefixStoreStats:
+        """Cumulative hits and reused tokens, and what the store holds now."""
+        return PrefixStoreStats(self.hits, self.tokens_reused, self.pages_held(), len(self.entries))
+
+    def view(self, known: set[str]) -> StoreView:
+        """What a scheduler that mirrors this store needs, given the keys it already knows."""
+        current = set(self.entries)
+        added = [
+            dataclasses.replace(self.entries[key], row_id="", policy_state=None, kv=KVStats())  # its tokens only
+            for key in current - known
+        ]
+        return StoreView(self.model_dir, self.matching, sorted(current), added, self.evictable_pages(), self.stats())

@@ -19,7 +19,6 @@ count stays true either way.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -41,7 +40,7 @@ from vllm_kvpress_ext.engine.model_runner import (
     ScheduledChunk,
 )
 from vllm_kvpress_ext.engine.prefix_store import PrefixLease
-from vllm_kvpress_ext.engine.request import KVStats, Request, RequestStatus
+from vllm_kvpress_ext.engine.request import Request, RequestStatus
 from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy
@@ -236,8 +235,7 @@ class KVPressWorker(WorkerBase):
         pinned = self._pin_attachments(scheduler_output, {})
         self._forget(scheduler_output)  # finished requests' sessions are stored here: pin those promised too
         pinned = self._pin_attachments(scheduler_output, pinned)
-        if runner.prefix_store is not None:  # the step's pages: unused stored prefixes go first
-            runner.prefix_store.evict_until(int(getattr(scheduler_output, "kvpress_reserved", 0)))
+        runner.free_pages_for(int(getattr(scheduler_output, "kvpress_reserved", 0)))  # unused stored prefixes go first
         failed = self._start_requests(scheduler_output, pinned)
         schedule, tails = self._schedule(scheduler_output, failed)
         first = runner.execute(schedule)
@@ -311,13 +309,13 @@ class KVPressWorker(WorkerBase):
     def _pin_attachments(self, scheduler_output: Any, pinned: dict[str, _Attach]) -> dict[str, _Attach]:
         """`pinned` plus the stored prefixes promised this step that exist now, each leased for its request
         before anything may drop it (the scheduler may promise a session its request left last step)."""
-        store = self.runner.prefix_store if self.runner is not None else None
+        runner = self.runner
         promised: dict[str, tuple[str, int]] = getattr(scheduler_output, "kvpress_attach", None) or {}
-        if store is None:
+        if runner is None:
             return {}
         more = {}
         for rid, (key, length) in promised.items():
-            lease = store.lease(key) if rid not in pinned else None
+            lease = runner.lease_prefix(key) if rid not in pinned else None
             if lease is not None:
                 more[rid] = (lease, length)
         return {**pinned, **more}
@@ -465,21 +463,17 @@ class KVPressWorker(WorkerBase):
         """What the scheduler's mirror needs of the prefix store: entries added and dropped, evictable pages;
         and its figures for the metrics."""
         runner = self.runner
-        store = runner.prefix_store if runner is not None else None
-        if runner is None or store is None:
+        view = runner.prefix_store_view(self.reported_prefixes) if runner is not None else None
+        if runner is None or view is None:
             return
-        report.prefix_model = store.model_dir
-        current = set(store.entries)
-        report.prefix_keys = sorted(current)
-        report.prefix_added = [
-            dataclasses.replace(store.entries[key], row_id="", policy_state=None, kv=KVStats())
-            for key in current - self.reported_prefixes
-        ]
-        report.prefix_evictable = store.evictable_pages()
-        report.prefix_stats = runner.prefix_store_stats()
-        self.reported_prefixes = current
-        report.prefix_matching = store.matching
+        report.prefix_model = view.model_dir
+        report.prefix_matching = view.matching
+        report.prefix_keys = view.keys
+        report.prefix_added = view.added
+        report.prefix_evictable = view.evictable_pages
+        report.prefix_stats = view.stats
+        self.reported_prefixes = set(view.keys)
         for request_id, request in self.requests.items():
-            boundary = store.session_boundary(request)
+            boundary = runner.session_boundary(request)
             if request.row is not None and boundary is not None:
                 report.prefix_sessions[request_id] = (boundary, request.num_processed)

@@ -25,7 +25,6 @@ vLLM's scheduler starts and preempts requests by this pool rather than by its ow
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -45,7 +44,6 @@ from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression
 from vllm_kvpress_ext.engine.prefix_store import CachedPrefix, PrefixLease, PrefixStore, prefix_namespace
 from vllm_kvpress_ext.engine.reconstruction import ChunkForward, prompts_for_model, score_prompt
 from vllm_kvpress_ext.engine.request import KVStats
-from vllm_kvpress_ext.engine.stats import PrefixStoreStats
 from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.models.write_gate import GateStore
 from vllm_kvpress_ext.policies import KVPolicy
@@ -848,17 +846,14 @@ class NativePool:
     def _report_contexts(self, report: PoolReport, store: PrefixStore) -> None:
         """The stored contexts as the scheduler's mirror needs them (what was added and what is left), the pages
         dropping the unused ones would free, and the store's figures."""
-        current = set(store.entries)
-        report.prefix_model = store.model_dir
-        report.prefix_matching = store.matching
-        report.prefix_keys = sorted(current)
-        report.prefix_added = [
-            dataclasses.replace(store.entries[key], row_id="", policy_state=None, kv=KVStats())
-            for key in current - self._reported_contexts
-        ]
-        self._reported_contexts = current
-        report.prefix_evictable += store.evictable_pages()
-        report.prefix_stats = PrefixStoreStats(store.hits, store.tokens_reused, store.pages_held(), len(store.entries))
+        view = store.view(self._reported_contexts)
+        report.prefix_model = view.model_dir
+        report.prefix_matching = view.matching
+        report.prefix_keys = view.keys
+        report.prefix_added = view.added
+        self._reported_contexts = set(view.keys)
+        report.prefix_evictable += view.evictable_pages
+        report.prefix_stats = view.stats
 
     def report(self) -> PoolReport:
         cache = self.cache
