@@ -281,8 +281,12 @@ MARKED = 3  # a prompt starting with this token fails in the second worker's poo
 def fail_marked_requests_on_the_second_worker(worker: Any) -> None:
     """The second worker's pool refuses to seat a marked request, as if it had run out of pages there only."""
     pool = worker.model_runner.pool
-    if pool.shard.first == 0:
-        return
+    if pool.shard.first != 0:
+        seat_no_marked_request(pool)
+
+
+def seat_no_marked_request(pool: Any) -> None:
+    """`pool` refuses to seat a request whose prompt starts with `MARKED`, as if it had run out of pages."""
     seat = pool._seat
 
     def seat_unless_marked(request_id: str, *args: Any) -> None:
@@ -327,15 +331,7 @@ def fail_marked_requests_on_the_last_stage(worker: Any) -> None:
     pool = worker.model_runner.pool
     if pool.stage is None or pool.stage[0] == 0:
         return
-    seat = pool._seat
-
-    def seat_unless_marked(request_id: str, *args: Any) -> None:
-        if pool.prompt_tokens.get(request_id, [None])[0] == MARKED:
-            pool.failed[request_id] = "this stage's pool is out of pages"
-            return
-        seat(request_id, *args)
-
-    pool._seat = seat_unless_marked
+    seat_no_marked_request(pool)
     plan = PyramidKVPolicy.plan
 
     def plan_unless_marked(self: Any, request: Any, results: Any, state: Any) -> Any:
