@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvpress_ext.engine.layerwise import prefill_reservation
-from vllm_kvpress_ext.engine.prefix_store import CachedPrefix
+from vllm_kvpress_ext.engine.prefix_store import CachedPrefix, StoreView
 from vllm_kvpress_ext.engine.stats import PrefixStoreStats
 from vllm_kvpress_ext.policies import KVPolicy
 
@@ -49,6 +49,14 @@ class PoolReport:
     # On vLLM's runner with vLLM's prefix caching: the vLLM block ids whose pages the pool keeps, when they
     # changed since the last report (None: unchanged). The scheduler caps vLLM's prefix hits at them.
     prefix_blocks: frozenset[int] | None = None
+
+    def add_store(self, view: StoreView) -> None:
+        """A store of compressed prefixes or contexts, as the scheduler's mirror of it needs it (`PrefixStore.view`);
+        the pages dropping its unused entries would free add to those of any other store reported."""
+        self.prefix_model, self.prefix_matching = view.model_dir, view.matching
+        self.prefix_keys, self.prefix_added = view.keys, view.added
+        self.prefix_evictable += view.evictable_pages
+        self.prefix_stats = view.stats
 
     def full_prompt_pages(self, num_tokens: int) -> int:
         """Pages a request needs to prefill `num_tokens` tokens uncompressed."""

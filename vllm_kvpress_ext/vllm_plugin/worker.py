@@ -466,12 +466,7 @@ class KVPressWorker(WorkerBase):
         view = runner.prefix_store_view(self.reported_prefixes) if runner is not None else None
         if runner is None or view is None:
             return
-        report.prefix_model = view.model_dir
-        report.prefix_matching = view.matching
-        report.prefix_keys = view.keys
-        report.prefix_added = view.added
-        report.prefix_evictable = view.evictable_pages
-        report.prefix_stats = view.stats
+        report.add_store(view)
         self.reported_prefixes = set(view.keys)
         for request_id, request in self.requests.items():
             boundary = runner.session_boundary(request)

@@ -847,13 +847,8 @@ class NativePool:
         """The stored contexts as the scheduler's mirror needs them (what was added and what is left), the pages
         dropping the unused ones would free, and the store's figures."""
         view = store.view(self._reported_contexts)
-        report.prefix_model = view.model_dir
-        report.prefix_matching = view.matching
-        report.prefix_keys = view.keys
-        report.prefix_added = view.added
+        report.add_store(view)
         self._reported_contexts = set(view.keys)
-        report.prefix_evictable += view.evictable_pages
-        report.prefix_stats = view.stats
 
     def report(self) -> PoolReport:
         cache = self.cache
