@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from model_utils import write_random_gates, write_suite_model
 from vllm import LLM
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.distributed import cleanup_dist_env_and_memory
@@ -45,6 +46,13 @@ def functions_to_workers() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         yield
+
+
+def write_parallel_model(directory: Path) -> Path:
+    """A random Llama with 8 query and 4 KV heads, and random write gates beside it."""
+    path = write_suite_model(directory, hidden=64, num_heads=8, num_kv_heads=4)
+    write_random_gates(path, 16)
+    return path
 
 
 COLLECTIVE_TIMEOUT_SECONDS = 60

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
-from model_utils import write_random_gates, write_suite_model
+from model_utils import write_suite_model
 from parallel_utils import (
     MARKED,
     NEW_TOKENS,
@@ -41,6 +41,7 @@ from parallel_utils import (
     parallel_llm,
     prompts,
     seat_no_marked_request,
+    write_parallel_model,
 )
 from vllm import LLM
 from vllm import SamplingParams as VllmSamplingParams
@@ -57,9 +58,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = write_suite_model(tmp_path_factory.mktemp("tp"), hidden=64, num_heads=8, num_kv_heads=4)
-    write_random_gates(path, 16)
-    return path
+    return write_parallel_model(tmp_path_factory.mktemp("tp"))
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from parallel_utils import (
     prompts,
     run_every_policy,
     seat_no_marked_request,
+    write_parallel_model,
 )
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
@@ -44,9 +45,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = write_suite_model(tmp_path_factory.mktemp("tp"), hidden=64, num_heads=8, num_kv_heads=4)
-    write_random_gates(path, 16)
-    return path
+    return write_parallel_model(tmp_path_factory.mktemp("tp"))
 
 
 TWO_STAGES = ModelFacts(rope=True, projections=True, pipeline_parallel=2)
