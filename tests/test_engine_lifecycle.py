@@ -11,6 +11,7 @@ import torch
 from vllm_kvpress_ext.assets import default_model_dir
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
 from vllm_kvpress_ext.engine.model_runner import ModelRunner, Schedule, ScheduledChunk
+from vllm_kvpress_ext.engine.origins import ForkOf, MatchedPrefix
 from vllm_kvpress_ext.engine.request import RequestStatus
 from vllm_kvpress_ext.engine.stats import PrefixStoreStats
 
@@ -29,7 +30,7 @@ def runner() -> ModelRunner:
 
 def prefilled(runner: ModelRunner, request_id: str, length: int = 40) -> Any:
     request = runner.new_request(request_id, prompt(length), GREEDY, None, max_model_len=2048)
-    runner.add(request)
+    runner.start(request)
     out = runner.execute(Schedule(prefill=[ScheduledChunk(request, 0, length)]))
     assert out.sample == [request] and out.logits is not None
     request.output_token_ids.append(int(out.logits.argmax(-1)[0]))
@@ -108,7 +109,8 @@ def test_preempt_frees_every_page_and_resume_restarts_from_token_zero(runner: Mo
     )
     assert request.output_token_ids == output  # kept for the recomputation
     assert runner.pages_held(request) == 0 and runner.free_pages == runner.total_pages
-    runner.resume(request, [*output, 7])
+    request.output_token_ids = [*output, 7]  # what a driver kept for the recomputation
+    runner.start(request)
     assert request.status is RequestStatus.PREFILLING and request.row is not None
     assert request.output_token_ids == [*output, 7] and request.num_tokens == 40 + len(output) + 1
     runner.release(request)
@@ -119,7 +121,7 @@ def test_a_fork_without_a_free_row_changes_nothing(runner: ModelRunner) -> None:
     parent = prefilled(runner, "parent")
     child = runner.new_request("child", parent.prompt_token_ids, GREEDY, None, max_model_len=2048)
     free = runner.free_pages
-    assert not runner.fork(parent, child)  # one row only, the parent's
+    assert not runner.start(child, ForkOf(parent))  # one row only, the parent's
     assert child.row is None and child.status is RequestStatus.WAITING and runner.free_pages == free
     runner.release(parent)
     assert runner.free_pages == runner.total_pages
@@ -138,3 +140,14 @@ def test_a_prefilled_request_cannot_take_a_running_request_id() -> None:
     with pytest.raises(ValueError, match="already in use"):
         engine.adopt_prefilled(other)
     assert engine.stats().running == 0 and engine.stats().pages_used == 0
+
+
+def test_a_start_from_a_stored_prefix_that_is_not_there_changes_nothing(runner: ModelRunner) -> None:
+    request = runner.new_request("unmatched", prompt(40), GREEDY, None, max_model_len=2048)
+    free = runner.free_pages
+    assert not runner.start(request, MatchedPrefix())
+    assert request.row is None and request.status is RequestStatus.WAITING and runner.free_pages == free
+    assert runner.start(request)  # from token 0
+    assert request.status is RequestStatus.PREFILLING and request.row is not None and request.num_processed == 0
+    runner.release(request)
+    assert runner.free_pages == runner.total_pages

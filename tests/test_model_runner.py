@@ -82,7 +82,7 @@ def test_runner_driven_by_hand_matches_the_engine(engine: LLMEngine) -> None:
     expected = run(engine, [(prompt, "snapkv")])["0"]
     runner = ModelRunner(MODEL, num_pages=500)
     request = Request("r", prompt, GREEDY, policy=load_policy("snapkv"))
-    runner.add(request)
+    runner.start(request)
     # Two prefill chunks, then decodes, as a driver with a small token budget would schedule them.
     schedule = [
         Schedule(prefill=[ScheduledChunk(request, 0, 16)]),

@@ -159,7 +159,7 @@ def fresh_turn(engine: LLMEngine, prompt: list[int], policy: Any, prefilled: int
         return run(engine, prompt, policy, compress_after=prefilled).output_token_ids
     runner = engine.runner
     request = runner.new_request("fresh", prompt, GREEDY, None, max_model_len=engine.max_model_len)
-    runner.add(request)
+    runner.start(request)
     result = runner.execute(Schedule(prefill=[ScheduledChunk(request, 0, prefilled)]))
     runner.complete_prefill(request)  # what a chunk ending at the boundary does for a compressing policy
     while len(request.output_token_ids) < GREEDY.max_tokens:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from vllm_kvpress_ext.engine.model_runner import DEFAULT_KV_MEMORY, ModelRunner, RequestFailure
+from vllm_kvpress_ext.engine.origins import ForkOf
 from vllm_kvpress_ext.engine.request import Request, RequestOutput, RequestRejectedError
 from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
 from vllm_kvpress_ext.engine.samples import can_share
@@ -182,7 +183,7 @@ class LLMEngine:
         no row or page run on their own instead."""
         forked = []
         for child in self._samples.pop(parent.request_id, []):
-            if not self.scheduler.has_room or not self.runner.fork(parent, child):
+            if not self.scheduler.has_room or not self.runner.start(child, ForkOf(parent)):
                 self.scheduler.add(child)
                 continue
             self.scheduler.adopt(child)
@@ -190,7 +191,7 @@ class LLMEngine:
         return forked
 
     def adopt_prefilled(self, request: Request) -> None:
-        """Run a request whose prompt prefix the runner already holds (`ModelRunner.load_prefill`): it joins the
+        """Run a request whose prompt prefix the runner already holds (`origins.LoadedEntries`): it joins the
         running set, and its policy compresses now, as at the end of its own prefill (`engine/prefix.py`)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")

@@ -37,6 +37,15 @@ from vllm_kvpress_ext.engine.environment import cpu_paths_summary
 from vllm_kvpress_ext.engine.host_allocator import tune_host_allocator
 from vllm_kvpress_ext.engine.kept import kept_entries
 from vllm_kvpress_ext.engine.layerwise import LayerwiseCompression, prefill_reservation
+from vllm_kvpress_ext.engine.origins import (
+    PREFILL,
+    ForkOf,
+    LeasedPrefix,
+    LoadedEntries,
+    MatchedPrefix,
+    Origin,
+    Prefill,
+)
 from vllm_kvpress_ext.engine.prefix_store import Attachment, PrefixLease, PrefixStore, StoreView
 from vllm_kvpress_ext.engine.reconstruction import score_by_reconstruction
 from vllm_kvpress_ext.engine.request import Request, RequestRejectedError, RequestStatus
@@ -215,41 +224,46 @@ class ModelRunner:
         """The policy's write gate bound to this model and pool (`engine/admission.py`), or None."""
         return bind_admission(policy, self.cache, self.model_dir, self.device, self.gate_store, max_entries)
 
-    def add(self, request: Request) -> None:
-        """Give the request a cache row; it starts (or restarts) its prefill from token 0."""
+    def start(self, request: Request, origin: Origin = PREFILL) -> bool:
+        """Seat the request on a row from `origin` (`engine/origins.py`): True once it holds one.
+
+        False, with nothing changed, where the origin cannot be used: no row or page for a fork, no stored
+        prefix that matches, or one that can no longer be attached (its lease is then released).
+        """
+        match origin:
+            case Prefill():
+                self._seat_fresh(request)
+            case ForkOf(parent):
+                return self._seat_fork(parent, request)
+            case MatchedPrefix():
+                store = self.prefix_store
+                return self._seat_on_prefix(request, None if store is None else store.attach(request))
+            case LeasedPrefix(lease, length):
+                if self.prefix_store is None:
+                    lease.release()
+                    return False
+                return self._seat_on_prefix(request, self.prefix_store.attach_at(request, lease, length))
+            case LoadedEntries(keys, values, capture):
+                self._seat_fresh(request)
+                assert request.row is not None
+                n = keys.shape[2]
+                slots = self.cache.append_slots([request.row], torch.arange(n).view(1, -1))  # [L, 1, H, n]
+                self.cache.write(slots[:, 0], keys, values)
+                request.num_processed = n
+                request.capture = capture
+        return True
+
+    def _seat_fresh(self, request: Request) -> None:
+        """A row of its own: the prefill starts (or, after a preemption, restarts) from token 0."""
         request.row = self.cache.add_request(request.request_id)
         request.status = RequestStatus.PREFILLING
         request.num_processed = 0
         request.cached_tokens = 0
         request.compressed_at = None
 
-    def resume(self, request: Request, output_token_ids: list[int]) -> None:
-        """Restart a preempted request with the tokens its driver has kept for it: it recomputes them all."""
-        self.restore_output(request, output_token_ids)
-        self.add(request)
-
-    def restore_output(self, request: Request, output_token_ids: list[int]) -> None:
-        """A preempted request's output as its driver kept it, before it restarts (`resume`, or an attach to a
-        stored prefix of its prompt and output, `attach_prefix_at`)."""
-        request.output_token_ids = list(output_token_ids)
-
-    def load_prefill(
-        self, request: Request, keys: torch.Tensor, values: torch.Tensor, capture: PrefillCapture | None
-    ) -> None:
-        """Give the request a row holding `keys` / `values` (`[L, H, n, d]`) as its first n prompt entries and
-        `capture` as what its prefill recorded, ready for `complete_prefill` (a copy of a shared prefix,
-        `engine/prefix.py`). The caller checks that the pool has the pages."""
-        n = keys.shape[2]
-        self.add(request)
-        assert request.row is not None
-        slots = self.cache.append_slots([request.row], torch.arange(n).view(1, -1))  # [L, 1, H, n]
-        self.cache.write(slots[:, 0], keys, values)
-        request.num_processed = n
-        request.capture = capture
-
-    def fork(self, parent: Request, child: Request) -> bool:
-        """Start `child` (another sample of `parent`'s prompt) on a fork of the parent's row, with its state
-        after the prompt (`engine/samples.py`); False, with nothing changed, when no row or page is free."""
+    def _seat_fork(self, parent: Request, child: Request) -> bool:
+        """Another sample of `parent`'s prompt on a fork of its row, with its state after the prompt
+        (`engine/samples.py`); False, with nothing changed, when no row or page is free."""
         try:
             child.row = self.cache.fork_request(parent.request_id, child.request_id)
         except (RequestCapacityError, PoolExhaustedError):
@@ -279,28 +293,19 @@ class ModelRunner:
             request.prefix_lease.release()
             request.prefix_lease = None
 
-    def attach_prefix(self, request: Request) -> bool:
-        """Start a waiting request from a cached compressed prefix, if one matches; True if it did.
-
-        The request then holds a row forked from the prefix and runs the rest of its prompt from it
-        (`runs_tail_as_chunk`), exactly as it would right after compressing that prefix itself.
-        """
-        attachment = None if self.prefix_store is None else self.prefix_store.attach(request)
+    def _seat_on_prefix(self, request: Request, attachment: Attachment | None) -> bool:
+        """Seat a request on a stored prefix's row: decoding (or running its prompt's tail) after an entry it takes
+        whole, compressed or not; prefilling on, for a compressing request that read an entry's exact tokens.
+        False without an attachment."""
         if attachment is None:
             return False
-        self._start_from_prefix(request, attachment)
-        return True
-
-    def _start_from_prefix(self, request: Request, attachment: Attachment) -> None:
-        """Seat a request on a stored prefix's row: decoding (or running its prompt's tail) after an entry it takes
-        whole, compressed or not; prefilling on, for a compressing request that read an entry's exact tokens."""
         request.row = attachment.row
         request.prefix_lease = attachment.lease
         request.num_processed = request.cached_tokens = attachment.length
         entry = attachment.entry
         if entry is None:
             request.status = RequestStatus.PREFILLING
-            return
+            return True
         request.compress_after = request.compressed_at = entry.boundary
         request.context_is_fallback = False
         request.policy_state = copy.deepcopy(entry.policy_state)
@@ -308,6 +313,7 @@ class ModelRunner:
         request.kv.prompt_tokens = len(request.prompt_token_ids)
         request.status = RequestStatus.RUNNING
         self.update_kv_stats(request)
+        return True
 
     def detach_prefix(self, request: Request) -> None:
         """Undo an attach that left the request prefilling (no room for the rest of its prefill): it waits again
@@ -324,18 +330,6 @@ class ModelRunner:
         exact entry: the whole prompt, as for any prefill (the pages it reads count among those it holds), plus
         a copy of the pages it reads, which the compaction copies where it moves kept entries into them."""
         return self.cache.pages_for_prompt(request.prefill_target) + self.cache.pages_for_prompt(request.num_processed)
-
-    def attach_prefix_at(self, request: Request, lease: PrefixLease, length: int) -> bool:
-        """Start a request from the first `length` tokens of a stored prefix, leased for it by the driver that
-        chose it (`PrefixStore.lease`); False if that cannot be (the lease is then released)."""
-        if self.prefix_store is None:
-            lease.release()
-            return False
-        attachment = self.prefix_store.attach_at(request, lease, length)
-        if attachment is None:
-            return False
-        self._start_from_prefix(request, attachment)
-        return True
 
     def keep_session(self, request: Request) -> None:
         """A request finished normally: its cache stays for later prompts that share its tokens (uncompressed,

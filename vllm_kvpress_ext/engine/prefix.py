@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_kvpress_ext.engine.origins import LoadedEntries
 from vllm_kvpress_ext.engine.request import Request, RequestOutput
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
@@ -105,7 +106,7 @@ def capture_prefix(
                 values.append(v.clone())
                 continue
             # A sliding layer's ring holds the last `window` positions in ring order. Laid out by position (the
-            # older ones zero), the copy goes back in through `load_prefill`, whose appends write only those.
+            # older ones zero), the copy goes back in through `LoadedEntries`, whose appends write only those.
             held = torch.arange(max(0, n - window), n, device=positions.device)
             assert torch.equal(positions.sort(dim=-1).values, held.expand_as(positions)), "a ring must be whole"
             index = positions.unsqueeze(-1).expand_as(k)
@@ -200,6 +201,6 @@ def add_forked_request(
     request = engine.runner.new_request(
         request_id, list(prompt), params, resolved, max_model_len=engine.max_model_len, compress_after=n
     )
-    engine.runner.load_prefill(request, snapshot.keys, snapshot.values, _own_capture(snapshot, spec, engine))
+    engine.runner.start(request, LoadedEntries(snapshot.keys, snapshot.values, _own_capture(snapshot, spec, engine)))
     engine.adopt_prefilled(request)  # compresses (when there is a policy) and marks it running
     return request_id

@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vllm_kvpress_ext.engine.model_runner import ModelRunner, Schedule, ScheduledChunk
+from vllm_kvpress_ext.engine.origins import MatchedPrefix
 from vllm_kvpress_ext.engine.request import Request, RequestStatus
 
 
@@ -117,7 +118,7 @@ class Scheduler:
             available -= pages
         while self.waiting and len(self.active) < self.max_num_seqs:
             req = self.waiting[0]
-            if self.runner.attach_prefix(req):
+            if self.runner.start(req, MatchedPrefix()):
                 if req.status is RequestStatus.RUNNING:  # a cached compressed prefix: no prefill, no reservation
                     self.waiting.popleft()
                     self.active.append(req)
@@ -147,7 +148,7 @@ class Scheduler:
             if peak > available:
                 break
             self.waiting.popleft()
-            self.runner.add(req)
+            self.runner.start(req)
             self.active.append(req)
             req.reserved_pages = peak
             available -= peak

@@ -39,6 +39,7 @@ from vllm_kvpress_ext.engine.model_runner import (
     Schedule,
     ScheduledChunk,
 )
+from vllm_kvpress_ext.engine.origins import LeasedPrefix
 from vllm_kvpress_ext.engine.prefix_store import PrefixLease
 from vllm_kvpress_ext.engine.request import Request, RequestStatus
 from vllm_kvpress_ext.engine.sampler import record_logprobs, sample
@@ -411,7 +412,7 @@ class KVPressWorker(WorkerBase):
             request = self.requests[request_id]
             tokens = cached.all_token_ids[request_id]
             try:
-                runner.restore_output(request, list(tokens[len(request.prompt_token_ids) :]))
+                request.output_token_ids = list(tokens[len(request.prompt_token_ids) :])
                 self._start(request, cached.num_computed_tokens[index], pinned.pop(request_id, None))
             except Exception as exc:
                 failed[request_id] = f"{type(exc).__name__}: {exc}"
@@ -423,11 +424,11 @@ class KVPressWorker(WorkerBase):
         `computed` tokens as done; without the prefix they are computed in the request's first chunk."""
         runner = self.runner
         assert runner is not None
-        if plan is not None and computed == plan[1] and runner.attach_prefix_at(request, *plan):
+        if plan is not None and computed == plan[1] and runner.start(request, LeasedPrefix(*plan)):
             return
-        if plan is not None:  # a lease `attach_prefix_at` did not take (released there if it ran: a no-op)
+        if plan is not None:  # a lease `start` did not take (released there if it ran: a no-op)
             plan[0].release()
-        runner.add(request)
+        runner.start(request)
         if computed:
             self.catch_up[request.request_id] = computed
 
