@@ -17,7 +17,7 @@ from vllm_kvpress_ext.engine.request import RequestStatus
 from vllm_kvpress_ext.models import load_config
 from vllm_kvpress_ext.models.write_gate import WriteGates
 from vllm_kvpress_ext.policies import WGKVPolicy, load_policy
-from vllm_kvpress_ext.policies.base import full_prompt_pages
+from vllm_kvpress_ext.policies.base import AdmissionPolicy, full_prompt_pages
 
 PAGE = 8
 WINDOW = 16
@@ -133,7 +133,7 @@ def test_capped_admission_never_holds_more_pages_than_it_declared(model_dir: Pat
 
 def test_without_cap_the_declared_chunked_peak_is_the_full_prompt(gates: Path) -> None:
     policy = load_policy({"name": "wgkv", "gates": str(gates), "local_window": WINDOW})
-    assert policy.admits_during_prefill and not policy.wants_gate_values
+    assert isinstance(policy, AdmissionPolicy) and not policy.wants_gate_values
     assert policy.chunked_prefill_peak_pages(200, 2, 2, PAGE, 16) == full_prompt_pages(200, 2, 2, PAGE)
     # A cap without an explicit window: the window comes from the gate file, unknown here.
     assert load_policy(capped(gates) | {"local_window": None}).chunked_prefill_peak_pages(200, 2, 2, PAGE, 16) == (

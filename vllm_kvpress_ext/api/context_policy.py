@@ -25,7 +25,7 @@ from typing import Any
 
 from vllm_kvpress_ext.api.policy_spec import parse_operator_policy
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
-from vllm_kvpress_ext.policies.base import PolicyConfigError
+from vllm_kvpress_ext.policies.base import AdmissionPolicy, PolicyConfigError
 
 #: `--context-policy` values that name no policy: each request's own policy, or no default split.
 OWN_POLICY, NO_SPLIT = "request", "none"
@@ -41,7 +41,7 @@ def parse_context_policy(text: str) -> str | dict[str, Any]:
     policy = load_policy(spec)
     if policy is None or not policy.compresses:
         raise PolicyConfigError("--context-policy must compress: give a policy, `request` or `none`")
-    if policy.admits_during_prefill:
+    if isinstance(policy, AdmissionPolicy):
         raise PolicyConfigError(f"--context-policy {policy.name}: a write-gated cache is not kept for reuse")
     return spec
 
@@ -50,7 +50,12 @@ def context_spec(configured: str | dict[str, Any], requested: KVPolicy | None) -
     """What compresses a chat's default context for a request under `requested` (its own policy, or the server's
     default): `OWN_POLICY` (the request's own), the spec of the server's context policy at the request's budget,
     or None when the chat is not split (no compressing policy, a write gate, `none`)."""
-    if configured == NO_SPLIT or requested is None or not requested.compresses or requested.admits_during_prefill:
+    if (
+        configured == NO_SPLIT
+        or requested is None
+        or not requested.compresses
+        or isinstance(requested, AdmissionPolicy)
+    ):
         return None
     if configured == OWN_POLICY or requested.question_agnostic:
         return OWN_POLICY

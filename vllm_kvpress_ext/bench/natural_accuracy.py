@@ -35,6 +35,7 @@ from vllm_kvpress_ext.engine.prefix import PrefixSnapshot, add_forked_request, c
 from vllm_kvpress_ext.engine.request import RequestOutput
 from vllm_kvpress_ext.models import load_config
 from vllm_kvpress_ext.policies import KVPolicy, policy_names
+from vllm_kvpress_ext.policies.base import AdmissionPolicy
 from vllm_kvpress_ext.tasks.natural import (
     FILLER_KINDS,
     HELD_OUT_SEED,
@@ -124,7 +125,7 @@ def run_natural_accuracy(config: NaturalAccuracyConfig) -> list[NaturalRow]:
     for name, budget in runs_per_sample:
         try:
             policy = make_policy(name, budget)
-            if policy is not None and policy.compresses:
+            if isinstance(policy, AdmissionPolicy):
                 # Fails here when it cannot run on this model (e.g. WG-KV without gates for it).
                 policy.admission(engine.model_dir, engine.device, engine.runner.gate_store)
             policies[(name, budget)] = policy
@@ -208,6 +209,8 @@ def _validate(config: NaturalAccuracyConfig) -> None:
 
 
 def _shares_prefill(policy: KVPolicy, engine: LLMEngine) -> bool:
+    if not isinstance(policy, AdmissionPolicy):
+        return True
     return policy.admission(engine.model_dir, engine.device, engine.runner.gate_store) is None
 
 

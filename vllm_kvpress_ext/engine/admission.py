@@ -23,7 +23,7 @@ import torch
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.engine.request import RequestRejectedError
 from vllm_kvpress_ext.models.write_gate import GateStore
-from vllm_kvpress_ext.policies.base import Admission, HeadShard, KVPolicy
+from vllm_kvpress_ext.policies.base import Admission, AdmissionPolicy, HeadShard, KVPolicy
 
 
 def bind_admission(
@@ -46,7 +46,7 @@ def bind_admission(
     """
     if cache.global_layers.numel() == 0:  # every layer slides: no layer is a policy's, the rings bound the cache
         return None
-    admission = policy.admission(model_path, device, gate_store) if policy is not None else None
+    admission = policy.admission(model_path, device, gate_store) if isinstance(policy, AdmissionPolicy) else None
     if admission is None:
         return None
     page = cache.page_size
@@ -85,7 +85,7 @@ def bind_admission(
 class PromptAdmission:
     """What a write-gated request's gates said of its prompt so far, per layer, in prompt order."""
 
-    def __init__(self, admission: Admission, policy: KVPolicy, num_layers: int) -> None:
+    def __init__(self, admission: Admission, policy: AdmissionPolicy, num_layers: int) -> None:
         self.admission = admission
         self.policy = policy
         self.admitted: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]  # per layer, chunks of [H, n]

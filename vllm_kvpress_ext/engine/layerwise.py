@@ -10,7 +10,7 @@ import torch
 
 from vllm_kvpress_ext.cache import KeepPlan, PagedKVCache
 from vllm_kvpress_ext.policies import KVPolicy
-from vllm_kvpress_ext.policies.base import LayerKeep, LayerPrefill, RequestPrefill, full_prompt_pages
+from vllm_kvpress_ext.policies.base import AdmissionPolicy, LayerKeep, LayerPrefill, RequestPrefill, full_prompt_pages
 
 
 def _ceil_div(x: int, d: int) -> int:
@@ -42,7 +42,7 @@ def prefill_reservation(
     request's own prefill will report the error.
     """
     full = full_prompt_pages(length, num_layers, num_kv_heads, page_size)
-    if policy is not None and policy.admits_during_prefill and chunk_tokens is not None:
+    if isinstance(policy, AdmissionPolicy) and chunk_tokens is not None:
         try:
             declared = int(policy.chunked_prefill_peak_pages(length, num_layers, num_kv_heads, page_size, chunk_tokens))
         except Exception:

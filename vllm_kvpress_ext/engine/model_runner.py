@@ -57,7 +57,7 @@ from vllm_kvpress_ext.models import load_model
 from vllm_kvpress_ext.models.loader import resolve_dtype
 from vllm_kvpress_ext.models.write_gate import GateStore
 from vllm_kvpress_ext.policies import KVPolicy
-from vllm_kvpress_ext.policies.base import Admission, LayerPrefill
+from vllm_kvpress_ext.policies.base import Admission, AdmissionPolicy, LayerPrefill
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 from vllm_kvpress_ext.utils.huge_pages import move_to_huge_pages
 
@@ -512,7 +512,7 @@ class ModelRunner:
             if compression is not None:
                 layerwise[req.request_id] = compression
             if req.admission is not None and chunk.start == 0:
-                assert req.policy is not None
+                assert isinstance(req.policy, AdmissionPolicy)
                 req.prompt_admission = PromptAdmission(req.admission, req.policy, self.config.num_hidden_layers)
             segments.append(
                 PrefillSegment(

@@ -26,7 +26,7 @@ from vllm_kvpress_ext.engine.origins import LoadedEntries
 from vllm_kvpress_ext.engine.request import Request, RequestOutput
 from vllm_kvpress_ext.engine.sampling_params import SamplingParams
 from vllm_kvpress_ext.policies import KVPolicy, load_policy
-from vllm_kvpress_ext.policies.base import LayerPrefill
+from vllm_kvpress_ext.policies.base import AdmissionPolicy, LayerPrefill
 from vllm_kvpress_ext.policies.capture import CaptureSpec, LayerCapture, PrefillCapture
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ def add_forked_request(
     if resolved is not None and not resolved.compresses:
         resolved = None
     store = engine.runner.gate_store
-    if resolved is not None and resolved.admission(engine.model_dir, engine.device, store) is not None:
+    if isinstance(resolved, AdmissionPolicy) and resolved.admission(engine.model_dir, engine.device, store) is not None:
         raise ValueError(f"policy {resolved.name!r} gates writes during prefill; run it on the whole prompt instead")
     spec = resolved.capture_spec() if resolved is not None else CaptureSpec()
     if spec.merge(snapshot.spec) != snapshot.spec:

@@ -378,15 +378,6 @@ class KVPolicy:
         the policy reads (`CaptureSpec.computed_from`). A policy that reads more than its capture overrides it."""
         return self.capture_spec().computed_from(length)
 
-    def admission(
-        self, model_dir: str | Path, device: torch.device, gate_store: GateStore | None = None
-    ) -> Admission | None:
-        """The write-time admission rule for a model, or None (every key is written; the default).
-
-        `gate_store` holds the learned gates its owner (the model runner) already loaded.
-        """
-        return None
-
     @property
     def compresses(self) -> bool:
         """False only for policies that never change the cache (the engine then skips every hook)."""
@@ -430,18 +421,47 @@ class KVPolicy:
         return full_prompt_pages(length, num_layers, num_kv_heads, page_size)
 
     @property
-    def admits_during_prefill(self) -> bool:
-        """True for an admission policy whose chunked prefill keeps only what its gates admit (WG-KV)."""
+    def wants_decode_steps(self) -> bool:
         return False
+
+    @property
+    def wants_decode_attention(self) -> bool:
+        return False
+
+    def on_decode_step(self, step: DecodeStep, state: dict[str, Any]) -> DecodeEviction | None:
+        return None
+
+    def params(self) -> dict[str, Any]:
+        """Hyperparameters as a plain dict (for listings, presets and usage reports)."""
+        if not is_dataclass(self):
+            return {}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class AdmissionPolicy(KVPolicy):
+    """A policy that decides at write time which keys enter the cache (WG-KV), beside what every policy does.
+
+    Its prompt is admitted chunk by chunk as the prefill writes it: after each chunk only the admitted
+    entries and the local window stay, so the prefill's peak is `chunked_prefill_peak_pages`, not the whole
+    prompt. Every caller that treats such a policy differently asks `isinstance(policy, AdmissionPolicy)`.
+    """
+
+    def admission(
+        self, model_dir: str | Path, device: torch.device, gate_store: GateStore | None = None
+    ) -> Admission | None:
+        """The write-time admission rule for a model (None: every key is written after all, e.g. no gate fits).
+
+        `gate_store` holds the learned gates its owner (the model runner) already loaded.
+        """
+        raise NotImplementedError
 
     def chunked_prefill_peak_pages(
         self, length: int, num_layers: int, num_kv_heads: int, page_size: int, chunk_tokens: int
     ) -> int:
         """Most pages a request holds during a prefill in chunks of at most `chunk_tokens` tokens.
 
-        Consulted only when `admits_during_prefill` is True; schedulers reserve it at admission (capped
-        at the full prompt). Default: the full prompt. The bound must hold for every prompt of this
-        length, whatever the gates decide.
+        Schedulers reserve it at admission (capped at the full prompt). Default: the full prompt. The bound
+        must hold for every prompt of this length, whatever the gates decide.
         """
         return full_prompt_pages(length, num_layers, num_kv_heads, page_size)
 
@@ -461,23 +481,6 @@ class KVPolicy:
         `chunked_prefill_peak_pages` a bound below the full prompt. Default: all stay.
         """
         return admitted
-
-    @property
-    def wants_decode_steps(self) -> bool:
-        return False
-
-    @property
-    def wants_decode_attention(self) -> bool:
-        return False
-
-    def on_decode_step(self, step: DecodeStep, state: dict[str, Any]) -> DecodeEviction | None:
-        return None
-
-    def params(self) -> dict[str, Any]:
-        """Hyperparameters as a plain dict (for listings, presets and usage reports)."""
-        if not is_dataclass(self):
-            return {}
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 # ---------------------------------------------------------------------- prefill peak arithmetic

@@ -57,9 +57,9 @@ from vllm_kvpress_ext.models.write_gate import (
 )
 from vllm_kvpress_ext.policies.base import (
     GQA_REDUCTIONS,
+    AdmissionPolicy,
     DecodeEviction,
     DecodeStep,
-    KVPolicy,
     LayerPrefill,
     PolicyConfigError,
     RequestPrefill,
@@ -95,7 +95,7 @@ class GateAdmission:
 
 
 @dataclass
-class WGKVPolicy(KVPolicy):
+class WGKVPolicy(AdmissionPolicy):
     """WG-KV; equations, defaults and divergences in the module docstring."""
 
     name = "wgkv"
@@ -159,10 +159,6 @@ class WGKVPolicy(KVPolicy):
         return GateAdmission(gates=gates, tau=self.tau, window=window)
 
     # ------------------------------------------------------------------ prefill peak
-
-    @property
-    def admits_during_prefill(self) -> bool:
-        return True
 
     @property
     def wants_gate_values(self) -> bool:

@@ -42,6 +42,7 @@ from typing import Any
 
 from vllm_kvpress_ext.engine.prefix_store import prefix_key
 from vllm_kvpress_ext.policies import KVPolicy
+from vllm_kvpress_ext.policies.base import AdmissionPolicy
 
 CONTEXT_FIELD = "kv_prefix_tokens"
 # What a context build's request id starts with (a random suffix follows).
@@ -67,7 +68,7 @@ def context_refusal(policy: KVPolicy | None, runner: str = "vllm") -> str | None
     compress). The plugin's own runner runs a question as decode steps where the policy acts at every one."""
     if policy is None:
         return None
-    if policy.admits_during_prefill:
+    if isinstance(policy, AdmissionPolicy):
         return (
             f"{CONTEXT_FIELD} with {policy.name}: its write gate decides during the prefill, so its context is not "
             "kept for reuse; send the prompt without it"
@@ -87,7 +88,7 @@ def named_context(extra_args: dict[str, Any] | None, policy: KVPolicy | None, pr
         boundary = named_boundary(extra_args)
     except ContextError:
         return None
-    if boundary is None or policy is None or not 0 < boundary < prompt_tokens or policy.admits_during_prefill:
+    if boundary is None or policy is None or not 0 < boundary < prompt_tokens or isinstance(policy, AdmissionPolicy):
         return None
     return boundary
 

@@ -47,7 +47,7 @@ from vllm_kvpress_ext.engine.request import KVStats
 from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.models.write_gate import GateStore
 from vllm_kvpress_ext.policies import KVPolicy
-from vllm_kvpress_ext.policies.base import Admission, HeadShard
+from vllm_kvpress_ext.policies.base import Admission, AdmissionPolicy, HeadShard
 from vllm_kvpress_ext.policies.capture import PrefillCapture
 from vllm_kvpress_ext.vllm_plugin.native.prefix_blocks import PrefixBlocks, keeps_prompt_blocks, readable_prefix
 from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts, QueryProjection, native_refusal
@@ -318,7 +318,9 @@ class NativePool:
             policy=policy,
             capture=capture,
             gate=gate,
-            admission=PromptAdmission(gate, policy, self.cache.num_layers) if gate and policy else None,
+            admission=PromptAdmission(gate, policy, self.cache.num_layers)
+            if gate and isinstance(policy, AdmissionPolicy)
+            else None,
             written=computed,
             blocks=blocks,
             aligned=keeps_prompt_blocks(policy) and self.prefix_blocks is not None and self.rings_keep_blocks,
@@ -388,7 +390,7 @@ class NativePool:
     def bind_gate(self, policy: KVPolicy | None, prompt_len: int, params: Any) -> Admission | None:
         """The request's write gate bound to the model and the pool (`engine/admission.py`), or None: its ring
         spans at most what the request can write, as in the embedded engine."""
-        if policy is None or not policy.admits_during_prefill:
+        if not isinstance(policy, AdmissionPolicy):
             return None
         if self.model_path is None:
             raise ValueError("write gates need the model's path, which the runner has not given this pool")

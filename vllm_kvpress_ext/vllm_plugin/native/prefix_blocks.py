@@ -37,12 +37,13 @@ import torch
 
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.policies import KVPolicy
+from vllm_kvpress_ext.policies.base import AdmissionPolicy
 
 
 def keeps_prompt_blocks(policy: KVPolicy | None) -> bool:
     """Whether a request's row stays aligned (page b holds block b's tokens) until its policy compresses, so its
     prompt's full blocks can be kept: not where the policy compacts inside the pass or gates writes."""
-    return policy is None or not (policy.compresses_layerwise or policy.admits_during_prefill)
+    return policy is None or not (policy.compresses_layerwise or isinstance(policy, AdmissionPolicy))
 
 
 def readable_prefix(policy: KVPolicy | None, prompt_len: int) -> int:

@@ -30,6 +30,7 @@ from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PagePool
 from vllm_kvpress_ext.engine.prefix_store import PrefixStore
 from vllm_kvpress_ext.engine.reconstruction import ReconstructionContext
+from vllm_kvpress_ext.policies.base import AdmissionPolicy
 from vllm_kvpress_ext.vllm_plugin.config import MAX_CACHED_PREFIXES_KEY
 from vllm_kvpress_ext.vllm_plugin.contexts import contexts_kept
 from vllm_kvpress_ext.vllm_plugin.gguf_model import gguf_source
@@ -127,7 +128,7 @@ class KVPressModelRunner(CPUModelRunner):
         pool.model_path = gguf_source(self.model_config.model) or Path(self.model_config.model)
         pool.max_model_len = int(self.model_config.max_model_len)
         pool.soft_caps = [layer.impl.logits_soft_cap for layer in layers]
-        if pool.default_policy is not None and pool.default_policy.admits_during_prefill:
+        if isinstance(pool.default_policy, AdmissionPolicy):
             # A default write gate that cannot run here (no gates for this model, gates of another) would fail every
             # request: `vllm serve` stops at start with the reason.
             pool.bind_gate(pool.default_policy, 1, None)

@@ -42,6 +42,7 @@ import torch
 
 from vllm_kvpress_ext.models.rope import RotaryEmbedding
 from vllm_kvpress_ext.policies import KVPolicy
+from vllm_kvpress_ext.policies.base import AdmissionPolicy
 
 QueryProjection = Callable[[torch.Tensor], torch.Tensor]
 KeySplit = Callable[[torch.Tensor], torch.Tensor]
@@ -245,7 +246,7 @@ def native_refusal(policy: KVPolicy | None, facts: ModelFacts) -> str | None:
         )
     # WG-KV's gates run per KV head on each worker; its cap ranks the admitted entries across heads, after the
     # prefill and at every decode step, which no exchange serves yet.
-    admits = type(policy).admission is not KVPolicy.admission
+    admits = isinstance(policy, AdmissionPolicy)
     if facts.tensor_parallel > 1 and admits and getattr(policy, "cap", None) is not None:
         return (
             f"kv_policy {policy.name!r} with a cap ranks entries across KV heads at every step, which tensor "
@@ -261,7 +262,7 @@ def native_refusal(policy: KVPolicy | None, facts: ModelFacts) -> str | None:
             # The pass runs vLLM's model over the repeat prompt, with the project's attention over the pool (a softmax
             # within each layer's window, of logits under the layer's soft cap where it has one): any architecture's.
             # The gates read each key before RoPE, which the runner reads off the hooked QKV projection's output.
-            ("write-time admission gates", type(policy).admission is not KVPolicy.admission and not facts.projections),
+            ("write-time admission gates", admits and not facts.projections),
         )
         if needed
     ]
