@@ -46,7 +46,7 @@ def test_capture_matches_the_dense_forward(tmp_path, chunk: int) -> None:  # typ
     request = engine.requests["r"]
     while engine.has_unfinished_requests():
         engine.step()
-    layers = request.policy_state["layers"]
+    layers = request.seat.policy_state["layers"]
     assert len(layers) == 2
     for i, layer in enumerate(layers):
         ref = dense.captured[i]

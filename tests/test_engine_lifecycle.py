@@ -101,7 +101,7 @@ def test_preempt_frees_every_page_and_resume_restarts_from_token_zero(runner: Mo
     assert runner.pages_held(request) > 0 and runner.free_pages < runner.total_pages
     output = list(request.output_token_ids)
     runner.preempt(request)
-    assert (request.status, request.num_processed, request.num_preemptions, request.row) == (
+    assert (request.status, request.seat.num_processed, request.num_preemptions, request.seat.row) == (
         RequestStatus.WAITING,
         0,
         1,
@@ -111,7 +111,7 @@ def test_preempt_frees_every_page_and_resume_restarts_from_token_zero(runner: Mo
     assert runner.pages_held(request) == 0 and runner.free_pages == runner.total_pages
     request.output_token_ids = [*output, 7]  # what a driver kept for the recomputation
     runner.start(request)
-    assert request.status is RequestStatus.PREFILLING and request.row is not None
+    assert request.status is RequestStatus.PREFILLING and request.seat.row is not None
     assert request.output_token_ids == [*output, 7] and request.num_tokens == 40 + len(output) + 1
     runner.release(request)
     assert runner.free_pages == runner.total_pages
@@ -122,7 +122,7 @@ def test_a_fork_without_a_free_row_changes_nothing(runner: ModelRunner) -> None:
     child = runner.new_request("child", parent.prompt_token_ids, GREEDY, None, max_model_len=2048)
     free = runner.free_pages
     assert not runner.start(child, ForkOf(parent))  # one row only, the parent's
-    assert child.row is None and child.status is RequestStatus.WAITING and runner.free_pages == free
+    assert child.seat.row is None and child.status is RequestStatus.WAITING and runner.free_pages == free
     runner.release(parent)
     assert runner.free_pages == runner.total_pages
 
@@ -146,8 +146,10 @@ def test_a_start_from_a_stored_prefix_that_is_not_there_changes_nothing(runner: 
     request = runner.new_request("unmatched", prompt(40), GREEDY, None, max_model_len=2048)
     free = runner.free_pages
     assert not runner.start(request, MatchedPrefix())
-    assert request.row is None and request.status is RequestStatus.WAITING and runner.free_pages == free
+    assert request.seat.row is None and request.status is RequestStatus.WAITING and runner.free_pages == free
     assert runner.start(request)  # from token 0
-    assert request.status is RequestStatus.PREFILLING and request.row is not None and request.num_processed == 0
+    assert (
+        request.status is RequestStatus.PREFILLING and request.seat.row is not None and request.seat.num_processed == 0
+    )
     runner.release(request)
     assert runner.free_pages == runner.total_pages

@@ -141,7 +141,7 @@ def engine_scores(engine: LLMEngine, tokens: list[int], policy: KVzipPolicy, pre
     recorded: dict[str, Any] = {}
 
     def keep(request: Any) -> None:
-        recorded["scores"] = torch.stack(request.policy_state["scores"])
+        recorded["scores"] = torch.stack(request.seat.policy_state["scores"])
         recorded["held"] = engine.cache.usage(request.request_id).global_tokens.clone()
 
     engine.finish_hooks.append(keep)
@@ -199,7 +199,7 @@ def test_forks_copy_the_prefix_scores(engine: LLMEngine) -> None:
     recorded: dict[str, Any] = {}
 
     def keep(request: Any) -> None:
-        recorded["scores"] = torch.stack(request.policy_state["scores"])
+        recorded["scores"] = torch.stack(request.seat.policy_state["scores"])
 
     engine.finish_hooks.append(keep)
     try:

@@ -207,10 +207,12 @@ def test_the_pool_under_vllms_runner_shares_the_engines_policy_steps_not_its_run
     assert not engine_modules & {"engine.model_runner", "engine.engine", "engine.scheduler", "engine.attention_context"}
 
 
-# A request's cache state: its row and progress, its policy's state and captures, its write gate, its hold on a
-# stored prefix. One runner owns it: the embedded engine's `ModelRunner`, or `NativePool` under vLLM's runner.
+# A request's cache state (`Request.seat`): its row and progress, its policy's state and captures, its write gate,
+# its hold on a stored prefix, its KV figures. One runner owns it: the embedded engine's `ModelRunner`, or
+# `NativePool` (its own seats) under vLLM's runner.
 SEAT_FIELDS = frozenset(
     {
+        "seat",
         "row",
         "num_processed",
         "compressed_at",
@@ -225,30 +227,46 @@ SEAT_FIELDS = frozenset(
 SEAT_OWNERS = {"vllm_kvpress_ext/engine/model_runner.py", "vllm_kvpress_ext/vllm_plugin/native/pool.py"}
 
 
+def _written(target: ast.expr) -> list[ast.Attribute]:
+    """The attributes an assignment target writes: itself, or each element of a tuple target."""
+    if isinstance(target, ast.Tuple | ast.List):
+        return [written for element in target.elts for written in _written(element)]
+    return [target] if isinstance(target, ast.Attribute) else []
+
+
+def _chain(attribute: ast.expr) -> list[str]:
+    """`a.seat.row` -> ["row", "seat"]: the attribute names from the written one inwards."""
+    names = []
+    while isinstance(attribute, ast.Attribute):
+        names.append(attribute.attr)
+        attribute = attribute.value
+    return names
+
+
 def seat_writes(source: str, where: str) -> list[str]:
-    """Every assignment to a seat field of another object than `self` (`x.row = ...`, `x.row += ...`)."""
+    """Every assignment to a seat, or to a field of one, of another object than `self` (`x.seat.row = ...`,
+    `x.row += ...`, `x.seat = ...`)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         targets = (
             node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
         )
         for target in targets:
-            for part in ast.walk(target):
-                if (
-                    isinstance(part, ast.Attribute)
-                    and part.attr in SEAT_FIELDS
-                    and not (isinstance(part.value, ast.Name) and part.value.id == "self")
-                ):
-                    found.append(f"{where}:{node.lineno} .{part.attr}")
+            for attribute in _written(target):
+                own = isinstance(attribute.value, ast.Name) and attribute.value.id == "self"
+                if not own and SEAT_FIELDS.intersection(_chain(attribute)):
+                    found.append(f"{where}:{node.lineno} .{attribute.attr}")
     return found
 
 
 def test_only_the_runners_write_a_requests_cache_state() -> None:
     """The prefix store, the samples and the drivers read a request's seat; its runner alone writes it."""
-    assert seat_writes("request.row, request.num_processed = 3, 0\nreq.capture += 1\nself.row = 2", "planted") == [
+    planted = "request.seat.row, request.seat.num_processed = 3, 0\nreq.seat.capture += 1\nself.row = 2\nr.seat = 1"
+    assert seat_writes(planted, "planted") == [
         "planted:1 .row",
         "planted:1 .num_processed",
         "planted:2 .capture",
+        "planted:4 .seat",
     ]
     found: list[str] = []
     for path in sorted((ROOT / "vllm_kvpress_ext").rglob("*.py")):

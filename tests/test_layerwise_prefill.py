@@ -96,7 +96,7 @@ def run(
 
     def hook(request: Any) -> None:
         layers = [engine.cache.gather_layer(request.request_id, layer)[:3] for layer in range(LAYERS)]
-        kept.update(layers=layers, state=request.policy_state)
+        kept.update(layers=layers, state=request.seat.policy_state)
 
     engine.finish_hooks.append(hook)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -248,7 +248,7 @@ def test_lava_cascading_ends_at_the_paper_budgets_below_the_one_shot_peak(model_
 
     engine.cache.append_layer_slots = recording  # type: ignore[method-assign]
     states: list[Any] = []
-    engine.finish_hooks.append(lambda r: states.append(r.policy_state))
+    engine.finish_hooks.append(lambda r: states.append(r.seat.policy_state))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine.add_request(prompt(), params, policy={**spec, "cascading": True})
     finished = []
@@ -440,7 +440,7 @@ def test_the_scheduler_admits_by_the_declared_peak(model_dir: Path, profile: str
         )
         rids = [engine.add_request(p, params, policy=policy) for p in ids]
         engine.step()
-        prefilled = sum(engine.requests[r].num_processed == N for r in rids)
+        prefilled = sum(engine.requests[r].seat.num_processed == N for r in rids)
         return prefilled, engine, rids
 
     conservative, _, _ = first_step(
@@ -485,7 +485,7 @@ def test_a_wrong_declaration_fails_that_request_alone(model_dir: Path) -> None:
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
         if first:  # all three were admitted into the first step
-            assert all(r in done or engine.requests[r].num_processed > 0 for r in rids)
+            assert all(r in done or engine.requests[r].seat.num_processed > 0 for r in rids)
             first = False
     assert done[rids[0]].finish_reason == "error" and "prefill_peak_pages" in (done[rids[0]].error or "")
     for rid, alone in zip(rids[1:], solo, strict=True):

@@ -100,7 +100,7 @@ def test_runner_driven_by_hand_matches_the_engine(engine: LLMEngine) -> None:
     assert step >= 1 and request.status is RequestStatus.RUNNING
     assert tokens == expected.output_token_ids
     runner.update_kv_stats(request)
-    assert request.kv.retention == pytest.approx(expected.kv.retention)
+    assert request.seat.kv.retention == pytest.approx(expected.kv.retention)
     runner.release(request)
     assert runner.cache.pool.num_used == 0
 

@@ -633,11 +633,11 @@ def test_decode_time_policies_stay_bounded_for_hundreds_of_steps(
     while engine.has_unfinished_requests():
         outs = engine.step()
         steps += 1
-        if rid in engine.requests and engine.requests[rid].row is not None:
+        if rid in engine.requests and engine.requests[rid].seat.row is not None:
             usage = engine.cache.usage(rid)
             assert engine.cache.pool.num_used <= page_bound, f"step {steps}"
             positions, lengths = engine.cache.entry_positions(rid)
-            newest = engine.requests[rid].num_processed - 1
+            newest = engine.requests[rid].seat.num_processed - 1
             for layer in range(layers):
                 for head in range(heads):
                     held = set(positions[layer, head, : int(lengths[layer, head])].tolist())

@@ -172,11 +172,11 @@ def test_snapkv_frees_what_its_plan_drops(tiny_model: tuple[PreTrainedModel, Pat
     while engine.has_unfinished_requests():
         request = engine.requests.get("r")
         prefilling = request is not None and request.status.value == "prefilling"
-        if prefilling and request.num_processed + 50 >= 120:  # the step that completes prefill
+        if prefilling and request.seat.num_processed + 50 >= 120:  # the step that completes prefill
             used_before = (
                 engine.cache.pool.num_used
                 + engine.cache.pages_for_prompt(120)
-                - engine.cache.pages_for_prompt(request.num_processed)
+                - engine.cache.pages_for_prompt(request.seat.num_processed)
             )
         outs = engine.step()
         if used_before is not None and request is not None and request.status.value == "running":

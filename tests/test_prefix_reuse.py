@@ -143,33 +143,37 @@ def test_thousands_of_attach_and_evict_cycles_conserve_pages() -> None:
             req = Request(f"r{step}", [*ctx, 1, 2], SamplingParams(), compress_after=len(ctx), policy=policy)
             attachment = store.attach(req)
             if attachment is not None:  # seated as the runner seats it
-                req.row, req.prefix_lease, req.num_processed = attachment.row, attachment.lease, attachment.length
+                req.seat.row, req.seat.prefix_lease, req.seat.num_processed = (
+                    attachment.row,
+                    attachment.lease,
+                    attachment.length,
+                )
             else:
-                req.row = cache.add_request(req.request_id)
-                cache.append_slots([req.row], torch.arange(len(ctx)).view(1, -1))
+                req.seat.row = cache.add_request(req.request_id)
+                cache.append_slots([req.seat.row], torch.arange(len(ctx)).view(1, -1))
                 if rng.random() < 0.5:  # a compression: drop a random subset
                     keep = torch.rand(layers, heads, len(ctx)) < 0.6
                     cache.apply_keep_plan(req.request_id, KeepPlan.from_mask(keep))
-                req.num_processed = len(ctx)
+                req.seat.num_processed = len(ctx)
                 store.store(req)
             live[req.request_id] = req
         elif op == "write" and live:
             req = live[rng.choice(sorted(live))]
-            cache.append_slots([req.row], torch.tensor([[req.num_processed]]))
-            req.num_processed += 1
+            cache.append_slots([req.seat.row], torch.tensor([[req.seat.num_processed]]))
+            req.seat.num_processed += 1
         elif op == "finish" and live:
             req = live.pop(rng.choice(sorted(live)))
             cache.free_request(req.request_id)
-            if req.prefix_lease is not None:
-                req.prefix_lease.release()
+            if req.seat.prefix_lease is not None:
+                req.seat.prefix_lease.release()
         elif op == "evict":
             in_use = {k for k, e in store.entries.items() if e.users}
             store.evict_one()
             assert in_use <= set(store.entries), "an entry in use was evicted"
         users = {}
         for req in live.values():
-            if req.prefix_lease is not None:
-                users[req.prefix_lease.key] = users.get(req.prefix_lease.key, 0) + 1
+            if req.seat.prefix_lease is not None:
+                users[req.seat.prefix_lease.key] = users.get(req.seat.prefix_lease.key, 0) + 1
         assert {k: e.users for k, e in store.entries.items() if e.users} == users
         tables = cache.block_tables
         held = torch.arange(tables.shape[-1]) < ((cache.seq_lens.to(torch.int64) + page - 1) // page).unsqueeze(-1)
@@ -177,8 +181,8 @@ def test_thousands_of_attach_and_evict_cycles_conserve_pages() -> None:
         assert torch.equal(cache.pool.refcounts(), refs)
     for req in live.values():
         cache.free_request(req.request_id)
-        if req.prefix_lease is not None:
-            req.prefix_lease.release()
+        if req.seat.prefix_lease is not None:
+            req.seat.prefix_lease.release()
     store.clear()
     assert not store.entries and cache.pool.num_free == cache.pool.num_pages
 
@@ -348,7 +352,7 @@ def test_a_lease_holds_its_entry_until_it_is_released_once(model_path: Path) -> 
     assert lease is not None
     other = engine.runner.new_request("other", tokens(engine, 6, 40), GREEDY, None, max_model_len=512)
     assert store.attach_at(other, lease, 20) is None  # the entry does not hold its tokens
-    assert not lease.live and entry.users == 0 and other.prefix_lease is None
+    assert not lease.live and entry.users == 0 and other.seat.prefix_lease is None
     assert store.evict_one() is not None and engine.cache.pool.num_free == engine.cache.pool.num_pages
 
 

@@ -213,7 +213,7 @@ def test_a_sample_with_another_ring_or_recording_runs_alone(model_dir: Path) -> 
     engine.add_request(short, _params(0), "lead", policy="wgkv")
     longer = SamplingParams(max_tokens=100, temperature=0.9, seed=1, ignore_eos=True)
     engine.add_request(short, longer, "longer", policy="wgkv", sample_of="lead")
-    assert engine.requests["lead"].admission.window != engine.requests["longer"].admission.window
+    assert engine.requests["lead"].seat.admission.window != engine.requests["longer"].seat.admission.window
     prompt = _prompt(engine)
     engine.add_request(prompt, _params(0), "plain")
     scoring = SamplingParams(max_tokens=12, temperature=0.9, seed=2, ignore_eos=True, prompt_logprobs=1)

@@ -155,7 +155,7 @@ def test_the_mirror_follows_the_workers_store(caching_llm: LLM) -> None:
     store.clear()
     # What is left is the last request's row, which the worker frees when the next step tells it it finished.
     cache = worker.runner.cache
-    live = sum(int(cache.pages_per_head(rid).sum()) for rid, r in worker.requests.items() if r.row is not None)
+    live = sum(int(cache.pages_per_head(rid).sum()) for rid, r in worker.requests.items() if r.seat.row is not None)
     assert list(worker.requests) == [] or live > 0
     assert cache.pool.num_free + live == cache.pool.num_pages
 

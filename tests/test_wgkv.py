@@ -225,9 +225,9 @@ def test_lazy_promotion_keeps_admitted_plus_last_window(model_dir: Path) -> None
     checked = 0
     while engine.has_unfinished_requests():
         engine.step()
-        if request_id not in engine.requests or engine.requests[request_id].num_processed < prompt_len:
+        if request_id not in engine.requests or engine.requests[request_id].seat.num_processed < prompt_len:
             continue
-        seen = engine.requests[request_id].num_processed  # tokens whose K/V are in the cache
+        seen = engine.requests[request_id].seat.num_processed  # tokens whose K/V are in the cache
         for layer, chunks in recorder.flags_by_layer.items():
             flags = torch.cat(chunks)  # [seen, H]: prompt then one row per decode step
             assert flags.shape[0] == seen
@@ -262,7 +262,7 @@ def test_composition_holds_the_cap_and_counts_triggers(tmp_path: Path, model_dir
     while engine.has_unfinished_requests():
         for output in engine.step():
             final = output
-        if request_id in engine.requests and engine.requests[request_id].policy_state:
+        if request_id in engine.requests and engine.requests[request_id].seat.policy_state:
             usage = engine.cache.usage(request_id)
             assert bool((usage.global_tokens.float().mean(-1) <= cap).all())  # average per head, every layer
     assert final is not None and final.finished
@@ -287,7 +287,7 @@ def test_composition_with_layers_that_admit_differently(model_dir: Path) -> None
             if output.finished:
                 assert output.kv.counters["eviction_triggers"] >= 1
         for request_id in engine.requests:
-            if engine.requests[request_id].policy_state:
+            if engine.requests[request_id].seat.policy_state:
                 usage = engine.cache.usage(request_id)
                 assert bool((usage.global_tokens.float().mean(-1) <= cap).all())
     assert engine.cache.pool.num_used == 0

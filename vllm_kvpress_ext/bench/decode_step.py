@@ -88,7 +88,7 @@ def _kept_kv_bytes(engine: LLMEngine, ids: list[str]) -> int:
     for request_id in ids:
         request = engine.requests[request_id]
         engine.runner.update_kv_stats(request)
-        total += request.kv.tokens_kept * 2 * c.head_dim * elem
+        total += request.seat.kv.tokens_kept * 2 * c.head_dim * elem
     return total
 
 

@@ -187,7 +187,7 @@ def _timed_request(
         for out in engine.step():
             if first_token_s is None:
                 first_token_s = time.perf_counter() - start
-                compression_at_first = request.kv.compression_seconds
+                compression_at_first = request.seat.kv.compression_seconds
             if out.finished:
                 kv = out.kv
     assert first_token_s is not None and kv is not None

@@ -326,7 +326,7 @@ class LLMEngine:
             self._finish(request, "length")
 
     def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
-        if request.row is not None:
+        if request.seat.row is not None:
             self.runner.update_kv_stats(request)
             if request.params.return_kept and reason != "error":  # read before `scheduler.finish` frees the row
                 self.runner.record_kept(request)
@@ -360,11 +360,13 @@ class LLMEngine:
             finished=request.finished,
             finish_reason=request.finish_reason,
             kv=dataclasses.replace(
-                request.kv, mean_kept_per_layer=list(request.kv.mean_kept_per_layer), counters=dict(request.kv.counters)
+                request.seat.kv,
+                mean_kept_per_layer=list(request.seat.kv.mean_kept_per_layer),
+                counters=dict(request.seat.kv.counters),
             ),
             num_preemptions=request.num_preemptions,
             error=request.error,
             logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
             prompt_logprobs=list(request.prompt_logprobs) if request.params.prompt_logprobs is not None else None,
-            cached_tokens=request.cached_tokens,
+            cached_tokens=request.seat.cached_tokens,
         )

@@ -211,7 +211,7 @@ class ModelRunner:
         request = Request(request_id, token_ids, params, compress_after=compress_after, policy=policy)
         # The last sampled token is never written to the cache: prompt + new tokens - 1 entries at most.
         new_tokens = params.max_tokens if max_new_tokens is None else max_new_tokens
-        request.admission = self.admission_for(policy, min(len(token_ids) + new_tokens - 1, max_model_len))
+        request.seat.admission = self.admission_for(policy, min(len(token_ids) + new_tokens - 1, max_model_len))
         pool_pages = self.cache.pool.num_pages
         peak = self.cache.pages_for_prompt(request.prefill_target)
         if peak > pool_pages:
@@ -245,53 +245,53 @@ class ModelRunner:
                 return self._seat_on_prefix(request, self.prefix_store.attach_at(request, lease, length))
             case LoadedEntries(keys, values, capture):
                 self._seat_fresh(request)
-                assert request.row is not None
+                assert request.seat.row is not None
                 n = keys.shape[2]
-                slots = self.cache.append_slots([request.row], torch.arange(n).view(1, -1))  # [L, 1, H, n]
+                slots = self.cache.append_slots([request.seat.row], torch.arange(n).view(1, -1))  # [L, 1, H, n]
                 self.cache.write(slots[:, 0], keys, values)
-                request.num_processed = n
-                request.capture = capture
+                request.seat.num_processed = n
+                request.seat.capture = capture
         return True
 
     def _seat_fresh(self, request: Request) -> None:
         """A row of its own: the prefill starts (or, after a preemption, restarts) from token 0."""
-        request.row = self.cache.add_request(request.request_id)
+        request.seat.row = self.cache.add_request(request.request_id)
         request.status = RequestStatus.PREFILLING
-        request.num_processed = 0
-        request.cached_tokens = 0
-        request.compressed_at = None
+        request.seat.num_processed = 0
+        request.seat.cached_tokens = 0
+        request.seat.compressed_at = None
 
     def _seat_fork(self, parent: Request, child: Request) -> bool:
         """Another sample of `parent`'s prompt on a fork of its row, with its state after the prompt
         (`engine/samples.py`); False, with nothing changed, when no row or page is free."""
         try:
-            child.row = self.cache.fork_request(parent.request_id, child.request_id)
+            child.seat.row = self.cache.fork_request(parent.request_id, child.request_id)
         except (RequestCapacityError, PoolExhaustedError):
             return False
         child.status = RequestStatus.RUNNING
-        child.num_processed = parent.num_processed
-        child.compressed_at = parent.compressed_at
-        child.policy_state = copy.deepcopy(parent.policy_state)
-        child.admission = parent.admission
-        child.prompt_admission = parent.prompt_admission
+        child.seat.num_processed = parent.seat.num_processed
+        child.seat.compressed_at = parent.seat.compressed_at
+        child.seat.policy_state = copy.deepcopy(parent.seat.policy_state)
+        child.seat.admission = parent.seat.admission
+        child.seat.prompt_admission = parent.seat.prompt_admission
         child.prompt_logprobs = list(parent.prompt_logprobs)
         # The prompt's figures are the parent's; the compression work was the parent's alone.
-        child.kv = dataclasses.replace(
-            parent.kv,
+        child.seat.kv = dataclasses.replace(
+            parent.seat.kv,
             compression_seconds=0.0,
-            mean_kept_per_layer=list(parent.kv.mean_kept_per_layer),
-            counters=dict(parent.kv.counters),
+            mean_kept_per_layer=list(parent.seat.kv.mean_kept_per_layer),
+            counters=dict(parent.seat.kv.counters),
         )
         return True
 
     def release(self, request: Request) -> None:
         """Return the request's pages and row (its policy state stays readable, e.g. after it finished)."""
-        if request.row is not None:
+        if request.seat.row is not None:
             self.cache.free_request(request.request_id)
-            request.row = None
-        if request.prefix_lease is not None:  # the stored prefix its row was forked from may go now
-            request.prefix_lease.release()
-            request.prefix_lease = None
+            request.seat.row = None
+        if request.seat.prefix_lease is not None:  # the stored prefix its row was forked from may go now
+            request.seat.prefix_lease.release()
+            request.seat.prefix_lease = None
 
     def _seat_on_prefix(self, request: Request, attachment: Attachment | None) -> bool:
         """Seat a request on a stored prefix's row: decoding (or running its prompt's tail) after an entry it takes
@@ -299,18 +299,18 @@ class ModelRunner:
         False without an attachment."""
         if attachment is None:
             return False
-        request.row = attachment.row
-        request.prefix_lease = attachment.lease
-        request.num_processed = request.cached_tokens = attachment.length
+        request.seat.row = attachment.row
+        request.seat.prefix_lease = attachment.lease
+        request.seat.num_processed = request.seat.cached_tokens = attachment.length
         entry = attachment.entry
         if entry is None:
             request.status = RequestStatus.PREFILLING
             return True
-        request.compress_after = request.compressed_at = entry.boundary
+        request.compress_after = request.seat.compressed_at = entry.boundary
         request.context_is_fallback = False
-        request.policy_state = copy.deepcopy(entry.policy_state)
-        request.kv = copy.deepcopy(entry.kv)
-        request.kv.prompt_tokens = len(request.prompt_token_ids)
+        request.seat.policy_state = copy.deepcopy(entry.policy_state)
+        request.seat.kv = copy.deepcopy(entry.kv)
+        request.seat.kv.prompt_tokens = len(request.prompt_token_ids)
         request.status = RequestStatus.RUNNING
         self.update_kv_stats(request)
         return True
@@ -322,19 +322,21 @@ class ModelRunner:
         self.prefix_store.unattach(request)
         self.release(request)
         request.status = RequestStatus.WAITING
-        request.num_processed = 0
-        request.cached_tokens = 0
+        request.seat.num_processed = 0
+        request.seat.cached_tokens = 0
 
     def attached_prefill_reservation(self, request: Request) -> int:
         """Pages to reserve for the prefill of a request that read its first `num_processed` tokens from an
         exact entry: the whole prompt, as for any prefill (the pages it reads count among those it holds), plus
         a copy of the pages it reads, which the compaction copies where it moves kept entries into them."""
-        return self.cache.pages_for_prompt(request.prefill_target) + self.cache.pages_for_prompt(request.num_processed)
+        return self.cache.pages_for_prompt(request.prefill_target) + self.cache.pages_for_prompt(
+            request.seat.num_processed
+        )
 
     def keep_session(self, request: Request) -> None:
         """A request finished normally: its cache stays for later prompts that share its tokens (uncompressed,
         in every matching mode) or for a later turn (compressed, with automatic matching)."""
-        if self.prefix_store is not None and request.row is not None:
+        if self.prefix_store is not None and request.seat.row is not None:
             self.prefix_store.store_session(request)
 
     def prefix_store_stats(self) -> PrefixStoreStats | None:
@@ -369,15 +371,15 @@ class ModelRunner:
     def reset(self, request: Request) -> None:
         """Release the request and forget its policy state: it will be recomputed from token 0."""
         self.release(request)
-        request.policy_state = None
-        request.capture = None
-        request.prompt_admission = None
+        request.seat.policy_state = None
+        request.seat.capture = None
+        request.seat.prompt_admission = None
 
     def preempt(self, request: Request) -> None:
         """Free the request's pages and mark it waiting to be recomputed (its output tokens stay)."""
         self.reset(request)
         request.status = RequestStatus.WAITING
-        request.num_processed = 0
+        request.seat.num_processed = 0
         request.num_preemptions += 1
 
     # ------------------------------------------------------------------ pool figures for the drivers
@@ -402,7 +404,7 @@ class ModelRunner:
 
     def pages_held(self, request: Request) -> int:
         """Pages the request's row references, over every (layer, KV head), ring included (0 without a row)."""
-        if request.row is None:
+        if request.seat.row is None:
             return 0
         return int(self.cache.pages_per_head(request.request_id).sum())
 
@@ -419,14 +421,14 @@ class ModelRunner:
         policy = request.policy
         return (
             request.status is RequestStatus.RUNNING
-            and request.num_tokens - request.num_processed > 1
-            and request.admission is None
+            and request.num_tokens - request.seat.num_processed > 1
+            and request.seat.admission is None
             and (policy is None or not (policy.wants_decode_steps or policy.wants_decode_attention))
         )
 
     def pages_to_decode(self, requests: list[Request], tokens: int = 1) -> int:
         """Pages `tokens` more tokens for each of `requests` (all holding rows) allocate, copy-on-write included."""
-        rows = [r.row for r in requests]
+        rows = [r.seat.row for r in requests]
         if any(row is None for row in rows):
             raise ValueError("every decoding request must hold a cache row")
         return self.cache.pages_needed_to_append(torch.tensor(rows), tokens)
@@ -454,8 +456,8 @@ class ModelRunner:
             self.config.num_hidden_layers,
             self.config.num_key_value_heads,
             self.cache.page_size,
-            request.admission is not None,
-            chunk_tokens if request.admission is not None else None,
+            request.seat.admission is not None,
+            chunk_tokens if request.seat.admission is not None else None,
         )
 
     # ------------------------------------------------------------------ stepping
@@ -484,7 +486,7 @@ class ModelRunner:
         layerwise: dict[str, LayerwiseCompression] = {}
         for chunk in chunks:
             req = chunk.request
-            assert req.row is not None
+            assert req.seat.row is not None
             compression = None
             try:
                 # A prompt tail after compression (`runs_tail_as_chunk`) captures nothing: the policy is done.
@@ -495,34 +497,36 @@ class ModelRunner:
                         self.cache,
                         req.policy,
                         req.request_id,
-                        req.row,
+                        req.seat.row,
                         chunk.start,
                         chunk.end,
                         self.config.num_attention_heads,
                         functools.partial(self.layer_prefill, req),
                         self.clock,
                     )
-                    req.policy_state = compression.state
+                    req.seat.policy_state = compression.state
                     slots = None  # allocated layer by layer inside the forward pass
                 else:
-                    slots = self.cache.append_slots([req.row], torch.arange(chunk.start, chunk.end).view(1, -1))
+                    slots = self.cache.append_slots([req.seat.row], torch.arange(chunk.start, chunk.end).view(1, -1))
             except Exception as exc:
                 failed.append(RequestFailure(req, exc))
                 continue
             if compression is not None:
                 layerwise[req.request_id] = compression
-            if req.admission is not None and chunk.start == 0:
+            if req.seat.admission is not None and chunk.start == 0:
                 assert isinstance(req.policy, AdmissionPolicy)
-                req.prompt_admission = PromptAdmission(req.admission, req.policy, self.config.num_hidden_layers)
+                req.seat.prompt_admission = PromptAdmission(
+                    req.seat.admission, req.policy, self.config.num_hidden_layers
+                )
             segments.append(
                 PrefillSegment(
-                    req.row,
+                    req.seat.row,
                     chunk.start,
                     chunk.end,
                     len(token_ids),
                     slots,
                     capture,
-                    req.prompt_admission,
+                    req.seat.prompt_admission,
                     compression,
                 )
             )
@@ -537,15 +541,15 @@ class ModelRunner:
         sampled: list[tuple[Request, Any]] = []
         for chunk, segment in zip(running, segments, strict=True):
             req = chunk.request
-            req.num_processed = chunk.end
+            req.seat.num_processed = chunk.end
             compression = layerwise.get(req.request_id)
             try:
                 if compression is not None and compression.error is not None:
                     raise compression.error
                 if chunk.end == req.prefill_target:
                     self.complete_prefill(req, compression)
-                elif req.prompt_admission is not None:
-                    req.prompt_admission.drop_unadmitted(self.cache, req.request_id)
+                elif req.seat.prompt_admission is not None:
+                    req.seat.prompt_admission.drop_unadmitted(self.cache, req.request_id)
             except Exception as exc:
                 failed.append(RequestFailure(req, exc))
                 continue
@@ -555,30 +559,30 @@ class ModelRunner:
         return sampled
 
     def _run_decode(self, requests: list[Request], failed: list[RequestFailure]) -> list[tuple[Request, Any]]:
-        positions = torch.tensor([[r.num_processed] for r in requests])
+        positions = torch.tensor([[r.seat.num_processed] for r in requests])
         try:
-            slots = self.cache.append_slots(torch.tensor([r.row for r in requests]), positions)
+            slots = self.cache.append_slots(torch.tensor([r.seat.row for r in requests]), positions)
         except PoolExhaustedError:
             requests, slots = self._append_what_fits(requests, failed)
             if not requests:
                 return []
-            positions = torch.tensor([[r.num_processed] for r in requests])
-        rows = torch.tensor([r.row for r in requests])
-        tokens = torch.tensor([r.token_at(r.num_processed) for r in requests], device=self.device)
+            positions = torch.tensor([[r.seat.num_processed] for r in requests])
+        rows = torch.tensor([r.seat.row for r in requests])
+        tokens = torch.tensor([r.token_at(r.seat.num_processed) for r in requests], device=self.device)
         want_probs = any(r.policy is not None and r.policy.wants_decode_attention for r in requests)
         context = DecodeContext(self.cache, rows, slots, self.scale, want_probs, self._admission_groups(requests))
         hidden = self.model(tokens, positions.view(-1).to(self.device), context)
         sampled: list[tuple[Request, Any]] = []
         for i, r in enumerate(requests):
-            self._record_prompt_logprobs(r, r.num_processed, hidden[i : i + 1])
-            r.num_processed += 1
+            self._record_prompt_logprobs(r, r.seat.num_processed, hidden[i : i + 1])
+            r.seat.num_processed += 1
             if r.policy is not None and r.policy.wants_decode_steps:
                 try:
                     self._on_decode_step(r, i, context)
                 except Exception as exc:
                     failed.append(RequestFailure(r, exc))
                     continue
-            if r.num_processed == r.num_tokens:
+            if r.seat.num_processed == r.num_tokens:
                 sampled.append((r, hidden[i]))
         return sampled
 
@@ -614,7 +618,7 @@ class ModelRunner:
         kept: list[Request] = []
         free = self.cache.pool.num_free
         for r in requests:
-            need = self.cache.pages_needed_to_append(torch.tensor([r.row]), 1)
+            need = self.cache.pages_needed_to_append(torch.tensor([r.seat.row]), 1)
             if need <= free:
                 kept.append(r)
                 free -= need
@@ -622,28 +626,28 @@ class ModelRunner:
                 failed.append(RequestFailure(r, PoolExhaustedError(need, free)))
         if not kept:
             return [], torch.empty(0)
-        positions = torch.tensor([[r.num_processed] for r in kept])
-        return kept, self.cache.append_slots(torch.tensor([r.row for r in kept]), positions)
+        positions = torch.tensor([[r.seat.num_processed] for r in kept])
+        return kept, self.cache.append_slots(torch.tensor([r.seat.row for r in kept]), positions)
 
     @staticmethod
     def _admission_groups(requests: list[Request]) -> list[tuple[torch.Tensor, Admission]]:
         """Batch indices of the requests sharing each write gate, so each gate runs once per layer."""
         groups: dict[int, tuple[list[int], Admission]] = {}
         for i, r in enumerate(requests):
-            if r.admission is not None:
-                groups.setdefault(id(r.admission), ([], r.admission))[0].append(i)
+            if r.seat.admission is not None:
+                groups.setdefault(id(r.seat.admission), ([], r.seat.admission))[0].append(i)
         return [(torch.tensor(index), admission) for index, admission in groups.values()]
 
     def _capture_for(self, request: Request) -> PrefillCapture | None:
         """The request's capture, created on its first chunk; None (no work at all) without a policy."""
         if request.policy is None:
             return None
-        if request.capture is None:
+        if request.seat.capture is None:
             spec = request.policy.capture_spec()
             if spec.empty:
                 return None
-            request.capture = PrefillCapture(spec, self.config.num_hidden_layers, self.model.rotary)
-        return request.capture
+            request.seat.capture = PrefillCapture(spec, self.config.num_hidden_layers, self.model.rotary)
+        return request.seat.capture
 
     def _compresses_layerwise(self, request: Request, chunk: ScheduledChunk) -> bool:
         """Layer-wise compression runs on the chunk that completes the prefill, if the policy opts in.
@@ -659,7 +663,7 @@ class ModelRunner:
             policy is not None
             and policy.compresses_layerwise
             and not self.cache.has_sliding_layers
-            and request.admission is None
+            and request.seat.admission is None
             and chunk.end == request.prefill_target
         )
 
@@ -667,7 +671,7 @@ class ModelRunner:
 
     def layer_prefill(self, request: Request, layer: int, gated: bool = False) -> LayerPrefill:
         """What a policy sees of one layer after prefill (`engine/compression.py`)."""
-        return layer_prefill(self.cache, request.request_id, layer, request.capture, self.model, self.scale, gated)
+        return layer_prefill(self.cache, request.request_id, layer, request.seat.capture, self.model, self.scale, gated)
 
     def complete_prefill(self, request: Request, layerwise: LayerwiseCompression | None = None) -> None:
         """Prefill reached `prefill_target`: the policy scores every layer, plans, and the cache compacts.
@@ -678,11 +682,11 @@ class ModelRunner:
         With `layerwise`, every layer was already compressed during the forward pass.
         """
         request.status = RequestStatus.RUNNING
-        request.compressed_at = request.num_processed
+        request.seat.compressed_at = request.seat.num_processed
         policy = request.policy
         if layerwise is not None:  # every layer was compressed in the pass: drop the captures, count the time
-            request.capture = None
-            request.kv.compression_seconds += layerwise.seconds
+            request.seat.capture = None
+            request.seat.kv.compression_seconds += layerwise.seconds
         elif policy is not None:
             self.update_kv_stats(request)  # the uncompressed peak
             if self.prefix_store is not None:  # its exact prompt, for later prompts that share its tokens
@@ -691,36 +695,36 @@ class ModelRunner:
             # KVzip's scores come from a second forward pass over the cached prompt (engine/reconstruction.py).
             score_by_reconstruction(self, request)
             state: dict[str, Any] = {}
-            request.policy_state = state
-            gated = request.admission is not None
+            request.seat.policy_state = state
+            gated = request.seat.admission is not None
             if gated:
-                assert request.prompt_admission is not None
-                request.prompt_admission.start_ring(self.cache, request.request_id)
-                request.prompt_admission = None
+                assert request.seat.prompt_admission is not None
+                request.seat.prompt_admission.start_ring(self.cache, request.request_id)
+                request.seat.prompt_admission = None
             compress_prefill(
                 self.cache,
                 request.request_id,
                 policy,
-                request.capture,
+                request.seat.capture,
                 num_q_heads=self.config.num_attention_heads,
-                length=request.num_processed,
+                length=request.seat.num_processed,
                 model=self.model,
                 scale=self.scale,
                 state=state,
                 gated=gated,
                 make_room=self._evicted_a_cached_prefix,
             )
-            request.capture = None
-            request.kv.compression_seconds += self.clock() - start
+            request.seat.capture = None
+            request.seat.kv.compression_seconds += self.clock() - start
         self.update_kv_stats(request)
         if policy is not None and request.params.return_kept:  # before any later token enters the cache
-            request.kv.kept_at_compression = kept_entries(self.cache, request.request_id)
+            request.seat.kv.kept_at_compression = kept_entries(self.cache, request.request_id)
         if self.prefix_store is not None:
             self.prefix_store.store(request)
 
     def _on_decode_step(self, request: Request, batch_index: int, context: DecodeContext) -> None:
         """Let the request's policy evict after a decode step (e.g. H2O, bounded StreamingLLM)."""
-        assert request.policy is not None and request.row is not None
+        assert request.policy is not None and request.seat.row is not None
         start = self.clock()
 
         def attention(layer: int, entries: int) -> torch.Tensor | None:
@@ -728,20 +732,22 @@ class ModelRunner:
                 return None
             return context.host_probs(layer)[batch_index, :, :, :entries]
 
-        position = request.num_processed - 1
-        evict_after_decode(self.cache, request.request_id, request.policy, request.policy_state, position, attention)
-        request.kv.compression_seconds += self.clock() - start
+        position = request.seat.num_processed - 1
+        evict_after_decode(
+            self.cache, request.request_id, request.policy, request.seat.policy_state, position, attention
+        )
+        request.seat.kv.compression_seconds += self.clock() - start
 
     def record_kept(self, request: Request) -> None:
-        """Set `request.kv.kept`: the positions every (layer, KV head) holds now (before its row is freed)."""
-        request.kv.kept = kept_entries(self.cache, request.request_id)
+        """Set `request.seat.kv.kept`: the positions every (layer, KV head) holds now (before its row is freed)."""
+        request.seat.kv.kept = kept_entries(self.cache, request.request_id)
 
     def update_kv_stats(self, request: Request) -> None:
-        """Refresh `request.kv` from the pool's own accounting (the request must hold a cache row)."""
+        """Refresh `request.seat.kv` from the pool's own accounting (the request must hold a cache row)."""
         usage = self.cache.usage(request.request_id)
-        kv = request.kv
+        kv = request.seat.kv
         kv.tokens_kept = usage.tokens
-        kv.tokens_full = self.config.num_hidden_layers * self.config.num_key_value_heads * request.num_processed
+        kv.tokens_full = self.config.num_hidden_layers * self.config.num_key_value_heads * request.seat.num_processed
         kv.kv_bytes = usage.bytes
         # The cache's high-water mark is exact (updated at every allocation, layer-wise prefill included);
         # the max keeps the peak of an earlier life of a preempted request.
@@ -750,5 +756,5 @@ class ModelRunner:
         per_head = usage.global_tokens + usage.ring_tokens
         kv.kept_per_head = per_head.tolist()
         kv.mean_kept_per_layer = (per_head.sum(-1) // per_head.shape[-1]).tolist()
-        if isinstance(request.policy_state, dict):
-            kv.counters = dict(request.policy_state.get("counters", {}))
+        if isinstance(request.seat.policy_state, dict):
+            kv.counters = dict(request.seat.policy_state.get("counters", {}))

@@ -113,7 +113,7 @@ def capture_prefix(
             keys.append(k.new_zeros(k.shape[0], n, k.shape[-1]).scatter_(1, index, k))
             values.append(v.new_zeros(v.shape[0], n, v.shape[-1]).scatter_(1, index, v))
         snapshot["keys"], snapshot["values"] = torch.stack(keys), torch.stack(values)
-        captures = (request.policy_state or {}).get("captures") or {}
+        captures = (request.seat.policy_state or {}).get("captures") or {}
         snapshot["layers"] = [captures.get(layer) or LayerCapture() for layer in range(len(keys))]
         for layer_capture in snapshot["layers"]:
             layer_capture.shared = {}

@@ -321,13 +321,13 @@ class PrefixStore(PrefixIndex):
         """Whether the request's cache may be stored or attached to at all: any request but one whose policy
         gates writes (a write gate's ring is per request). An uncompressed request's cache is exact, so it is
         stored and reused in every matching mode; a compressed one by name, or in `auto` by its tokens."""
-        return request.admission is None
+        return request.seat.admission is None
 
     @staticmethod
     def boundary(request: Request) -> int | None:
         """The prefix length a request could share, or None when it has no cacheable boundary."""
         c = request.compress_after
-        if request.policy is None or request.admission is not None or c is None:
+        if request.policy is None or request.seat.admission is not None or c is None:
             return None
         return c if c < len(request.prompt_token_ids) else None
 
@@ -340,9 +340,9 @@ class PrefixStore(PrefixIndex):
     def store(self, request: Request) -> None:
         """Keep the prefix `request` has just compressed (its first `compress_after` tokens), if cacheable."""
         key = self.key_of(request)
-        if key is None or key in self.entries or request.num_processed != request.compress_after:
+        if key is None or key in self.entries or request.seat.num_processed != request.compress_after:
             return
-        tokens = tuple(request.prompt_token_ids[: request.num_processed])
+        tokens = tuple(request.prompt_token_ids[: request.seat.num_processed])
         namespace = prefix_namespace(self.model_dir, request.policy)
         hashes = tuple(page_hashes(namespace, tokens, self.page_size)) if self.auto else ()
         context = CachedPrefix(
@@ -364,9 +364,9 @@ class PrefixStore(PrefixIndex):
         tokens read instead of recomputing them. Its pages stay shared until the compaction copies the pages it
         writes into (copy-on-write), so keeping it costs the kept entries' pages, and those only until it is
         evicted, least recently used first, like any entry."""
-        if not self.exact_prompts or request.row is None or not self.cacheable(request):
+        if not self.exact_prompts or request.seat.row is None or not self.cacheable(request):
             return
-        tokens = request.all_token_ids[: request.num_processed]
+        tokens = request.all_token_ids[: request.seat.num_processed]
         entry = session_entry(self.model_dir, self.page_size, None, tokens, 0)
         if entry is None:
             return
@@ -380,20 +380,20 @@ class PrefixStore(PrefixIndex):
         nothing (no completed prefill; a compressed cache outside `auto` matching). A compressed context is
         used whole, so its entry's boundary is where the policy compressed; nothing was compressed in an
         uncompressed one, so any prefix of it is exact: boundary 0."""
-        if request.compressed_at is None or not self.cacheable(request):
+        if request.seat.compressed_at is None or not self.cacheable(request):
             return None
         if request.policy is None:
             return 0
-        return request.compressed_at if self.auto else None
+        return request.seat.compressed_at if self.auto else None
 
     def store_session(self, request: Request) -> None:
         """Keep what a finished request left: its compressed context plus every token written after it, for a
         later turn to attach to (auto matching), or, uncompressed, for any later prompt that shares a page or
         more of its tokens (every mode)."""
         boundary = self.session_boundary(request)
-        if boundary is None or request.row is None:
+        if boundary is None or request.seat.row is None:
             return
-        tokens = request.all_token_ids[: request.num_processed]
+        tokens = request.all_token_ids[: request.seat.num_processed]
         entry = session_entry(self.model_dir, self.page_size, request.policy, tokens, boundary)
         if entry is None or entry.key in self.entries:
             return
@@ -401,8 +401,8 @@ class PrefixStore(PrefixIndex):
 
     def _add_entry(self, request: Request, entry: CachedPrefix) -> None:
         """Store `entry` (everything but its row, policy state and figures) with a fork of the request's row."""
-        kv = copy.deepcopy(dataclasses.replace(request.kv, kept=None))
-        self.keep_row(request.request_id, entry, copy.deepcopy(request.policy_state), kv)
+        kv = copy.deepcopy(dataclasses.replace(request.seat.kv, kept=None))
+        self.keep_row(request.request_id, entry, copy.deepcopy(request.seat.policy_state), kv)
 
     def keep_row(self, source_id: Hashable, entry: CachedPrefix, policy_state: Any, kv: KVStats) -> bool:
         """Store `entry` with a fork of cache row `source_id` (pages shared), the policy state and the figures it
@@ -515,7 +515,7 @@ class PrefixStore(PrefixIndex):
         """Take back the figures of an attach the request gives up before running (its row goes back, and its lease
         ends, with its runner's `release`)."""
         self.hits -= 1
-        self.tokens_reused -= request.cached_tokens
+        self.tokens_reused -= request.seat.cached_tokens
 
     def evict_one(self) -> int | None:
         """Drop the least recently used entry no running request is attached to.

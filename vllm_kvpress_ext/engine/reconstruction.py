@@ -296,25 +296,25 @@ def score_prompt(
 
 def reconstruction_scores(runner: ModelRunner, request: Request, spec: ReconstructionSpec) -> list[torch.Tensor]:
     """`score_prompt` of a request of the embedded engine's runner."""
-    assert request.row is not None
+    assert request.seat.row is not None
     device = runner.device
 
     def forward(context: ReconstructionContext, ids: list[int], positions: torch.Tensor) -> None:
         runner.model(torch.tensor(ids, device=device), positions.to(device), context)
 
-    tokens = request.all_token_ids[: request.num_processed]
+    tokens = request.all_token_ids[: request.seat.num_processed]
     prompts = prompts_for_model(str(runner.model_dir))
-    return score_prompt(runner.cache, request.row, tokens, spec, prompts, runner.scale, forward)
+    return score_prompt(runner.cache, request.seat.row, tokens, spec, prompts, runner.scale, forward)
 
 
 def score_by_reconstruction(runner: ModelRunner, request: Request) -> None:
     """Run the pass if the request's capture asks for it and does not hold its scores yet (a fork copies them)."""
-    capture = request.capture
+    capture = request.seat.capture
     if capture is None or capture.spec.reconstruction is None:
         return
     if capture.layers and capture.layers[0].reconstruction_scores is not None:
         return
-    if request.admission is not None:
+    if request.seat.admission is not None:
         raise ValueError("the reconstruction pass needs the whole prompt cached; a write gate drops part of it")
     scores = reconstruction_scores(runner, request, capture.spec.reconstruction)
     for layer, layer_scores in zip(capture.layers, scores, strict=True):

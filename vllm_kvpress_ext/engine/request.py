@@ -104,6 +104,28 @@ class IncrementalText:
 
 
 @dataclass
+class Seat:
+    """A request's cache state on the runner that serves it: its row, its progress, its policy's state and captures,
+    its write gate, its hold on a stored prefix and its KV figures.
+
+    `ModelRunner` alone writes it (`ModelRunner.start` seats a request, `release` / `preempt` take the row back;
+    `tests/test_layering.py` finds any other writer); the drivers, the prefix store and the samples read it. It
+    outlives the row, so that a finished request's figures and policy state stay readable.
+    """
+
+    row: int | None = None  # None: the request holds no pages
+    num_processed: int = 0  # tokens of `all_token_ids` whose K/V went through the model
+    cached_tokens: int = 0  # prompt tokens read from a cached compressed prefix instead of prefilled
+    compressed_at: int | None = None  # tokens prefilled when the prefill completed (the policy's boundary)
+    policy_state: Any = None  # whatever the policy keeps between its steps (`KVPolicy.init_state`)
+    capture: PrefillCapture | None = None  # while a compressing policy's prefill runs
+    admission: Admission | None = None  # the policy's write gate (WG-KV) bound to the model, if any
+    prompt_admission: PromptAdmission | None = None  # what the gates said of the prompt, while it is prefilled
+    prefix_lease: PrefixLease | None = None  # its hold on the stored prefix its row was forked from
+    kv: KVStats = field(default_factory=KVStats)
+
+
+@dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -113,26 +135,17 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_processed: int = 0  # tokens of `all_token_ids` whose K/V went through the model
-    row: int | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     reserved_pages: int = 0  # what the embedded scheduler set aside for this prefill when it started
-    kv: KVStats = field(default_factory=KVStats)
-    policy_state: Any = None  # whatever the policy keeps between its steps (`KVPolicy.init_state`)
-    capture: PrefillCapture | None = None  # while a compressing policy's prefill runs
-    admission: Admission | None = None  # the policy's write gate (WG-KV) bound to the model, if any
-    prompt_admission: PromptAdmission | None = None  # what the gates said of the prompt, while it is prefilled
+    seat: Seat = field(init=False)  # its cache state, written by its runner alone
     first_token_time: float | None = None
     error: str | None = None  # why the runner failed this request alone (finish_reason "error")
-    prefix_lease: PrefixLease | None = None  # its hold on the stored prefix its row was forked from
-    cached_tokens: int = 0  # prompt tokens read from a cached compressed prefix instead of prefilled
     # `compress_after` is only a default: a stored prefix found by automatic matching takes precedence.
     context_is_fallback: bool = False
-    compressed_at: int | None = None  # tokens prefilled when the prefill completed (the policy's boundary)
     # SamplingParams.logprobs / prompt_logprobs: one entry per output token; one per prompt token
     # (None for the first, which nothing predicts), filled as the prefill reaches each position.
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -142,7 +155,7 @@ class Request:
     def __post_init__(self) -> None:
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
-        self.kv.prompt_tokens = len(self.prompt_token_ids)
+        self.seat = Seat(kv=KVStats(prompt_tokens=len(self.prompt_token_ids)))
 
     @property
     def all_token_ids(self) -> list[int]:

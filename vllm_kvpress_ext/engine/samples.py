@@ -27,7 +27,7 @@ def can_share(parent: Request | None, sample: Request) -> bool:
         and parent.compress_after == sample.compress_after
         and parent.policy == sample.policy
         # A write gate's ring is sized by the request's length limit: another ring is another cache.
-        and getattr(parent.admission, "window", None) == getattr(sample.admission, "window", None)
+        and getattr(parent.seat.admission, "window", None) == getattr(sample.seat.admission, "window", None)
         # What the parent recorded during its prefill must be what the sample would have recorded.
         and parent.params.prompt_logprobs == sample.params.prompt_logprobs
         and parent.params.return_kept == sample.params.return_kept

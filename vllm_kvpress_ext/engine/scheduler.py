@@ -59,7 +59,7 @@ class Scheduler:
     def adopt(self, request: Request) -> None:
         """A request given its cache row without being started here (a fork of another request's cache, a copy
         of a prefilled prefix) joins the started set as if it had started now."""
-        if request.row is None or request.status not in (RequestStatus.PREFILLING, RequestStatus.RUNNING):
+        if request.seat.row is None or request.status not in (RequestStatus.PREFILLING, RequestStatus.RUNNING):
             raise ValueError(f"request {request.request_id!r} must hold a cache row to be adopted")
         self.active.append(request)
 
@@ -102,19 +102,19 @@ class Scheduler:
         for req in self.active:
             if req.status is not RequestStatus.PREFILLING or budget == 0:
                 continue
-            end = min(req.prefill_target, req.num_processed + budget)
-            chunks.append(ScheduledChunk(req, req.num_processed, end))
-            budget -= end - req.num_processed
+            end = min(req.prefill_target, req.seat.num_processed + budget)
+            chunks.append(ScheduledChunk(req, req.seat.num_processed, end))
+            budget -= end - req.seat.num_processed
         available = free - self._pages_promised()
         for req in self.active:  # prompt tails after compression, one chunk each where the pages are there
             if budget <= 0 or not self.runner.runs_tail_as_chunk(req):
                 continue
-            end = min(req.num_tokens, req.num_processed + budget)
-            pages = self.runner.pages_to_decode([req], end - req.num_processed)
+            end = min(req.num_tokens, req.seat.num_processed + budget)
+            pages = self.runner.pages_to_decode([req], end - req.seat.num_processed)
             if pages > available:
                 continue  # the tail goes on as decode steps
-            chunks.append(ScheduledChunk(req, req.num_processed, end))
-            budget -= end - req.num_processed
+            chunks.append(ScheduledChunk(req, req.seat.num_processed, end))
+            budget -= end - req.seat.num_processed
             available -= pages
         while self.waiting and len(self.active) < self.max_num_seqs:
             req = self.waiting[0]
@@ -136,9 +136,9 @@ class Scheduler:
                 req.reserved_pages = reservation
                 available -= need
                 if budget > 0:
-                    end = min(req.prefill_target, req.num_processed + budget)
-                    chunks.append(ScheduledChunk(req, req.num_processed, end))
-                    budget -= end - req.num_processed
+                    end = min(req.prefill_target, req.seat.num_processed + budget)
+                    chunks.append(ScheduledChunk(req, req.seat.num_processed, end))
+                    budget -= end - req.seat.num_processed
                 continue
             if budget <= 0:
                 break

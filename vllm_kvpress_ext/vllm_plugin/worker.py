@@ -278,17 +278,19 @@ class KVPressWorker(WorkerBase):
             request = self.requests[request_id]
             computed = self.catch_up.pop(request_id, None)
             if request.status is RequestStatus.PREFILLING:
-                start = request.num_processed if computed is None else computed
+                start = request.seat.num_processed if computed is None else computed
                 # A named context (`compress_after`): the chunk stops where the policy compresses, and the question
                 # after it runs over the compressed cache, in the same step.
                 end = min(start + count, request.prefill_target)
-                schedule.prefill.append(ScheduledChunk(request, request.num_processed, end))
+                schedule.prefill.append(ScheduledChunk(request, request.seat.num_processed, end))
                 if end < start + count:
                     tails.append((request, start + count - end))
             elif count == 1:
                 schedule.decode.append(request)
             elif self.runner is not None and self.runner.runs_tail_as_chunk(request):
-                schedule.prefill.append(ScheduledChunk(request, request.num_processed, request.num_processed + count))
+                schedule.prefill.append(
+                    ScheduledChunk(request, request.seat.num_processed, request.seat.num_processed + count)
+                )
             else:
                 tails.append((request, count))
         return schedule, tails
@@ -298,7 +300,7 @@ class KVPressWorker(WorkerBase):
         prefill chunk where the runner allows it (`runs_tail_as_chunk`), else one decode step each."""
         assert self.runner is not None
         if self.runner.runs_tail_as_chunk(request):
-            start = request.num_processed
+            start = request.seat.num_processed
             return self.runner.execute(Schedule(prefill=[ScheduledChunk(request, start, start + count)]))
         result = RunnerOutput()
         for _ in range(count):
@@ -447,16 +449,18 @@ class KVPressWorker(WorkerBase):
             num_kv_heads=num_kv_heads,
         )
         for request_id, request in self.requests.items():
-            if request.row is None:
+            if request.seat.row is None:
                 continue
             report.pages_held[request_id] = runner.pages_held(request)
             if request.status is RequestStatus.RUNNING:
                 # One token, or an attached request's prompt tokens still to run (vLLM schedules them at once).
-                ahead = max(1, request.num_tokens - request.num_processed)
+                ahead = max(1, request.num_tokens - request.seat.num_processed)
                 report.decode_pages[request_id] = runner.pages_to_decode([request], ahead)
             if request_id in sampled:
                 runner.update_kv_stats(request)
-                report.kv[request_id] = kv_figures(policy_label(request.policy), request.kv, request.num_preemptions)
+                report.kv[request_id] = kv_figures(
+                    policy_label(request.policy), request.seat.kv, request.num_preemptions
+                )
         self._report_prefixes(report)
         return report
 
@@ -471,5 +475,5 @@ class KVPressWorker(WorkerBase):
         self.reported_prefixes = set(view.keys)
         for request_id, request in self.requests.items():
             boundary = runner.session_boundary(request)
-            if request.row is not None and boundary is not None:
-                report.prefix_sessions[request_id] = (boundary, request.num_processed)
+            if request.seat.row is not None and boundary is not None:
+                report.prefix_sessions[request_id] = (boundary, request.seat.num_processed)
