@@ -2,7 +2,7 @@
 
 A request added with `sample_of=R` waits, holding nothing, until request R (same prompt, policy and
 protocol) reaches its first sampled token: its prompt is prefilled and compressed by then. The sample
-then starts as a fork of R's cache row (`ModelRunner.fork`: the same pages, copy-on-write), with a copy
+then starts as a fork of R's cache row (`ModelRunner.start` with `ForkOf`: the same pages, copy-on-write), with a copy
 of R's policy state, and draws its first token from R's logits of that step with its own
 sampling parameters. From there on it is an ordinary running request writing its own tail. So n samples
 cost one prefill, one compressed prompt and n tails.
