@@ -120,8 +120,8 @@ def test_decode_attention_reads_ring_and_global() -> None:
         cache.seq_lens[0],
         torch.tensor([row]),
         head_dim**-0.5,
-        cache.ring_tables[0],
-        cache.ring_lens(),
+        cache.rings.tables[0],
+        cache.rings.lens(),
     )
     keep = admitted[0].clone()
     keep[:, n - window :] = True
@@ -379,7 +379,7 @@ def test_a_soft_capped_decode_reads_ring_and_global_under_the_cap(with_probs: bo
 
     def decode(**capping: Any) -> torch.Tensor:
         tables, lens, rows = cache.block_tables[0], cache.seq_lens[0], torch.tensor([row])
-        rings = (cache.ring_tables[0], cache.ring_lens())
+        rings = (cache.rings.tables[0], cache.rings.lens())
         return paged_decode_attention(
             query, cache.pool.kv, cache.pool.positions, tables, lens, rows, scale, *rings, **capping
         )

@@ -61,10 +61,10 @@ def state(cache: PagedKVCache) -> tuple[torch.Tensor, ...]:
     return (
         cache.block_tables.clone(),
         cache.seq_lens.clone(),
-        cache.ring_tables.clone(),
-        cache.ring_flags.clone(),
-        cache.ring_window.clone(),
-        cache.ring_count.clone(),
+        cache.rings.tables.clone(),
+        cache.rings.flags.clone(),
+        cache.rings.window.clone(),
+        cache.rings.count.clone(),
         cache.pool.in_use_mask(),
         torch.tensor(cache.pool.num_free),
         cache.pool.positions.clone(),
@@ -81,7 +81,7 @@ def assert_consistent(cache: PagedKVCache) -> None:
     ps = cache.page_size
     held = torch.arange(cache.block_tables.shape[-1]) < ((cache.seq_lens.to(torch.int64) + ps - 1) // ps).unsqueeze(-1)
     assert bool((cache.block_tables[held] >= 0).all()) and bool((cache.block_tables[~held] == -1).all())
-    pages = torch.cat([cache.block_tables[held], cache.ring_tables[cache.ring_tables >= 0]]).to(torch.int64)
+    pages = torch.cat([cache.block_tables[held], cache.rings.tables[cache.rings.tables >= 0]]).to(torch.int64)
     assert pages.numel() == torch.unique(pages).numel()
     in_use = cache.pool.in_use_mask()
     assert int(in_use.sum()) == pages.numel() == cache.pool.num_used
@@ -186,11 +186,11 @@ def test_new_cache_layout_and_request_rows() -> None:
     assert cache.block_tables.shape == (2, 3, 3, 1) and cache.block_tables.dtype == torch.int32
     assert bool((cache.block_tables == -1).all())
     assert cache.seq_lens.shape == (2, 3, 3) and cache.seq_lens.dtype == torch.int32 and not bool(cache.seq_lens.any())
-    assert cache.ring_tables.shape == (2, 3, 3, 0) and cache.ring_tables.dtype == torch.int32
-    assert cache.ring_flags.shape == (2, 3, 3, 0) and cache.ring_flags.dtype == torch.bool
-    assert cache.ring_window.tolist() == [0, 0, 0] and cache.ring_count.tolist() == [0, 0, 0]
+    assert cache.rings.tables.shape == (2, 3, 3, 0) and cache.rings.tables.dtype == torch.int32
+    assert cache.rings.flags.shape == (2, 3, 3, 0) and cache.rings.flags.dtype == torch.bool
+    assert cache.rings.window.tolist() == [0, 0, 0] and cache.rings.count.tolist() == [0, 0, 0]
     assert cache.device_block_tables is cache.block_tables and cache.device_seq_lens is cache.seq_lens
-    assert cache.device_ring_tables is cache.ring_tables
+    assert cache.rings.device_tables is cache.rings.tables
     assert (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.page_size) == (2, 3, 4, 2)
     assert cache.max_requests == 3 and cache.device == torch.device("cpu")
     assert cache_of(1, 1, pages=1, width=3).block_tables.shape == (1, 2, 1, 3)
@@ -523,21 +523,21 @@ def test_start_ring_moves_the_last_window_and_keeps_admitted_older_tokens() -> N
     admitted[0, 1, [1, 5]] = True
     # Global keeps 0, 2 (head 0) and 1 (head 1): 2 pages; it held 8; the ring takes 2 per head.
     assert cache.start_ring("r", 4, admitted) == 8 - 2 - 4
-    assert cache.ring_window.tolist() == [4, 0] and cache.ring_count.tolist() == [7, 0]
-    assert cache.ring_lens().tolist() == [4, 0] and cache.ring_lens([row]).tolist() == [4]
+    assert cache.rings.window.tolist() == [4, 0] and cache.rings.count.tolist() == [7, 0]
+    assert cache.rings.lens().tolist() == [4, 0] and cache.rings.lens([row]).tolist() == [4]
     assert global_positions(cache, "r") == [[[0, 2], [1]]]
     assert cache.block_tables[0, row].tolist() == [[7, -1, -1, -1], [3, -1, -1, -1]]
     # Compaction freed 6, 5, 4 then 2, 1, 0; the ring's 4 pages are the last four pushed.
-    assert cache.ring_tables.shape == (1, 2, 2, 2)
-    assert cache.ring_tables[0, row].tolist() == [[4, 2], [1, 0]]
-    assert cache.ring_tables[0, 1].tolist() == [[-1, -1], [-1, -1]]
-    assert cache.device_ring_tables is cache.ring_tables
+    assert cache.rings.tables.shape == (1, 2, 2, 2)
+    assert cache.rings.tables[0, row].tolist() == [[4, 2], [1, 0]]
+    assert cache.rings.tables[0, 1].tolist() == [[-1, -1], [-1, -1]]
+    assert cache.rings.device_tables is cache.rings.tables
     # Token t sits in ring slot t % 4: slots hold tokens 4, 5, 6, 3 with their flags.
     _, _, ring_pos = cache.gather("r", 0, 0, region="ring")
     assert ring_pos.tolist() == [4, 5, 6, 3]
     keys, values, _ = cache.gather("r", 0, 1, region="ring")
     assert keys[:, 0].tolist() == [4, 5, 6, 3] and torch.equal(values, -keys)
-    assert cache.ring_flags[0, row].tolist() == [[True, False, True, False], [False, True, False, False]]
+    assert cache.rings.flags[0, row].tolist() == [[True, False, True, False], [False, True, False, False]]
     assert cache.pool.num_free == 32 - 6
     usage = cache.usage("r")
     assert (usage.pages, usage.tokens, usage.ring_tokens) == (6, 2 + 1 + 2 * 4, 4)
@@ -550,16 +550,16 @@ def test_start_ring_moves_the_last_window_and_keeps_admitted_older_tokens() -> N
     assert cache.pages_needed_to_append([row], 1) == 0
     assert cache.append_slots([row], torch.tensor([[7]])).tolist() == [[[[5], [1]]]]
     cache.write(torch.tensor([5, 1]), torch.full((2, 4), 7.0), torch.full((2, 4), -7.0))
-    assert cache.ring_count.tolist() == [8, 0]
-    cache.admit(0, [row], torch.tensor([[True, False]]))
-    assert cache.ring_flags[0, row].tolist() == [[True, False, True, True], [False, True, False, False]]
+    assert cache.rings.count.tolist() == [8, 0]
+    cache.rings.admit(0, [row], torch.tensor([[True, False]]))
+    assert cache.rings.flags[0, row].tolist() == [[True, False, True, True], [False, True, False, False]]
     # t = 8 goes to slot 0, whose token 4 is admitted in head 0: promoted to a new global page (26... top: 5).
     assert cache.pages_needed_to_append([row], 1) == 1
     assert cache.append_slots([row], torch.tensor([[8]])).tolist() == [[[[8], [2]]]]
     cache.write(torch.tensor([8, 2]), torch.full((2, 4), 8.0), torch.full((2, 4), -8.0))
     assert cache.block_tables[0, row].tolist() == [[7, 5, -1, -1], [3, -1, -1, -1]]
     assert global_positions(cache, "r") == [[[0, 2, 4], [1]]]
-    assert cache.ring_flags[0, row].tolist() == [[False, False, True, True], [False, True, False, False]]
+    assert cache.rings.flags[0, row].tolist() == [[False, False, True, True], [False, True, False, False]]
     _, _, ring_pos = cache.gather("r", 0, 1, region="ring")
     assert ring_pos.tolist() == [8, 5, 6, 7]
     assert cache.peak_pages("r") == 8
@@ -569,8 +569,8 @@ def test_start_ring_moves_the_last_window_and_keeps_admitted_older_tokens() -> N
     # free_request returns global and ring pages and clears the row for the next request.
     cache.free_request("r")
     assert cache.pool.num_free == 32 and not bool(cache.pool.in_use_mask().any())
-    assert cache.ring_window.tolist() == [0, 0] and cache.ring_count.tolist() == [0, 0]
-    assert bool((cache.ring_tables == -1).all()) and not bool(cache.ring_flags.any())
+    assert cache.rings.window.tolist() == [0, 0] and cache.rings.count.tolist() == [0, 0]
+    assert bool((cache.rings.tables == -1).all()) and not bool(cache.rings.flags.any())
     assert bool((cache.block_tables == -1).all()) and not bool(cache.seq_lens.any())
     assert cache.add_request("s") == row and cache.peak_pages("s") == 0
 
@@ -580,10 +580,10 @@ def test_start_ring_on_a_prompt_shorter_than_the_window() -> None:
     row = prefill(cache, "r", 3)  # pages [1, 0]
     assert cache.start_ring("r", 4, torch.ones(1, 1, 3, dtype=torch.bool)) == 2 - 0 - 2
     assert global_positions(cache, "r") == [[[]]]
-    assert cache.ring_lens([row]).tolist() == [3]
+    assert cache.rings.lens([row]).tolist() == [3]
     _, _, ring_pos = cache.gather("r", 0, 0, region="ring")
     assert ring_pos.tolist() == [0, 1, 2]
-    assert cache.ring_flags[0, row].tolist() == [[True, True, True, False]]
+    assert cache.rings.flags[0, row].tolist() == [[True, True, True, False]]
     # t = 3 fills slot 3; t = 4 overwrites token 0, admitted: promoted.
     cache.append_slots([row], torch.tensor([[3]]))
     assert cache.pages_needed_to_append([row], 1) == 1
@@ -605,9 +605,9 @@ def test_start_ring_fits_a_full_pool_exactly_or_fails_cleanly() -> None:
     admitted = torch.tensor([[[True, True, True, False, False, False]]])
     # Tokens 0 and 1 stay global (one page), 2..5 need two ring pages: 3 held - 1 kept = 2 available.
     assert cache.start_ring("r", 4, admitted) == 3 - 1 - 2
-    assert cache.pool.num_free == 0 and cache.ring_tables[0, 0, 0].tolist() == [1, 0]
+    assert cache.pool.num_free == 0 and cache.rings.tables[0, 0, 0].tolist() == [1, 0]
     assert global_positions(cache, "r") == [[[0, 1]]]
-    assert cache.ring_flags[0, 0, 0].tolist() == [False, False, True, False]
+    assert cache.rings.flags[0, 0, 0].tolist() == [False, False, True, False]
 
 
 def test_start_ring_refuses_bad_requests() -> None:
@@ -636,12 +636,12 @@ def test_start_ring_refuses_bad_requests() -> None:
     assert str(info.value) == "request 'r' already has a ring"
     # A wider ring later widens the ring tables and flags of every row.
     prefill(cache, "w", 8)
-    assert cache.ring_tables.shape == (2, 3, 1, 1)
+    assert cache.rings.tables.shape == (2, 3, 1, 1)
     cache.start_ring("w", 6, torch.zeros(2, 1, 8, dtype=torch.bool))
-    assert cache.ring_tables.shape == (2, 3, 1, 3) and cache.ring_flags.shape == (2, 3, 1, 6)
-    assert cache.ring_tables[:, 0, 0, 1:].tolist() == [[-1, -1], [-1, -1]]
-    assert cache.ring_lens().tolist() == [2, 0, 6]
-    assert cache.device_ring_tables is cache.ring_tables
+    assert cache.rings.tables.shape == (2, 3, 1, 3) and cache.rings.flags.shape == (2, 3, 1, 6)
+    assert cache.rings.tables[:, 0, 0, 1:].tolist() == [[-1, -1], [-1, -1]]
+    assert cache.rings.lens().tolist() == [2, 0, 6]
+    assert cache.rings.device_tables is cache.rings.tables
     assert_consistent(cache)
 
 
@@ -654,10 +654,10 @@ def test_admit_flags_the_token_just_appended() -> None:
     cache.start_ring("b", 2, torch.zeros(2, 2, 4, dtype=torch.bool))
     cache.append_slots([b, a], torch.tensor([[4], [2]]))
     # a's token 2 sits in slot 2 of 4; b's token 4 in slot 0 of 2.
-    cache.admit(1, [b, a], torch.tensor([[True, True], [False, True]]))
-    assert cache.ring_flags[1, a].tolist() == [[False, False, False, False], [False, False, True, False]]
-    assert cache.ring_flags[1, b].tolist() == [[True, False, False, False], [True, False, False, False]]
-    assert not bool(cache.ring_flags[0].any())
+    cache.rings.admit(1, [b, a], torch.tensor([[True, True], [False, True]]))
+    assert cache.rings.flags[1, a].tolist() == [[False, False, False, False], [False, False, True, False]]
+    assert cache.rings.flags[1, b].tolist() == [[True, False, False, False], [True, False, False, False]]
+    assert not bool(cache.rings.flags[0].any())
     for rows, flags, message in (
         ([0], torch.ones(1, 2, dtype=torch.bool), "admission flags only apply to requests with a local ring"),
         ([a, 0], torch.ones(2, 2, dtype=torch.bool), "admission flags only apply to requests with a local ring"),
@@ -665,14 +665,14 @@ def test_admit_flags_the_token_just_appended() -> None:
         ([a, b], torch.ones(2, 3, dtype=torch.bool), "flags must be [B, H] = (2, 2), got (2, 3)"),
     ):
         with pytest.raises(ValueError) as info:
-            cache.admit(0, rows, flags)
+            cache.rings.admit(0, rows, flags)
         assert str(info.value) == message
     # A ring row and a plain row decode together; the plain one grows its global region.
     cache.append_slots([0, a], torch.tensor([[2], [3]]))
     assert cache.seq_lens[:, 0].tolist() == [[3, 3], [3, 3]]
     # Each row's peak counts its own pages: the plain row's 2 per (layer, head), a's ring of 2 per (layer, head).
     assert cache.peak_pages("plain") == 8 and cache.peak_pages("a") == 8
-    assert cache.ring_count.tolist() == [0, 4, 5]
+    assert cache.rings.count.tolist() == [0, 4, 5]
 
 
 # ------------------------------------------------------------------------------------ reading back
@@ -848,7 +848,7 @@ def test_a_one_token_ring_admits_and_promotes() -> None:
     cache.start_ring("r", 1, torch.zeros(1, 1, 2, dtype=torch.bool))
     assert global_positions(cache, "r") == [[[]]]
     cache.append_slots([row], torch.tensor([[2]]))
-    cache.admit(0, [row], torch.tensor([[True]]))
+    cache.rings.admit(0, [row], torch.tensor([[True]]))
     cache.append_slots([row], torch.tensor([[3]]))  # token 2 leaves the ring, admitted
     assert cache.entry_positions("r")[0].tolist() == [[[2]]]
     _, _, ring_pos = cache.gather("r", 0, 0, region="ring")
@@ -867,19 +867,19 @@ def test_device_mirrors_follow_every_bookkeeping_change() -> None:
     play the device's part, and they must equal the bookkeeping after every operation.
     """
     cache = cache_of(2, 2, pages=64, rows=3)
-    cache._mirror = True
+    cache._mirror = cache.rings._mirror = True
 
     def split() -> None:
         cache.device_block_tables = cache.block_tables.clone()
         cache.device_seq_lens = cache.seq_lens.clone()
-        cache.device_ring_tables = cache.ring_tables.clone()
+        cache.rings.device_tables = cache.rings.tables.clone()
 
     def check() -> None:
         assert cache.device_block_tables is not cache.block_tables
         assert cache.device_block_tables.shape == cache.block_tables.shape
         assert torch.equal(cache.device_block_tables, cache.block_tables)
         assert torch.equal(cache.device_seq_lens, cache.seq_lens)
-        assert torch.equal(cache.device_ring_tables, cache.ring_tables)
+        assert torch.equal(cache.rings.device_tables, cache.rings.tables)
 
     split()
     a = prefill(cache, "a", 5)
@@ -897,7 +897,7 @@ def test_device_mirrors_follow_every_bookkeeping_change() -> None:
     cache.start_ring("c", 4, torch.ones(2, 2, 6, dtype=torch.bool))
     split()  # the ring tables were just created; give them their own device copy again
     cache.append_slots([c, a], torch.tensor([[6], [6]]))
-    cache.admit(0, [c], torch.ones(1, 2, dtype=torch.bool))
+    cache.rings.admit(0, [c], torch.ones(1, 2, dtype=torch.bool))
     check()
     _, _, positions, lengths = cache.gather_layer("a", 0)
     assert lengths.tolist() == [3, 1] and positions.tolist() == [[2, 3, 6], [6, -1, -1]]
@@ -914,14 +914,14 @@ def test_batched_ring_appends_promote_and_clear_per_row() -> None:
     a, b = prefill(cache, "a", 4), prefill(cache, "b", 5)
     cache.start_ring("a", 4, torch.ones(2, 2, 4, dtype=torch.bool))  # tokens 0..3 in slots 0..3
     cache.start_ring("b", 4, torch.zeros(2, 2, 5, dtype=torch.bool))  # tokens 4, 1, 2, 3; token 0 dropped
-    assert cache.ring_flags[:, a].tolist() == [[[True] * 4] * 2] * 2
-    assert not bool(cache.ring_flags[:, b].any())
+    assert cache.rings.flags[:, a].tolist() == [[[True] * 4] * 2] * 2
+    assert not bool(cache.rings.flags[:, b].any())
     # Both rings are full. a's token 4 goes to slot 0 (token 0, admitted: promoted), b's token 5 to
     # slot 1 (token 1, not admitted: dropped).
     assert cache.pages_needed_to_append([a, b], 1) == 4
     cache.append_slots([a, b], torch.tensor([[4], [5]]))
-    assert cache.ring_flags[:, a].tolist() == [[[False, True, True, True]] * 2] * 2
-    assert not bool(cache.ring_flags[:, b].any())
+    assert cache.rings.flags[:, a].tolist() == [[[False, True, True, True]] * 2] * 2
+    assert not bool(cache.rings.flags[:, b].any())
     assert global_positions(cache, "a") == [[[0], [0]], [[0], [0]]]
     assert global_positions(cache, "b") == [[[], []], [[], []]]
     for layer in range(2):
@@ -955,7 +955,7 @@ def test_a_ring_step_without_promotion_reads_no_page_past_a_full_table() -> None
     cache.append_slots([row], torch.tensor([[5]]))  # promotes 3: the global region fills both pages
     assert cache.block_tables.shape[-1] == 2 and cache.seq_lens[0, row, 0] == 4
     slots = cache.append_slots([row], torch.tensor([[6]]))  # token 4 was never admitted: nothing moves
-    assert slots.tolist() == [[[[int(cache.ring_tables[0, row, 0, 0]) * 2]]]]
+    assert slots.tolist() == [[[[int(cache.rings.tables[0, row, 0, 0]) * 2]]]]
     assert cache.entry_positions("r")[0].tolist() == [[[0, 1, 2, 3]]]
     _, _, ring_pos = cache.gather("r", 0, 0, region="ring")
     assert ring_pos.tolist() == [6, 5]

@@ -39,9 +39,9 @@ def snapshot(cache: PagedKVCache) -> tuple[torch.Tensor, ...]:
     return (
         cache.block_tables.clone(),
         cache.seq_lens.clone(),
-        cache.ring_tables.clone(),
-        cache.ring_flags.clone(),
-        cache.ring_count.clone(),
+        cache.rings.tables.clone(),
+        cache.rings.flags.clone(),
+        cache.rings.count.clone(),
         torch.tensor(cache.pool.num_free),
     )
 
@@ -108,7 +108,7 @@ class CacheMachine(RuleBasedStateMachine):
             for layer in range(L):
                 f = torch.tensor(data.draw(st.lists(st.booleans(), min_size=len(ring_b) * H, max_size=len(ring_b) * H)))
                 flags[layer] = f.view(len(ring_b), H)
-                self.cache.admit(layer, [rows[b] for b in ring_b], flags[layer])
+                self.cache.rings.admit(layer, [rows[b] for b in ring_b], flags[layer])
         for b, rid in enumerate(rids):
             m = self.requests[rid]
             for layer, head in itertools.product(range(L), range(H)):
@@ -250,7 +250,7 @@ class CacheMachine(RuleBasedStateMachine):
         held = page_col < ((cache.seq_lens.to(torch.int64) + PS - 1) // PS).unsqueeze(-1)
         assert bool((tables[held] >= 0).all()), "a held page slot has no page"
         assert bool((tables[~held] == -1).all()), "a page id lingers past a head's length"
-        pages = torch.cat([tables[held].to(torch.int64), cache.ring_tables[cache.ring_tables >= 0].to(torch.int64)])
+        pages = torch.cat([tables[held].to(torch.int64), cache.rings.tables[cache.rings.tables >= 0].to(torch.int64)])
         assert pages.numel() == torch.unique(pages).numel(), "a page is in two places"
         in_use = cache.pool.in_use_mask()
         assert int(in_use.sum()) == cache.pool.num_used == pages.numel()
@@ -305,7 +305,7 @@ def test_lazy_promotion_keeps_admitted_plus_last_window() -> None:
         slots = cache.append_slots([row], torch.tensor([[t]]))
         cache.write(slots, torch.zeros(*slots.shape, 4), torch.zeros(*slots.shape, 4))
         flags[t] = torch.rand(2) < 0.3
-        cache.admit(0, [row], flags[t].view(1, 2))
+        cache.rings.admit(0, [row], flags[t].view(1, 2))
     total = prompt + steps
     for head in range(2):
         _, _, global_pos = cache.gather("r", 0, head)

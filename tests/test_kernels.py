@@ -201,7 +201,7 @@ def test_decode_on_the_managers_layout(device: str) -> None:
         cache.write(slots, torch.randn(*slots.shape, head_dim), torch.randn(*slots.shape, head_dim))
     batch = torch.tensor([rows[2], rows[0], rows[1]], device=device)
     query = torch.randn(3, heads * 4, head_dim, device=device)
-    ring_lens = cache.ring_lens().to(device)
+    ring_lens = cache.rings.lens().to(device)
     for layer in range(layers):
         args = (
             query,
@@ -211,7 +211,7 @@ def test_decode_on_the_managers_layout(device: str) -> None:
             cache.device_seq_lens[layer],
             batch,
             0.125,
-            cache.device_ring_tables[layer],
+            cache.rings.device_tables[layer],
             ring_lens,
         )
         expected = reference.paged_decode_attention(*args)
@@ -465,8 +465,8 @@ def _cache_life(device: str) -> PagedKVCache:
         row = cache.row_of("ring")
         step = cache.append_slots([row], torch.tensor([[t]]))
         cache.write(step[:, :, :, 0], rand(2, 1, 2), rand(2, 1, 2))
-        cache.admit(0, [row], torch.tensor([[t % 2 == 0, t % 3 == 0]]))
-        cache.admit(1, [row], torch.tensor([[True, False]]))
+        cache.rings.admit(0, [row], torch.tensor([[t % 2 == 0, t % 3 == 0]]))
+        cache.rings.admit(1, [row], torch.tensor([[True, False]]))
     return cache
 
 

@@ -66,7 +66,7 @@ def check_conservation(engine: LLMEngine) -> None:
     cache = engine.cache
     tables = cache.block_tables
     held = torch.arange(tables.shape[-1]) < ((cache.seq_lens.to(torch.int64) + PAGE - 1) // PAGE).unsqueeze(-1)
-    cells = torch.cat([tables[held], cache.ring_tables[cache.ring_tables >= 0]]).to(torch.int64)
+    cells = torch.cat([tables[held], cache.rings.tables[cache.rings.tables >= 0]]).to(torch.int64)
     refs = torch.bincount(cells, minlength=cache.pool.num_pages).to(torch.int32)
     assert torch.equal(cache.pool.refcounts(), refs)
 

@@ -198,7 +198,7 @@ def _same(a: list[tuple[torch.Tensor, ...]], b: list[tuple[torch.Tensor, ...]]) 
 
 
 def _check_counts(cache: PagedKVCache) -> None:
-    tables = torch.cat([cache.block_tables.reshape(-1), cache.ring_tables.reshape(-1)])
+    tables = torch.cat([cache.block_tables.reshape(-1), cache.rings.tables.reshape(-1)])
     held = torch.bincount(tables[tables >= 0].to(torch.int64), minlength=cache.pool.num_pages)
     assert torch.equal(held.to(torch.int32), cache.pool.refcounts())
     assert cache.pool.num_used == int((held > 0).sum())

@@ -88,7 +88,7 @@ def assert_no_page_leaked(pool: Any) -> None:
     cache = pool.cache
     listed = [cache.block_tables[:, seat.row].reshape(-1) for seat in pool.seats.values()]
     listed += [pages.reshape(-1) for seat in pool.seats.values() for pages in seat.spill.values()]
-    listed += [cache.ring_tables[:, seat.row].reshape(-1) for seat in pool.seats.values()]  # WG-KV's local rings
+    listed += [cache.rings.tables[:, seat.row].reshape(-1) for seat in pool.seats.values()]  # WG-KV's local rings
     if pool.prefix_blocks is not None:
         listed += [pages.reshape(-1) for pages in pool.prefix_blocks.kept.values()]
     if pool.contexts is not None:  # stored named contexts' rows

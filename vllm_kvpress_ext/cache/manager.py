@@ -4,10 +4,10 @@ Layout of the bookkeeping (R = `max_requests` rows, one per running request):
 
 - global region: `block_tables[L, R, H, P]` page ids (-1 = none) and `seq_lens[L, R, H]` entries.
   Entry e of (l, r, h) lives at slot `block_tables[l, r, h, e // page_size] * page_size + e % page_size`.
-- local ring (optional, per request): `ring_tables[L, R, H, W / page_size]` pages holding the last
-  W tokens, token t at ring slot `t % W`; `ring_count[r]` tokens have passed through it, and
-  `ring_flags[L, R, H, W]` say whether the token in a slot is admitted to the global region
-  when it is overwritten (lazy promotion).
+- local ring (optional, per request, `rings`: cache/rings.py): pages holding the last W tokens of
+  every (layer, head), token t at ring slot `t % W`, each with a flag that says whether it is admitted
+  to the global region when a later token overwrites it (lazy promotion). This class moves the entries;
+  `LocalRings` keeps the rings' tables, counts and flags.
 
 Kernels take `block_tables[l]` ([R, H, P]) and `seq_lens[l]` ([R, H]) for one layer and treat
 each (request, head) as its own sequence. Every mutation is a handful of vectorised tensor ops
@@ -44,6 +44,7 @@ from vllm_kvpress_ext.attention import ops
 from vllm_kvpress_ext.attention.reference import gather_paged
 from vllm_kvpress_ext.cache.plan import InvalidPlanError, KeepPlan
 from vllm_kvpress_ext.cache.pool import PagePool, PoolExhaustedError
+from vllm_kvpress_ext.cache.rings import LocalRings
 
 
 def _ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
@@ -116,14 +117,10 @@ class PagedKVCache:
         shape = (num_layers, max_requests, num_kv_heads)
         self.block_tables = torch.full((*shape, max(1, initial_pages_per_head)), -1, dtype=torch.int32)
         self.seq_lens = torch.zeros(shape, dtype=torch.int32)
-        self.ring_window = torch.zeros(max_requests, dtype=torch.int64)
-        self.ring_count = torch.zeros(max_requests, dtype=torch.int64)
-        self.ring_tables = torch.full((*shape, 0), -1, dtype=torch.int32)
-        self.ring_flags = torch.zeros((*shape, 0), dtype=torch.bool)
+        self.rings = LocalRings(num_layers, max_requests, num_kv_heads, page_size, self.device)
         self._mirror = self.device.type != "cpu"
         self.device_block_tables = self.block_tables.to(self.device) if self._mirror else self.block_tables
         self.device_seq_lens = self.seq_lens.to(self.device) if self._mirror else self.seq_lens
-        self.device_ring_tables = self.ring_tables.to(self.device) if self._mirror else self.ring_tables
         # High-water mark of pages each row has held since it was added: updated at every allocation
         # (the only event that can raise it), so it is exact, not sampled.
         self._peak_pages = torch.zeros(max_requests, dtype=torch.int64)
@@ -164,12 +161,14 @@ class PagedKVCache:
         """Return every page of the request to the pool and release its row."""
         row = self.row_of(request_id)
         pages = self.block_tables[:, row]
-        ring_pages = self.ring_tables[:, row]
-        self.pool.free(torch.cat([pages[pages >= 0], ring_pages[ring_pages >= 0]]).to(torch.int64))
-        self._reset_row(row)
+        self.pool.free(torch.cat([pages[pages >= 0].to(torch.int64), self.rings.pages_of(row)]))
+        self.block_tables[:, row] = -1
+        self.seq_lens[:, row] = 0
+        if self._mirror:
+            self.device_block_tables[:, row] = -1
+            self.device_seq_lens[:, row] = 0
+        self.rings.clear(row)
         self._peak_pages[row] = 0
-        self.ring_window[row] = 0
-        self.ring_count[row] = 0
         del self._row_of[request_id]
         self._free_rows.append(row)
 
@@ -180,8 +179,7 @@ class PagedKVCache:
         are allocated here: PoolExhaustedError, with nothing changed, when they do not fit).
         """
         parent = self.row_of(parent_id)
-        ring_pages = self.ring_tables[:, parent]
-        ring_held = ring_pages[ring_pages >= 0].to(torch.int64)
+        ring_held = self.rings.pages_of(parent)
         if ring_held.numel() > self.pool.num_free:
             raise PoolExhaustedError(ring_held.numel(), self.pool.num_free)
         child = self.add_request(child_id)
@@ -195,14 +193,7 @@ class PagedKVCache:
         if ring_held.numel():
             copies = self.pool.allocate(ring_held.numel())
             self._copy_pages(ring_held, copies)
-            child_ring = ring_pages.clone()
-            child_ring[ring_pages >= 0] = copies.to(torch.int32)
-            self.ring_tables[:, child] = child_ring
-            if self._mirror:
-                self.device_ring_tables[:, child] = child_ring.to(self.device)
-            self.ring_flags[:, child] = self.ring_flags[:, parent]
-            self.ring_window[child] = self.ring_window[parent]
-            self.ring_count[child] = self.ring_count[parent]
+            self.rings.copy(parent, child, copies)
         self._note_peak(torch.tensor([child]))
         return child
 
@@ -288,16 +279,6 @@ class PagedKVCache:
         p_idx = torch.div(lens[l_idx, b_idx, h_idx], self.page_size, rounding_mode="floor")
         return self._shared_cells(l_idx, rows[b_idx], h_idx, p_idx)
 
-    def _reset_row(self, row: int) -> None:
-        self.block_tables[:, row] = -1
-        self.seq_lens[:, row] = 0
-        self.ring_tables[:, row] = -1
-        self.ring_flags[:, row] = False
-        if self._mirror:
-            self.device_block_tables[:, row] = -1
-            self.device_seq_lens[:, row] = 0
-            self.device_ring_tables[:, row] = -1
-
     # ------------------------------------------------------------------ appending
 
     def pages_needed_to_append(self, rows: torch.Tensor, num_tokens: int) -> int:
@@ -325,18 +306,9 @@ class PagedKVCache:
     def _append_counts(self, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Entries each (l, b, h) adds to its *global* region: `num_tokens`, or for ring rows the promotions."""
         counts = torch.full((self.num_layers, rows.numel(), self.num_kv_heads), num_tokens, dtype=torch.int64)
-        ring_rows = (self.ring_window[rows] > 0).nonzero().reshape(-1)
+        ring_rows = self.rings.has_ring(rows).nonzero().reshape(-1)
         if ring_rows.numel():
-            r = rows[ring_rows]
-            window = self.ring_window[r]
-            slot = self.ring_count[r] % window
-            full = self.ring_count[r] >= window
-            flags = (
-                self.ring_flags[:, r, :, :]
-                .gather(-1, slot.view(1, -1, 1, 1).expand(self.num_layers, -1, self.num_kv_heads, 1))
-                .squeeze(-1)
-            )
-            counts[:, ring_rows] = (flags & full.view(1, -1, 1)).to(torch.int64)
+            counts[:, ring_rows] = self.rings.promotions(rows[ring_rows]).to(torch.int64)
         if self.has_sliding_layers:
             # A sliding layer grows until it holds its window; after that each token replaces one.
             sliding = self.sliding_layers
@@ -357,7 +329,7 @@ class PagedKVCache:
         rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
         positions = torch.as_tensor(positions, dtype=torch.int64).reshape(rows.numel(), -1)
         num_tokens = positions.shape[1]
-        is_ring = self.ring_window[rows] > 0
+        is_ring = self.rings.has_ring(rows)
         if bool(is_ring.any()) and num_tokens != 1:
             raise ValueError("requests with a local ring append one token per step")
         if torch.unique(rows).numel() != rows.numel():
@@ -383,12 +355,8 @@ class PagedKVCache:
 
         if bool(is_ring.any()):
             ring_b = is_ring.nonzero().reshape(-1)
-            r = rows[ring_b]
-            ring_slot = self.ring_count[r] % self.ring_window[r]  # [Br]
-            ring_pages = self.ring_tables[:, r, :, :].gather(
-                -1, torch.div(ring_slot, ps, rounding_mode="floor").view(1, -1, 1, 1).expand(layers, -1, heads, 1)
-            )
-            ring_slots = ring_pages.to(torch.int64) * ps + (ring_slot % ps).view(1, -1, 1, 1)  # [L, Br, H, 1]
+            # The slots the rows' new tokens take; the new tokens are not admitted until `admit` says so.
+            ring_slots = self.rings.take_slots(rows[ring_b])  # [L, Br, H, 1]
             promote = counts[:, ring_b].bool()  # [L, Br, H]
             promote[self.sliding_layers] = False  # a sliding layer's own ring holds its window: no local ring there
             if bool(promote.any()):
@@ -396,9 +364,6 @@ class PagedKVCache:
                 dst = slots[:, ring_b, :, 0][promote].to(self.device)
                 self._copy_slots(src, dst, disjoint=True)  # ring pages and global pages never coincide
             slots[:, ring_b] = ring_slots
-            # The new token is not admitted until `admit` says otherwise.
-            self._clear_flags(r, ring_slot)
-            self.ring_count[r] += 1
 
         if self.has_sliding_layers:
             slots[self.sliding_layers] = self._sliding_slots(rows, positions)
@@ -454,7 +419,7 @@ class PagedKVCache:
         """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
-        if int(self.ring_window[row]):
+        if int(self.rings.window[row]):
             raise ValueError("requests with a local ring cannot append layer by layer")
         if int(self.layer_windows[layer]):
             raise ValueError("a sliding-window layer's ring cannot be appended to layer by layer")
@@ -473,15 +438,6 @@ class PagedKVCache:
             positions.expand(self.num_kv_heads, -1).reshape(-1).to(device=self.device, dtype=torch.int32)
         )
         return slots
-
-    def _clear_flags(self, rows: torch.Tensor, ring_slot: torch.Tensor) -> None:
-        layers, heads = self.num_layers, self.num_kv_heads
-        self.ring_flags[
-            torch.arange(layers).view(-1, 1, 1),
-            rows.view(1, -1, 1),
-            torch.arange(heads).view(1, 1, -1),
-            ring_slot.view(1, -1, 1),
-        ] = False
 
     def _unshare_before_growing(
         self, rows: torch.Tensor, counts: torch.Tensor, overwritten: tuple[torch.Tensor, ...] | None = None
@@ -529,7 +485,7 @@ class PagedKVCache:
     def _pages_held(self, rows: torch.Tensor) -> torch.Tensor:
         """Pages held by each row `[B]`: global pages (partial last pages whole) plus ring pages."""
         global_pages = _ceil_div(self.seq_lens[:, rows].to(torch.int64), self.page_size).sum(dim=(0, 2))
-        return global_pages + (self.ring_tables[:, rows] >= 0).sum(dim=(0, 2, 3))
+        return global_pages + self.rings.pages_held(rows)
 
     def _note_peak(self, rows: torch.Tensor) -> None:
         self._peak_pages[rows] = torch.maximum(self._peak_pages[rows], self._pages_held(rows))
@@ -591,19 +547,6 @@ class PagedKVCache:
         lets the kernel copy in one pass; order-preserving compaction must leave it False.
         """
         ops.copy_slots(self.pool.kv, self.pool.positions, src, dst, disjoint=disjoint)
-
-    def admit(self, layer: int, rows: torch.Tensor | list[int], flags: torch.Tensor) -> None:
-        """Set the admission flags `[B, H]` of the token each ring row just appended in `layer`."""
-        rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
-        window = self.ring_window[rows]
-        if bool((window <= 0).any()):
-            raise ValueError("admission flags only apply to requests with a local ring")
-        if flags.shape != (rows.numel(), self.num_kv_heads):
-            raise ValueError(f"flags must be [B, H] = {(rows.numel(), self.num_kv_heads)}, got {tuple(flags.shape)}")
-        slot = (self.ring_count[rows] - 1) % window
-        self.ring_flags[layer, rows.view(-1, 1), torch.arange(self.num_kv_heads).view(1, -1), slot.view(-1, 1)] = (
-            flags.to(device="cpu", dtype=torch.bool)
-        )
 
     # ------------------------------------------------------------------ compaction
 
@@ -700,7 +643,7 @@ class PagedKVCache:
         shared until the row writes into it (copy-on-write then).
         """
         row = self.row_of(request_id)
-        if int((self.ring_tables[:, row] >= 0).sum()):
+        if self.rings.pages_of(row).numel():
             raise InvalidPlanError("a row with a local ring cannot be truncated by position")
         positions, lens = self.entry_positions(request_id)
         if self.has_sliding_layers:
@@ -815,7 +758,7 @@ class PagedKVCache:
         ps = self.page_size
         if window <= 0 or window % ps:
             raise ValueError(f"ring window must be a positive multiple of page_size {ps}, got {window}")
-        if int(self.ring_window[row]):
+        if int(self.rings.window[row]):
             raise ValueError(f"request {request_id!r} already has a ring")
         ringed = self.global_layers
         all_positions, all_lens = self.entry_positions(request_id)  # [L, H, N], [L, H]
@@ -858,26 +801,13 @@ class PagedKVCache:
 
         self._compact(torch.tensor([row]), keep.unsqueeze(1), ringed)
 
-        if self.ring_tables.shape[-1] < ring_pages_per_head:
-            pad = ring_pages_per_head - self.ring_tables.shape[-1]
-            self.ring_tables = torch.nn.functional.pad(self.ring_tables, (0, pad), value=-1)
-            self.ring_flags = torch.nn.functional.pad(self.ring_flags, (0, pad * ps), value=False)
-            self.device_ring_tables = self.ring_tables.to(self.device) if self._mirror else self.ring_tables
-        pages = self.pool.allocate(pages_needed).to(torch.int32).view(layers, heads, ring_pages_per_head)
-        self.ring_tables[ringed, row, :, :ring_pages_per_head] = pages
-        if self._mirror:
-            self.device_ring_tables[ringed, row, :, :ring_pages_per_head] = pages.to(self.device)
+        pages = self.pool.allocate(pages_needed).view(layers, heads, ring_pages_per_head)
         ring_slot = e.view(1, 1, -1).expand(layers, heads, in_ring) % window  # [Lg, H, m]
         local_l = torch.arange(layers).view(-1, 1, 1).expand(layers, heads, in_ring)
-        dst_page = pages.to(torch.int64)[local_l, h_idx, torch.div(ring_slot, ps, rounding_mode="floor")]
+        dst_page = pages[local_l, h_idx, torch.div(ring_slot, ps, rounding_mode="floor")]
         dst = (dst_page * ps + ring_slot % ps).reshape(-1).to(self.device)
         ops.write_kv(self.pool.kv, dst, ring_kv[:, 0], ring_kv[:, 1], self.pool.positions, ring_pos)
-        self.ring_flags[:, row] = False
-        self.ring_flags[ringed.view(-1, 1, 1), row, torch.arange(heads).view(1, -1, 1), (e % window).view(1, 1, -1)] = (
-            admitted[..., n - in_ring :]
-        )
-        self.ring_window[row] = window
-        self.ring_count[row] = n
+        self.rings.install(row, ringed, pages, window, n, admitted[..., n - in_ring :])
         self._note_peak(torch.tensor([row]))
         return int(_ceil_div(lens, ps).sum()) - pages_after_compaction - pages_needed
 
@@ -905,11 +835,6 @@ class PagedKVCache:
             return 0
         return self.apply_keep_plan(request_id, KeepPlan.from_mask(keep), layers=ringed.tolist())
 
-    def ring_lens(self, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
-        """Valid ring entries per row: min(tokens seen, W); valid ring slots are [0, ring_len)."""
-        rows_t = torch.arange(self.max_requests) if rows is None else torch.as_tensor(rows, dtype=torch.int64)
-        return torch.minimum(self.ring_count[rows_t], self.ring_window[rows_t])
-
     # ------------------------------------------------------------------ reading back
 
     def gather(self, request_id: Hashable, layer: int, head: int, region: str = "global") -> tuple[torch.Tensor, ...]:
@@ -920,8 +845,8 @@ class PagedKVCache:
             n = int(self.seq_lens[layer, row, head])
             pages = self.block_tables[layer, row, head]
         elif region == "ring":
-            n = int(self.ring_lens([row])[0])
-            pages = self.ring_tables[layer, row, head]
+            n = int(self.rings.lens([row])[0])
+            pages = self.rings.tables[layer, row, head]
         else:
             raise ValueError(f"region must be 'global' or 'ring', got {region!r}")
         e = torch.arange(n)
@@ -961,14 +886,7 @@ class PagedKVCache:
 
         Ring slots are not kept in position order (token t sits at slot t % W); the order here is slot order.
         """
-        row = self.row_of(request_id)
-        n = int(self.ring_lens([row])[0])
-        e = torch.arange(n)
-        tables = self.ring_tables[:, row].to(torch.int64)  # [L, H, Pr]
-        pages = tables.gather(-1, torch.div(e, self.page_size, rounding_mode="floor").expand(*tables.shape[:2], n))
-        slots = (pages * self.page_size + e % self.page_size).clamp(min=0)
-        positions = self.pool.positions.view(-1)[slots.to(self.device)].cpu().to(torch.int64)
-        return positions.masked_fill(pages < 0, -1)  # a sliding-window layer has no local ring
+        return self.rings.positions(self.row_of(request_id), self.pool.positions)
 
     # ------------------------------------------------------------------ accounting
 
@@ -981,9 +899,9 @@ class PagedKVCache:
             return []
         rows = torch.tensor([self.row_of(request_id) for request_id in request_ids], dtype=torch.int64)
         lens = self.seq_lens[:, rows].to(torch.int64).transpose(0, 1).contiguous()  # [R, L, H]
-        rings = self.ring_tables[:, rows].transpose(0, 1)  # [R, L, H, Pr]
+        rings = self.rings.tables[:, rows].transpose(0, 1)  # [R, L, H, Pr]
         pages = _ceil_div(lens, self.page_size).sum(dim=(1, 2)) + (rings >= 0).sum(dim=(1, 2, 3))
-        ring_tokens = self.ring_lens(rows)
+        ring_tokens = self.rings.lens(rows)
         ringed = (rings[:, :, 0, :1] >= 0).sum(dim=(1, 2))  # layers with a local ring (not sliding ones)
         tokens = lens.sum(dim=(1, 2)) + ring_tokens * ringed * self.num_kv_heads
         held = torch.cat([self.block_tables[:, rows].transpose(0, 1).flatten(1), rings.flatten(1)], dim=1)
@@ -1009,9 +927,7 @@ class PagedKVCache:
     def pages_per_head(self, request_id: Hashable) -> torch.Tensor:
         """Pages held per (layer, head) `[L, H]`, ring included."""
         row = self.row_of(request_id)
-        return _ceil_div(self.seq_lens[:, row].to(torch.int64), self.page_size) + (self.ring_tables[:, row] >= 0).sum(
-            -1
-        )
+        return _ceil_div(self.seq_lens[:, row].to(torch.int64), self.page_size) + self.rings.pages_per_head(row)
 
     def pages_for_prompt(self, num_tokens: int) -> int:
         """Pages a fresh request needs to hold `num_tokens` uncompressed tokens in every layer and head

@@ -211,7 +211,7 @@ class DecodeContext:
         self.device_rows = rows.to(cache.device)
         self.slots = slots  # [L, B, H, 1]
         self.scale = scale
-        self.has_ring = bool((cache.ring_window[rows] > 0).any())
+        self.has_ring = bool((cache.rings.window[rows] > 0).any())
         self.windows = cache.layer_windows.tolist()
         self._host_probs: dict[int, torch.Tensor] = {}
 
@@ -241,9 +241,9 @@ class DecodeContext:
         ringed = self.has_ring and not self.windows[layer_idx]
         for index, admission in self.admissions if ringed else ():
             local = index.to(k.device)
-            cache.admit(layer_idx, self.rows[index], admission.flags(layer_idx, k_pre_rope[local], k[local]))
-        ring_tables = cache.device_ring_tables[layer_idx] if ringed else None
-        ring_lens = cache.ring_lens().to(cache.device) if ringed else None
+            cache.rings.admit(layer_idx, self.rows[index], admission.flags(layer_idx, k_pre_rope[local], k[local]))
+        ring_tables = cache.rings.device_tables[layer_idx] if ringed else None
+        ring_lens = cache.rings.lens().to(cache.device) if ringed else None
         return paged_decode_attention(
             q,
             cache.pool.kv,

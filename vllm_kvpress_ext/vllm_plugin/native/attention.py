@@ -254,8 +254,8 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
             cache.device_seq_lens[layer_index],
             plan.decode_rows,
             self.scale,
-            cache.device_ring_tables[layer_index] if plan.rings and rings else None,
-            cache.ring_lens().to(cache.device) if plan.rings and rings else None,
+            cache.rings.device_tables[layer_index] if plan.rings and rings else None,
+            cache.rings.lens().to(cache.device) if plan.rings and rings else None,
             probs_out=plan.decode_probs,
             soft_cap=self.logits_soft_cap,
         ).to(out.dtype)
@@ -276,7 +276,7 @@ class KVPressAttentionImpl(AttentionImpl[KVPressAttentionMetadata]):
         for tokens, rows, gate in plan.decode_gates:
             index = tokens.to(keys.device)
             flags = gate.flags(self.layer_index, keys_pre_rope[index], keys[index])
-            self.pool.cache.admit(self.layer_index, rows, flags)
+            self.pool.cache.rings.admit(self.layer_index, rows, flags)
 
     def _gated(
         self, span: PrefillSpan, plan: StepPlan, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor

@@ -516,7 +516,7 @@ class NativePool:
             decode_probs=[] if wants_probs else None,
             spill_slots=spill_slots,
             decode_gates=decode_gates,
-            rings=bool((cache.ring_window[decode_rows] > 0).any()) if decode_rows.numel() else False,
+            rings=bool((cache.rings.window[decode_rows] > 0).any()) if decode_rows.numel() else False,
             keys_pre_rope=[None] * cache.num_layers if gated else None,
         )
         return self._plan
