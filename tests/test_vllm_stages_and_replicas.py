@@ -1,8 +1,8 @@
 """Pipeline parallelism, and tensor parallelism over more workers than KV heads, on vLLM's runner.
 
 Pipeline parallelism (`--pipeline-parallel-size 2`): each stage's pool holds its layers; a policy that decides
-across layers runs stage after stage and plans on the last. Every policy but KVzip (refused by name) keeps what one
-worker keeps, and a request failing on one stage fails on both, alone.
+across layers runs stage after stage and plans on the last, and KVzip's reconstruction pass runs the stages in turn.
+Every policy keeps what one worker keeps, and a request failing on one stage fails on both, alone.
 
 More workers than KV heads: vLLM replicates each head, and the replicas join their parts of its query group, so
 both keep what one worker keeps.
@@ -31,11 +31,7 @@ from parallel_utils import (
     write_parallel_model,
 )
 from vllm import SamplingParams as VllmSamplingParams
-from vllm.exceptions import VLLMValidationError
 from vllm_utils import in_process_engine
-
-from vllm_kvpress_ext.policies.registry import create_policy
-from vllm_kvpress_ext.vllm_plugin.native.support import ModelFacts, native_refusal
 
 pytestmark = [
     pytest.mark.slow,
@@ -48,64 +44,55 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_parallel_model(tmp_path_factory.mktemp("tp"))
 
 
-TWO_STAGES = ModelFacts(rope=True, projections=True, pipeline_parallel=2)
-# What pipeline stages serve: every policy but KVzip.
-STAGED = [n for n in SERVED if native_refusal(create_policy(n), TWO_STAGES) is None]
-
-
 @pytest.fixture(scope="module")
 def one_worker(model: Path) -> Run:
     return every_policy_on(model, 1)
 
 
 @pytest.fixture(scope="module")
-def two_stages(model: Path) -> tuple[Run, str]:
-    """Every policy the stages serve on two pipeline stages, and what a request for KVzip is told there."""
+def two_stages(model: Path) -> Run:
+    """Every policy on two pipeline stages."""
     llm = parallel_llm(model, 1, stages=2)
     try:
-        refused = VllmSamplingParams(max_tokens=2, extra_args={"kv_policy": "kvzip"})
-        with pytest.raises(VLLMValidationError) as refusal:
-            llm.generate([{"prompt_token_ids": prompts()[0]}], refused, use_tqdm=False)
-        return run_every_policy(llm, STAGED, stages=2), str(refusal.value)
+        return run_every_policy(llm, SERVED, stages=2)
     finally:
         close(llm)
 
 
-@pytest.mark.parametrize("name", STAGED)
-def test_two_pipeline_stages_keep_exactly_what_one_worker_keeps(
-    name: str, one_worker: Run, two_stages: tuple[Run, str]
-) -> None:
+@pytest.mark.parametrize("name", SERVED)
+def test_two_pipeline_stages_keep_exactly_what_one_worker_keeps(name: str, one_worker: Run, two_stages: Run) -> None:
     """Each stage's pool holds its layers. A policy that decides layer by layer keeps there what one worker keeps
-    in those layers; one that decides across layers (PyramidKV, LAVa, XKV, GVote, K-VEC) sees the second stage's
-    layers after the first's, carrying its state over, and plans every layer on the last stage, as one worker
-    would. The scheduler reads the figures of every stage's layers (the first stage's report merged into the
-    last's)."""
-    assert_same_run(one_worker[name], two_stages[0][name])
-
-
-def test_kvzip_is_refused_under_pipeline_parallelism(model: Path, two_stages: tuple[Run, str]) -> None:
-    """KVzip's reconstruction pass runs the whole model over the cached prompt, which the stages do not: refused by
-    name, per request (HTTP 400 over a server) and at start, while every other policy serves."""
-    assert set(SERVED) - set(STAGED) == {"kvzip"}
-    assert {"pyramidkv", "lava", "xkv", "gvote", "kvec"} <= set(STAGED)
-    assert "kv_policy 'kvzip' scores the cache with a reconstruction pass" in two_stages[1]
-    assert "pipeline parallelism (2 stages" in two_stages[1]
-    with pytest.raises(Exception, match="kv_policy 'kvzip' scores the cache with a reconstruction pass"):
-        parallel_llm(model, 1, stages=2, kv_policy="kvzip")
+    in those layers; one that decides across layers (PyramidKV, LAVa, XKV, GVote, K-VEC, KVzip) sees the second
+    stage's layers after the first's, carrying its state over, and plans every layer on the last stage, as one
+    worker would. KVzip's reconstruction pass runs the first stage's layers, then the second's from the hidden
+    states the first relays, each scoring its own layers. The scheduler reads the figures of every stage's layers
+    (the first stage's report merged into the last's)."""
+    assert_same_run(one_worker[name], two_stages[name])
 
 
 PLANNING_FAILS = 97  # a prompt of this length fails in the last stage's planning alone
+RECONSTRUCTION_FAILS = 98  # and one of this length in the last stage's part of KVzip's reconstruction pass
 
 
 def fail_marked_requests_on_the_last_stage(worker: Any) -> None:
-    """On the last pipeline stage only: a marked prompt finds no pages (before any policy runs), and PyramidKV's
-    plan raises for a prompt of `PLANNING_FAILS` tokens (after the first stage's layers were scored)."""
+    """On the last pipeline stage only: a marked prompt finds no pages (before any policy runs), PyramidKV's
+    plan raises for a prompt of `PLANNING_FAILS` tokens (after the first stage's layers were scored), and the
+    model raises in KVzip's reconstruction pass over a prompt of `RECONSTRUCTION_FAILS` tokens (after the first
+    stage ran its layers over the chunk)."""
     from vllm_kvpress_ext.policies.pyramidkv import PyramidKVPolicy
 
-    pool = worker.model_runner.pool
+    runner = worker.model_runner
+    pool = runner.pool
     if pool.stage is None or pool.stage[0] == 0:
         return
     seat_no_marked_request(pool)
+
+    def raise_if_marked(_model: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        # The pass's chunks are positioned after the prompt: the first one's position is the prompt's length.
+        if pool.reconstructing and int(kwargs["positions"][0]) == RECONSTRUCTION_FAILS:
+            raise RuntimeError("the reconstruction pass failed on the last stage")
+
+    runner.model.register_forward_pre_hook(raise_if_marked, with_kwargs=True)
     plan = PyramidKVPolicy.plan
 
     def plan_unless_marked(self: Any, request: Any, results: Any, state: Any) -> Any:
@@ -118,8 +105,9 @@ def fail_marked_requests_on_the_last_stage(worker: Any) -> None:
 
 def test_a_request_failing_on_one_stage_fails_on_all_and_alone(model: Path, one_worker: Run) -> None:
     """A request the last stage cannot seat is failed on both stages before the policies run, and one whose policy
-    raises on the last stage, while the first stage waits for its plan, is failed on both: neither stage waits for
-    the other in vain, and the batch's other request keeps what one worker keeps."""
+    raises on the last stage, while the first stage waits for its plan or for the last stage's part of KVzip's
+    reconstruction pass, is failed on both: neither stage waits for the other in vain, and the batch's other
+    request keeps what one worker keeps."""
     llm = parallel_llm(model, 1, stages=2)
     try:
         llm.collective_rpc(fail_marked_requests_on_the_last_stage)
@@ -134,6 +122,13 @@ def test_a_request_failing_on_one_stage_fails_on_all_and_alone(model: Path, one_
             assert failed.outputs[0].finish_reason == "error" and not failed.outputs[0].token_ids
         again = llm.generate([{"prompt_token_ids": good}], params, use_tqdm=False)  # nothing left waiting
         assert list(again[0].outputs[0].token_ids) == one_worker["pyramidkv"][0][0]
+        kvzip = VllmSamplingParams(
+            max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, extra_args={"kv_policy": "kvzip"}
+        )
+        assert len([*other, 5, 6]) == RECONSTRUCTION_FAILS
+        outputs = llm.generate([{"prompt_token_ids": p} for p in (good, [*other, 5, 6])], kvzip, use_tqdm=False)
+        assert list(outputs[0].outputs[0].token_ids) == one_worker["kvzip"][0][0]
+        assert outputs[1].outputs[0].finish_reason == "error" and not outputs[1].outputs[0].token_ids
     finally:
         close(llm)
 

@@ -273,7 +273,6 @@ class NativePool:
             rope=self.rotary is not None,
             projections=self.query_projections is not None,
             tensor_parallel=1 if self.shard is None else self.shard.workers,
-            pipeline_parallel=self.pipeline_stages,
         )
         refusal = native_refusal(policy, facts)
         if refusal is not None:

@@ -23,11 +23,13 @@ from typing import Any, cast
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.sequence import IntermediateTensors
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PagePool
+from vllm_kvpress_ext.engine.compression import StageFailure
 from vllm_kvpress_ext.engine.prefix_store import PrefixStore
 from vllm_kvpress_ext.engine.reconstruction import ReconstructionContext
 from vllm_kvpress_ext.policies.base import AdmissionPolicy
@@ -41,7 +43,7 @@ from vllm_kvpress_ext.vllm_plugin.native.attention import (
 )
 from vllm_kvpress_ext.vllm_plugin.native.pool import NativePool
 from vllm_kvpress_ext.vllm_plugin.native.support import layer_projections, native_rope
-from vllm_kvpress_ext.vllm_plugin.native.tensor_parallel import head_shard
+from vllm_kvpress_ext.vllm_plugin.native.tensor_parallel import head_shard, relay_stages
 from vllm_kvpress_ext.vllm_plugin.request_policy import default_policy
 
 logger = logging.getLogger("vllm.kvpress.runner")
@@ -178,15 +180,43 @@ class KVPressModelRunner(CPUModelRunner):
 
     def _reconstruction_forward(self, context: ReconstructionContext, ids: list[int], positions: torch.Tensor) -> None:
         """One chunk of KVzip's reconstruction pass through vLLM's model: every layer's attention is the context's
-        (it reads the request's row, scores it and writes nothing; no slot mapping, so no cache write)."""
+        (it reads the request's row, scores it and writes nothing; no slot mapping, so no cache write).
+
+        Under pipeline parallelism each stage runs its layers in turn, from the hidden states the stage before
+        relays (`relay_stages`), and scores its layers' part of the row; every stage compresses the same request
+        at the same step, so they run the same chunks in the same order. A stage whose forward raises relays the
+        failure instead, and every stage raises it for this chunk."""
         assert self.pool is not None
         metadata = KVPressAttentionMetadata(plan=self.pool.current, reconstruction=context)
         layers = dict.fromkeys(self._attention_layer_names, metadata)
-        with set_forward_context(layers, self.vllm_config, num_tokens=len(ids)):
-            self.model(
-                input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
-                positions=positions.to(self.device),
-            )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        positions = positions.to(self.device)
+
+        def forward(received: IntermediateTensors | None) -> Any:
+            with set_forward_context(layers, self.vllm_config, num_tokens=len(ids)):
+                return self.model(input_ids=input_ids, positions=positions, intermediate_tensors=received)
+
+        if self.pool.pipeline_stages == 1:
+            forward(None)
+            return
+
+        def stage(carried: Any) -> Any:
+            if isinstance(carried, StageFailure):  # passed on, so that every stage ends the relay and fails alike
+                return carried
+            try:
+                received = None
+                if carried is not None:
+                    received = IntermediateTensors({name: t.to(self.device) for name, t in carried.items()})
+                output = forward(received)
+            except Exception as exc:
+                return StageFailure(f"{type(exc).__name__}: {exc}")
+            if isinstance(output, IntermediateTensors):  # the next stage continues from these
+                return {name: tensor.cpu() for name, tensor in output.tensors.items()}
+            return None
+
+        relayed = relay_stages(stage)
+        if isinstance(relayed, StageFailure):
+            raise RuntimeError(f"the reconstruction pass failed on a pipeline stage: {relayed.message}")
 
     def _batch_request_ids(self) -> list[str]:
         return self.input_batch.req_ids  # read at each build: the runner may replace its input batch

@@ -13,7 +13,8 @@ model (`layer_projections`), and the runner hooks it:
 - its output holds each key before RoPE, which WG-KV's write gates read.
 
 KVzip's pass runs vLLM's model with the embedded engine's reconstruction attention
-(`NativePool._score_by_reconstruction`), on any model, under each layer's logit soft cap where it has one.
+(`NativePool._score_by_reconstruction`), on any model, under each layer's logit soft cap where it has one, and
+over pipeline stages one after another (`KVPressModelRunner._reconstruction_forward`).
 
 Outside those, for architectures whose vLLM implementation applies the same full-width RoPE as their config
 describes (`ROPE_ARCHITECTURES`: Phi-3, OLMo-2, Gemma 2, Mixtral, Qwen3-MoE), the project reads that RoPE from
@@ -173,17 +174,11 @@ class ModelFacts:
     rope: bool = False  # the project knows the model's RoPE (`native_rope`)
     projections: bool = False  # the runner hooks its QKV projections (`layer_projections`), and knows its RoPE
     tensor_parallel: int = 1  # workers that split each layer's heads (`--tensor-parallel-size`)
-    pipeline_parallel: int = 1  # stages that split the layers (`--pipeline-parallel-size`)
 
 
 def with_parallelism(facts: ModelFacts, vllm_config: Any) -> ModelFacts:
-    """`facts` with the tensor and pipeline parallelism `vllm_config` serves the model with."""
-    parallel = vllm_config.parallel_config
-    return dataclasses.replace(
-        facts,
-        tensor_parallel=int(parallel.tensor_parallel_size),
-        pipeline_parallel=int(parallel.pipeline_parallel_size),
-    )
+    """`facts` with the tensor parallelism `vllm_config` serves the model with (pipeline stages refuse nothing)."""
+    return dataclasses.replace(facts, tensor_parallel=int(vllm_config.parallel_config.tensor_parallel_size))
 
 
 @functools.cache
@@ -238,12 +233,6 @@ def native_refusal(policy: KVPolicy | None, facts: ModelFacts) -> str | None:
     records each layer's attention input and the keys before RoPE, and knows the query projection."""
     if policy is None:
         return None
-    if facts.pipeline_parallel > 1 and policy.capture_spec().reconstruction is not None:
-        return (
-            f"kv_policy {policy.name!r} scores the cache with a reconstruction pass through the whole model, which "
-            f"pipeline parallelism ({facts.pipeline_parallel} stages, each holding some of the layers) does not run; "
-            "serve it with --pipeline-parallel-size 1"
-        )
     # WG-KV's gates run per KV head on each worker; its cap ranks the admitted entries across heads, after the
     # prefill and at every decode step, which no exchange serves yet.
     admits = isinstance(policy, AdmissionPolicy)
