@@ -96,7 +96,8 @@ def _on_cuda(tensors: tuple[torch.Tensor | None, ...]) -> bool:
 
 def triton_enabled(*tensors: torch.Tensor | None) -> bool:
     """True when a call on these tensors would run a Triton kernel (see the module docstring)."""
-    return not env_flag(DISABLE_TRITON_ENV) and _on_cuda(tensors) and _triton_importable()
+    # Device first: a CPU call never reads the environment.
+    return _on_cuda(tensors) and not env_flag(DISABLE_TRITON_ENV) and _triton_importable()
 
 
 def _triton(name: str, *tensors: torch.Tensor | None) -> ModuleType | None:
@@ -105,7 +106,7 @@ def _triton(name: str, *tensors: torch.Tensor | None) -> ModuleType | None:
 
 def _cuda_decode(query: torch.Tensor, kv_pool: torch.Tensor, num_kv_heads: int) -> ModuleType | None:
     """The CUDA-extension wrapper when it is requested, present and serves this shape."""
-    if not env_flag(BUILD_CUDA_ENV) or not query.is_cuda:
+    if not query.is_cuda or not env_flag(BUILD_CUDA_ENV):
         return None
     module = _kernel_module("cuda_decode")
     if module is None or not module.supports(query, kv_pool, num_kv_heads):

@@ -27,8 +27,7 @@ def register(bench_sub: Subparsers) -> None:
         "--stages",
         type=int_list,
         default=(1,),
-        help="pipeline-parallel sizes, each run with every --workers size (default: 1; only the policies that "
-        "decide layer by layer serve more than one stage)",
+        help="pipeline-parallel sizes, each run with every --workers size (default: 1)",
     )
     bt.add_argument("--policies", default="full,snapkv,adakv", help="default: full,snapkv,adakv")
     bt.add_argument("--num-prompts", type=int, default=16, help="requests, all at once (default: 16)")
