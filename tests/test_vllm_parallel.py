@@ -173,28 +173,6 @@ def kvpress_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
     }
 
 
-def test_vllm_serve_with_two_tensor_parallel_workers(model: Path, tmp_path: Path) -> None:
-    """Over HTTP: `usage` counts every KV head once (both workers' halves), AdaKV's exchange runs, and a request
-    for a policy the workers cannot share is a 400 naming it."""
-    spec = json.dumps(SPECS["adakv"])
-    args = [str(model), "--served-model-name", "model", "--dtype", "float32", "--max-model-len", "512"]
-    args += ["--tensor-parallel-size", "2", "--kv-policy", spec, "--max-num-seqs", "4"]
-    with vllm_server(args, tmp_path / "tp.log", SERVED_IN_PROCESSES) as url:
-        usage = complete(url)["usage"]
-        written = usage["prompt_tokens"] + usage["completion_tokens"] - 1
-        assert usage["kv_policy"] == "adakv" and usage["kv_tokens_full"] == 2 * 4 * written  # layers x KV heads
-        assert usage["kv_tokens_kept"] < usage["kv_tokens_full"]
-        capped = {"name": "wgkv", "tau": 0.5, "cap": 8, "local_window": 16}
-        refused = httpx.post(
-            f"{url}/v1/completions",
-            json={"model": "model", "prompt": PROMPT, "max_tokens": 2, "kv_policy": capped},
-            timeout=60,
-        )
-        assert refused.status_code == 400 and "tensor parallelism" in refused.json()["error"]["message"]
-        samples = kvpress_samples(url)
-        assert samples[("kvpress_requests_finished_total", (("policy", "adakv"),))] == 1
-
-
 def test_one_server_over_two_nodes(model: Path, tmp_path: Path) -> None:
     """vLLM's multi-node form on one machine: a head (`--node-rank 0`, the API) and a `--headless` worker
     (`--node-rank 1`), one tensor-parallel worker each, as docker/k8s/multinode runs them on two nodes."""
@@ -221,19 +199,33 @@ def test_one_server_over_two_nodes(model: Path, tmp_path: Path) -> None:
         stop(worker)
 
 
-def test_vllm_serve_with_two_data_parallel_replicas(model: Path, tmp_path: Path) -> None:
-    """Two replicas share the requests; each reports its pool and finished requests under its `engine` label."""
+def test_vllm_serve_with_two_data_parallel_replicas_of_two_tensor_parallel_workers(model: Path, tmp_path: Path) -> None:
+    """Over HTTP, two replicas of two tensor-parallel workers each share the requests: every answer's `usage`
+    counts each KV head once (both workers' halves), AdaKV's exchange runs in each replica, a request for a
+    policy the workers cannot share is a 400 naming it, and each replica reports its pool and finished requests
+    under its `engine` label."""
     args = [str(model), "--served-model-name", "model", "--dtype", "float32", "--max-model-len", "512"]
-    args += ["--data-parallel-size", "2", "--kv-policy", "snapkv", "--max-num-seqs", "4"]
+    args += ["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--max-num-seqs", "4"]
+    args += ["--kv-policy", json.dumps(SPECS["adakv"])]
     with vllm_server(args, tmp_path / "dp.log", SERVED_IN_PROCESSES) as url:
         answers = [complete(url) for _ in range(6)]
         assert len({a["choices"][0]["text"] for a in answers}) == 1  # greedy: the same answer from either replica
-        assert all(a["usage"]["kv_policy"] == "snapkv" for a in answers)
+        for usage in (a["usage"] for a in answers):
+            written = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+            assert usage["kv_policy"] == "adakv" and usage["kv_tokens_full"] == 2 * 4 * written  # layers x KV heads
+            assert usage["kv_tokens_kept"] < usage["kv_tokens_full"]
+        capped = {"name": "wgkv", "tau": 0.5, "cap": 8, "local_window": 16}
+        refused = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "model", "prompt": PROMPT, "max_tokens": 2, "kv_policy": capped},
+            timeout=60,
+        )
+        assert refused.status_code == 400 and "tensor parallelism" in refused.json()["error"]["message"]
         samples = kvpress_samples(url)
         finished = {
             dict(labels)["engine"]: value
             for (name, labels), value in samples.items()
-            if name == "kvpress_requests_finished_total"
+            if name == "kvpress_requests_finished_total" and dict(labels)["policy"] == "adakv"
         }
         assert set(finished) == {"0", "1"} and sum(finished.values()) == 6
         pages = {dict(labels)["engine"] for (name, labels), _ in samples.items() if name == "kvpress_kv_pages_total"}
