@@ -193,8 +193,10 @@ class KVPressModelRunner(CPUModelRunner):
         positions = positions.to(self.device)
 
         def forward(received: IntermediateTensors | None) -> Any:
+            # A later stage's layers start from the hidden states it received (vLLM's models take them so).
+            extra = {} if received is None else {"intermediate_tensors": received}
             with set_forward_context(layers, self.vllm_config, num_tokens=len(ids)):
-                return self.model(input_ids=input_ids, positions=positions, intermediate_tensors=received)
+                return self.model(input_ids=input_ids, positions=positions, **extra)
 
         if self.pool.pipeline_stages == 1:
             forward(None)
