@@ -24,7 +24,9 @@ import torch
 class LocalRings:
     """The local rings of a cache's request rows (see the module docstring)."""
 
-    def __init__(self, num_layers: int, max_requests: int, num_kv_heads: int, page_size: int, device: torch.device):
+    def __init__(
+        self, num_layers: int, max_requests: int, num_kv_heads: int, page_size: int, device: torch.device
+    ) -> None:
         shape = (num_layers, max_requests, num_kv_heads)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
