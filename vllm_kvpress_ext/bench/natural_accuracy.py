@@ -436,8 +436,10 @@ def _plot(summary: list[dict[str, Any]], path: Path, config: NaturalAccuracyConf
 
     lengths = list(config.context_lens)
     fig, axes = plt.subplots(1, len(lengths), figsize=(5.2 * len(lengths), 4.0), squeeze=False)
+    # Matplotlib cycles ten colours; past ten policies the line and marker change too, so no two look alike.
+    styles = [("-", "o"), ("--", "s"), (":", "^")]
     for ax, length in zip(axes.flat, lengths, strict=True):
-        for policy in dict.fromkeys(s["policy"] for s in summary):
+        for index, policy in enumerate(dict.fromkeys(s["policy"] for s in summary)):
             pts = sorted(
                 (s["kv_bytes_mean"] / 2**20, 100 * s["accuracy"])
                 for s in summary
@@ -445,7 +447,9 @@ def _plot(summary: list[dict[str, Any]], path: Path, config: NaturalAccuracyConf
             )
             if pts:
                 xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, marker="*" if policy == "full" else "o", label=policy)
+                line, marker = styles[(index // 10) % len(styles)]
+                marker = "*" if policy == "full" else marker
+                ax.plot(xs, ys, linestyle=line, marker=marker, color=f"C{index % 10}", label=policy)
         ax.set_title(f"{length} tokens")
         ax.set_xlabel("KV MiB held per request (pool)")
         ax.set_ylabel("accuracy % (mean over tasks)")
