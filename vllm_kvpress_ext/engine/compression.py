@@ -91,6 +91,25 @@ class StageFailure:
     message: str
 
 
+def relay_failing_alike(relay: Callable[[Callable[[Any], Any]], Any], work: Callable[[Any], Any], what: str) -> Any:
+    """`relay(work)` over the pipeline stages, where `work` raising on one stage fails every stage alike: the failure
+    is relayed in place of the stage's result, the later stages pass it on without working, and each stage then
+    raises it (so that no stage waits for a result that will not come)."""
+
+    def guarded(carried: Any) -> Any:
+        if isinstance(carried, StageFailure):
+            return carried
+        try:
+            return work(carried)
+        except Exception as exc:
+            return StageFailure(f"{type(exc).__name__}: {exc}")
+
+    result = relay(guarded)
+    if isinstance(result, StageFailure):
+        raise RuntimeError(f"{what} failed on a pipeline stage: {result.message}")
+    return result
+
+
 def workers_part(plan: KeepPlan, shard: HeadShard | None) -> KeepPlan:
     """A policy's plan as this worker applies it: under tensor parallelism a plan over all heads (a policy whose
     decision crossed heads) is cut to the worker's heads; a plan over the worker's heads is its own already."""
@@ -175,24 +194,17 @@ def plan_stage_by_stage(
 
     def work(carried: Any) -> Any:
         nonlocal before
-        if isinstance(carried, StageFailure):  # passed on, so that every stage ends the relay and fails alike
-            return carried
         earlier_state, results = carried if carried is not None else ({}, [])
         before = len(results)
-        try:
-            state.clear()
-            state.update(earlier_state)
-            for index, layer in enumerate(layers):
-                results.append(policy.on_layer_prefilled(seen(layer, (before + index, stages.total)), state))
-            if len(results) < stages.total:  # a later stage holds the rest
-                return state, results
-            return policy.plan(summary(stages.total), results, state)
-        except Exception as exc:
-            return StageFailure(f"{type(exc).__name__}: {exc}")
+        state.clear()
+        state.update(earlier_state)
+        for index, layer in enumerate(layers):
+            results.append(policy.on_layer_prefilled(seen(layer, (before + index, stages.total)), state))
+        if len(results) < stages.total:  # a later stage holds the rest
+            return state, results
+        return policy.plan(summary(stages.total), results, state)
 
-    plan = stages.relay(work)
-    if isinstance(plan, StageFailure):
-        raise RuntimeError(f"the policy failed on a pipeline stage: {plan.message}")
+    plan = relay_failing_alike(stages.relay, work, "the policy")
     if plan is not None and not isinstance(plan, KeepPlan):
         raise RuntimeError(f"the last pipeline stage planned {type(plan).__name__}, not a keep plan")
     return plan, before

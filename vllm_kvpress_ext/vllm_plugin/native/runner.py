@@ -29,7 +29,7 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 from vllm_kvpress_ext.cache import PagedKVCache
 from vllm_kvpress_ext.cache.pool import DEFAULT_KV_MEMORY, PagePool
-from vllm_kvpress_ext.engine.compression import StageFailure
+from vllm_kvpress_ext.engine.compression import relay_failing_alike
 from vllm_kvpress_ext.engine.prefix_store import PrefixStore
 from vllm_kvpress_ext.engine.reconstruction import ReconstructionContext
 from vllm_kvpress_ext.policies.base import AdmissionPolicy
@@ -203,22 +203,15 @@ class KVPressModelRunner(CPUModelRunner):
             return
 
         def stage(carried: Any) -> Any:
-            if isinstance(carried, StageFailure):  # passed on, so that every stage ends the relay and fails alike
-                return carried
-            try:
-                received = None
-                if carried is not None:
-                    received = IntermediateTensors({name: t.to(self.device) for name, t in carried.items()})
-                output = forward(received)
-            except Exception as exc:
-                return StageFailure(f"{type(exc).__name__}: {exc}")
+            received = None
+            if carried is not None:
+                received = IntermediateTensors({name: t.to(self.device) for name, t in carried.items()})
+            output = forward(received)
             if isinstance(output, IntermediateTensors):  # the next stage continues from these
                 return {name: tensor.cpu() for name, tensor in output.tensors.items()}
             return None
 
-        relayed = relay_stages(stage)
-        if isinstance(relayed, StageFailure):
-            raise RuntimeError(f"the reconstruction pass failed on a pipeline stage: {relayed.message}")
+        relay_failing_alike(relay_stages, stage, "the reconstruction pass")
 
     def _batch_request_ids(self) -> list[str]:
         return self.input_batch.req_ids  # read at each build: the runner may replace its input batch
