@@ -17,8 +17,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from vllm_kvpress_ext.hub import catalog
 
@@ -71,3 +73,17 @@ def gemma3_gguf() -> Path:
     if not path.is_file():
         pytest.skip("Gemma 3 270M is not pulled (kvpress models pull gemma3-270m)")
     return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_transformers(gemma3_gguf: Path) -> Any:  # transformers types its models loosely
+    """transformers' Gemma 3 270M in float32: its own model class over the file's weights as transformers'
+    GGUF reader dequantises them, read from the directory prepared for vLLM (written once per run; reading
+    the GGUF file through transformers directly parses its 262K-token vocabulary twice)."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_kvpress_ext.vllm_plugin.gguf_model import prepare_gguf_model, prepare_gguf_weights
+
+    directory = prepare_gguf_model(str(gemma3_gguf))
+    prepare_gguf_weights(directory, "float32")
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 from tolerances import logprob_atol
-from transformers import AutoModelForCausalLM
 
 from vllm_kvpress_ext.engine import LLM, SamplingParams
 
@@ -32,10 +31,8 @@ def llm(gemma3_gguf: Path) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def hf(gemma3_gguf: Path) -> Any:  # transformers types generate() loosely
-    return AutoModelForCausalLM.from_pretrained(
-        str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name, dtype=torch.float32
-    ).eval()
+def hf(gemma3_transformers: Any) -> Any:  # transformers types generate() loosely
+    return gemma3_transformers
 
 
 @pytest.fixture(scope="module")

@@ -216,6 +216,29 @@ def test_errors_name_the_problem(files: dict, tmp_path: Path) -> None:
     assert load_tokenizer(no_tok) is None
 
 
+def test_a_copy_without_fields_keeps_every_other_field_and_every_tensor(files: dict, tmp_path: Path) -> None:
+    """`write_without_fields` (what transformers is handed instead of a file with a large vocabulary): the
+    dropped fields are gone, every other field and every tensor's bytes are the original's, and llama.cpp's
+    own reader reads the copy."""
+    from gguf import GGUFReader
+
+    _, path = files["llama-mixed"]
+    original = GGUFFile(path)
+    arrays = [
+        key for key, value in original.metadata.items() if key.startswith("tokenizer.") and isinstance(value, list)
+    ]
+    assert "tokenizer.ggml.tokens" in arrays
+    copy = GGUFFile(original.write_without_fields(tmp_path / "light.gguf", drop=arrays))
+    assert copy.metadata == {k: v for k, v in original.metadata.items() if k not in arrays}
+    assert copy.tensor_names() == original.tensor_names()
+    for name in original.tensor_names():
+        assert copy.tensor_type(name) == original.tensor_type(name)
+        np.testing.assert_array_equal(copy.tensor(name), original.tensor(name))
+    reader = GGUFReader(tmp_path / "light.gguf")
+    assert set(reader.fields) == {*copy.metadata, "GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
+    assert [t.name for t in reader.tensors] == original.tensor_names()
+
+
 def test_a_damaged_file_is_named_with_what_is_wrong(files: dict, tmp_path: Path) -> None:
     """The header reader's own checks: a cut header, cut tensor data, an unknown version."""
     _, path = files["llama-mixed"]

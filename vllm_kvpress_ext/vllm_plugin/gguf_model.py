@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,8 +144,12 @@ def _transformers_config(path: Path, metadata: Any) -> dict[str, Any]:
     arch = metadata.get("general.architecture")
     if arch not in GGUF_CONFIG_MAPPING:
         raise ValueError(f"neither this project nor transformers reads GGUF {arch!r} files")
-    config: dict[str, Any] = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    with _without_vocabulary(path) as light:
+        config: dict[str, Any] = AutoConfig.from_pretrained(str(light.parent), gguf_file=light.name).to_dict()
     config.pop("quantization_config", None)  # the weights are written dequantised
+    config["_name_or_path"] = str(path.parent)  # not the scratch copy's
+    if f"{arch}.vocab_size" not in metadata and "tokenizer.ggml.tokens" in metadata:
+        config["vocab_size"] = len(metadata["tokenizer.ggml.tokens"])  # as transformers counts it from the file
     causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"])
     if causal_lm is None:
         raise ValueError(f"{config['model_type']!r} is not a causal language model")
@@ -184,7 +191,7 @@ def prepare_gguf_weights(directory: Path, dtype: Any = "auto") -> Path:
             with torch.no_grad():
                 save_model(model, config, staging)
         else:
-            model = _transformers_model(source, wanted or config["dtype"])
+            model = _transformers_model(source, directory, wanted or config["dtype"])
             tensors = model.state_dict()
             if config.get("tie_word_embeddings"):
                 tensors.pop("lm_head.weight", None)  # the embedding, once: vLLM ties it back
@@ -199,12 +206,38 @@ def prepare_gguf_weights(directory: Path, dtype: Any = "auto") -> Path:
     return weights
 
 
-def _transformers_model(source: Path, dtype: str) -> Any:
-    """transformers' model of a GGUF file, its weights dequantised to `dtype`."""
+def _transformers_model(source: Path, directory: Path, dtype: str) -> Any:
+    """transformers' model of a GGUF file, its weights dequantised to `dtype`, its config the one prepared in
+    `directory`."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=getattr(torch, dtype))
+    config = AutoConfig.from_pretrained(str(directory))
+    with _without_vocabulary(source) as light:
+        return AutoModelForCausalLM.from_pretrained(
+            str(light.parent), gguf_file=light.name, config=config, dtype=getattr(torch, dtype)
+        )
+
+
+@contextlib.contextmanager
+def _without_vocabulary(path: Path) -> Iterator[Path]:
+    """A scratch copy of GGUF file `path` less its array-valued `tokenizer.*` fields, for transformers' GGUF
+    reader: those arrays are all that makes its header parse slow (`GGUFFile.write_without_fields`), and
+    the config and weights it derives need none of them (the vocabulary's size is added back by the
+    caller, and the tokenizer is converted from the original file)."""
+    from vllm_kvpress_ext.models.gguf_file import open_gguf
+
+    gguf = open_gguf(path)
+    arrays = [key for key, value in gguf.metadata.items() if key.startswith("tokenizer.") and isinstance(value, list)]
+    # transformers warns that it cannot count the vocabulary; the callers set its size themselves.
+    reader_log = logging.getLogger("transformers.modeling_gguf_pytorch_utils")
+    level = reader_log.level
+    with tempfile.TemporaryDirectory(prefix="kvpress-gguf-") as scratch:
+        reader_log.setLevel(logging.ERROR)
+        try:
+            yield gguf.write_without_fields(Path(scratch) / path.name, drop=arrays)
+        finally:
+            reader_log.setLevel(level)
 
 
 def adapt_engine_args(engine_args: Any) -> None:
