@@ -19,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +177,10 @@ def kvpress_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
 
 def test_one_server_over_two_nodes(model: Path, tmp_path: Path) -> None:
     """vLLM's multi-node form on one machine: a head (`--node-rank 0`, the API) and a `--headless` worker
-    (`--node-rank 1`), one tensor-parallel worker each, as docker/k8s/multinode runs them on two nodes."""
+    (`--node-rank 1`), one tensor-parallel worker each, as docker/k8s/multinode runs them on two nodes.
+
+    Then the worker node dies mid-answer: the answer in flight ends with an error event, not with tokens
+    computed without half the heads, and the head ends (no hang in a gather waiting for the dead rank)."""
     common = [str(model), "--served-model-name", "model", "--dtype", "float32", "--max-model-len", "512"]
     common += ["--max-num-seqs", "4", "--kv-policy", "snapkv", "--tensor-parallel-size", "2"]
     common += ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
@@ -195,8 +200,35 @@ def test_one_server_over_two_nodes(model: Path, tmp_path: Path) -> None:
             written = usage["prompt_tokens"] + usage["completion_tokens"] - 1
             assert usage["kv_policy"] == "snapkv" and usage["kv_tokens_full"] == 2 * 4 * written  # both halves
             assert usage["kv_tokens_kept"] < usage["kv_tokens_full"]
+            events = stream_until_a_process_dies(url, worker)
+            assert len(events) < 400 and '"error"' in events[-2] and events[-1] == "data: [DONE]", events[-3:]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and server_answers(url):
+                time.sleep(1)
+            assert not server_answers(url), "the head still serves with its second node dead"
     finally:
         stop(worker)
+
+
+def stream_until_a_process_dies(url: str, victim: subprocess.Popen[bytes]) -> list[str]:
+    """The events of a long streamed answer during which `victim`'s process group is killed (SIGKILL), after
+    its third event."""
+    body = {"model": "model", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "temperature": 0}, timeout=120) as response:
+        for line in response.iter_lines():
+            if line:
+                events.append(line)
+            if len(events) == 3 and victim.poll() is None:
+                os.killpg(victim.pid, signal.SIGKILL)
+    return events
+
+
+def server_answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_vllm_serve_with_two_data_parallel_replicas_of_two_tensor_parallel_workers(model: Path, tmp_path: Path) -> None:
