@@ -318,3 +318,4 @@ def test_a_gemma3_file_is_read_by_transformers_and_served_on_vllms_runner(
     directory = prepare_gguf_model(str(path), tokenizer=str(default_model_dir()))
     written = json.loads((directory / "config.json").read_text())
     assert written["architectures"] == ["Gemma3ForCausalLM"] and "quantization_config" not in written
+    assert [entry.name for entry in directory.parent.iterdir()] == [directory.name]  # transformers' copies are gone

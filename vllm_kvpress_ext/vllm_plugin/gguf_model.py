@@ -100,7 +100,7 @@ def prepare_gguf_model(model: str, tokenizer: str | None = None) -> Path:
             config = hf_config_from_gguf(metadata, set(gguf.tensor_names()), str(path))
             config["model_type"], _ = gguf_architecture(metadata, str(path))  # AutoConfig picks its class by it
         else:
-            config = _transformers_config(path, metadata)
+            config = _transformers_config(path, metadata, scratch=directory.parent)
     except (ModelLoadError, OSError, ValueError) as exc:
         raise GGUFServeError(f"cannot serve {path}: {exc}") from exc
     if "tokenizer.ggml.tokens" not in metadata and tokenizer is None:
@@ -131,7 +131,7 @@ def prepare_gguf_model(model: str, tokenizer: str | None = None) -> Path:
     return directory
 
 
-def _transformers_config(path: Path, metadata: Any) -> dict[str, Any]:
+def _transformers_config(path: Path, metadata: Any, scratch: Path) -> dict[str, Any]:
     """The `config.json` dict transformers derives from a GGUF file of an architecture this project's loader
     does not read; ValueError when transformers reads no GGUF file of that architecture either (the caller
     turns it into a `GGUFServeError` naming the file)."""
@@ -144,7 +144,7 @@ def _transformers_config(path: Path, metadata: Any) -> dict[str, Any]:
     arch = metadata.get("general.architecture")
     if arch not in GGUF_CONFIG_MAPPING:
         raise ValueError(f"neither this project nor transformers reads GGUF {arch!r} files")
-    with _without_vocabulary(path) as light:
+    with _without_vocabulary(path, scratch) as light:
         config: dict[str, Any] = AutoConfig.from_pretrained(str(light.parent), gguf_file=light.name).to_dict()
     config.pop("quantization_config", None)  # the weights are written dequantised
     config["_name_or_path"] = str(path.parent)  # not the scratch copy's
@@ -213,18 +213,20 @@ def _transformers_model(source: Path, directory: Path, dtype: str) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(directory))
-    with _without_vocabulary(source) as light:
+    with _without_vocabulary(source, directory.parent) as light:
         return AutoModelForCausalLM.from_pretrained(
             str(light.parent), gguf_file=light.name, config=config, dtype=getattr(torch, dtype)
         )
 
 
 @contextlib.contextmanager
-def _without_vocabulary(path: Path) -> Iterator[Path]:
-    """A scratch copy of GGUF file `path` less its array-valued `tokenizer.*` fields, for transformers' GGUF
-    reader: those arrays are all that makes its header parse slow (`GGUFFile.write_without_fields`), and
-    the config and weights it derives need none of them (the vocabulary's size is added back by the
-    caller, and the tokenizer is converted from the original file)."""
+def _without_vocabulary(path: Path, scratch: Path) -> Iterator[Path]:
+    """A copy of GGUF file `path` less its array-valued `tokenizer.*` fields, for transformers' GGUF reader,
+    in a scratch directory under `scratch`: those arrays are all that makes its header parse slow
+    (`GGUFFile.write_without_fields`), and the config and weights it derives need none of them (the
+    vocabulary's size is added back by the caller, and the tokenizer is converted from the original file).
+    `scratch` is the model cache's `vllm` directory, not the temporary directory: the copy is as large as
+    the file, and a container's `/tmp` is often a small memory-backed or size-limited volume."""
     from vllm_kvpress_ext.models.gguf_file import open_gguf
 
     gguf = open_gguf(path)
@@ -232,10 +234,11 @@ def _without_vocabulary(path: Path) -> Iterator[Path]:
     # transformers warns that it cannot count the vocabulary; the callers set its size themselves.
     reader_log = logging.getLogger("transformers.modeling_gguf_pytorch_utils")
     level = reader_log.level
-    with tempfile.TemporaryDirectory(prefix="kvpress-gguf-") as scratch:
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".light-", dir=scratch) as light:
         reader_log.setLevel(logging.ERROR)
         try:
-            yield gguf.write_without_fields(Path(scratch) / path.name, drop=arrays)
+            yield gguf.write_without_fields(Path(light) / path.name, drop=arrays)
         finally:
             reader_log.setLevel(level)
 
