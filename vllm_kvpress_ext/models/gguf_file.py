@@ -106,13 +106,12 @@ class _Header:
             infos.append((name, self._scalar("I"), dims, self._scalar("Q")))
         self.infos_end = self.at
         self.alignment = int(self.fields.get("general.alignment", _DEFAULT_ALIGNMENT))
-        data_start = -(-self.at // self.alignment) * self.alignment
-        self.data_start = data_start
+        self.data_start = -(-self.at // self.alignment) * self.alignment
         self.tensors: dict[str, _Tensor] = {}
         for name, kind, dims, offset in infos:
             if name in self.tensors:
                 raise ModelLoadError(f"{source} lists tensor {name} twice")
-            self.tensors[name] = _Tensor(kind, dims, data_start + offset)
+            self.tensors[name] = _Tensor(kind, dims, self.data_start + offset)
 
     def _scalar(self, fmt: str) -> Any:
         size = struct.calcsize("<" + fmt)
