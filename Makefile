@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 4 ] && n=4; echo $$n)
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: install test test-fast test-avx2 check-kernels serve bench lint format clean mutation kvpress-venv images
+.PHONY: install test test-heavy test-fast test-avx2 check-kernels serve bench lint format clean mutation kvpress-venv images
 
 install: $(STAMP)
 
@@ -38,11 +38,17 @@ $(STAMP): pyproject.toml
 	fi
 	@touch $(STAMP)
 
+# `make test` leaves out the tests marked heavy (a deployment over several ranks or nodes, lm-eval against two
+# `vllm serve` processes, the GPU builds: about 8 minutes of one worker on 2 cores) to stay within 15 minutes;
+# `make test-heavy` runs them, and CI runs both.
 test: install
-	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not heavy" $(PYTEST_ARGS)
+
+test-heavy: install
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m heavy $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not slow and not heavy" $(PYTEST_ARGS)
 
 # The CPU-dependent tests again, as on an x86-64 CPU without AVX-512 (whatever this one has): oneDNN and
 # ATen limited to AVX2, the C++ kernels built for x86-64-v3 (AVX2 + FMA). .ci/run runs it after `make test`.

@@ -105,6 +105,7 @@ def test_tool_runs_containers_without_cgroup_or_rlimit_settings() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_images_build_serve_and_stay_small(tmp_path: Path) -> None:
     reason = _missing_prerequisite()
     if reason is not None:

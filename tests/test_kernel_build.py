@@ -73,6 +73,7 @@ def test_one_kernel_of_each_family_compiles_for_hopper_through_its_launch_code(t
     assert launched["_decode_partial_kernel"] == (2, 2, 4) and launched["_decode_reduce_kernel"] == (2, 16, 1)
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(kernel_build.nvcc_path() is None, reason="nvcc not found")
 def test_the_cuda_extension_compiles_for_ampere_and_hopper_without_spills() -> None:
     builds = kernel_build.compile_cuda_extension((80, 90))

@@ -782,6 +782,7 @@ def _cuda_include() -> list[str]:
     return [f"-I{p}" for p in candidates if (p / "cuda_runtime_api.h").is_file()][:1]
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.skipif(NVCC is None or shutil.which("c++") is None, reason="nvcc or a C++ compiler not found")
 def test_cuda_binding_compiles_against_torch_headers() -> None:

@@ -219,6 +219,7 @@ def test_lm_eval_runs_against_kvpress_serve_with_two_policies(kvpress_results: d
     assert finished_with(full["kvpress_metrics"], "snapkv") == 0
 
 
+@pytest.mark.heavy  # two `vllm serve` processes, about 2.5 minutes
 def test_lm_eval_gives_the_same_results_through_vllm_serve(
     kvpress_results: dict[str, dict[str, Any]], vllm_results: dict[str, dict[str, Any]]
 ) -> None:

@@ -175,6 +175,7 @@ def kvpress_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
     }
 
 
+@pytest.mark.heavy
 def test_one_server_over_two_nodes(model: Path, tmp_path: Path) -> None:
     """vLLM's multi-node form on one machine: a head (`--node-rank 0`, the API) and a `--headless` worker
     (`--node-rank 1`), one tensor-parallel worker each, as docker/k8s/multinode runs them on two nodes.
@@ -231,6 +232,7 @@ def server_answers(url: str) -> bool:
         return False
 
 
+@pytest.mark.heavy
 def test_vllm_serve_with_two_data_parallel_replicas_of_two_tensor_parallel_workers(model: Path, tmp_path: Path) -> None:
     """Over HTTP, two replicas of two tensor-parallel workers each share the requests: every answer's `usage`
     counts each KV head once (both workers' halves), AdaKV's exchange runs in each replica, a request for a
