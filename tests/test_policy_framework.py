@@ -239,3 +239,35 @@ def test_params_lists_the_hyperparameters() -> None:
         "count_include_pad": True,
     }
     assert KVPolicy().params() == {}  # the base class has no fields
+
+
+def _keep_top_by_definition(scores: list[float], budget: int, protected: list[bool]) -> list[bool]:
+    """The protected entries, then the best others by score, ties to the lower index, a NaN last."""
+    take = max(budget, sum(protected))
+    key = [
+        (0, 0.0, i) if p else (1, math.inf if math.isnan(s) else -s, i)
+        for i, (s, p) in enumerate(zip(scores, protected, strict=True))
+    ]
+    kept = {i for *_, i in sorted(key)[:take]}
+    return [i in kept for i in range(len(scores))]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_keep_top_keeps_the_protected_then_the_best_with_ties_to_the_lower_index(seed: int) -> None:
+    from vllm_kvpress_ext.policies.base import keep_top
+
+    gen = torch.Generator().manual_seed(seed)
+    rows, n = 1 + seed % 4, [1, 7, 64, 301][seed % 4]
+    # Few distinct values (many ties), a NaN and infinities now and then; budgets from 0 to beyond the row.
+    scores = torch.randint(0, 4, (rows, n), generator=gen).float()
+    if seed % 3 == 0:
+        scores[0, n // 2] = float("nan")
+        scores[-1, 0] = float("-inf")
+    if seed % 2:
+        scores = scores + torch.randn(rows, n, generator=gen) * (seed % 5 == 1)
+    protected = torch.rand(rows, n, generator=gen) < [0.0, 0.1, 0.6][seed % 3]
+    budget = torch.randint(0, n + 3, (rows,), generator=gen)
+    kept = keep_top(scores, budget, protected)
+    for r in range(rows):
+        expected = _keep_top_by_definition(scores[r].tolist(), int(budget[r]), protected[r].tolist())
+        assert kept[r].tolist() == expected, (r, budget[r])

@@ -232,10 +232,10 @@ class PagedKVCache:
         return row
 
     def _copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole pages (K, V and positions) `src[i]` -> `dst[i]`."""
-        src_d, dst_d = src.to(self.device), dst.to(self.device)
-        self.pool.kv[dst_d] = self.pool.kv[src_d]
-        self.pool.positions[dst_d] = self.pool.positions[src_d]
+        """Copy whole pages (K, V and positions) `src[i]` -> `dst[i]`, the `dst` pages distinct."""
+        src_d, dst_d = src.to(self.device, torch.int64), dst.to(self.device, torch.int64)
+        self.pool.kv.index_copy_(0, dst_d, torch.index_select(self.pool.kv, 0, src_d))
+        self.pool.positions.index_copy_(0, dst_d, torch.index_select(self.pool.positions, 0, src_d))
 
     def _shared_cells(
         self, l_idx: torch.Tensor, r_idx: torch.Tensor, h_idx: torch.Tensor, p_idx: torch.Tensor
