@@ -633,7 +633,7 @@ def keep_top(scores: torch.Tensor, budget: torch.Tensor, protected: torch.Tensor
     Returns a bool mask `[R, n]`. Ties break towards lower indices (what a stable descending sort would keep),
     so plans are deterministic; a NaN score ranks last. The rows' k-th best score is found by a partial
     selection (`topk`, unsorted), then everything above it is kept and, of the entries equal to it, the first
-    ones up to the budget: no sort of the whole row (2.5x faster at 2K entries, 5x at 32K).
+    ones up to the budget: no sort of the whole row (3.7x faster at 3 x 2,176 entries, 5.7x at 8 x 32,768).
     """
     n = scores.shape[-1]
     # Plans are CPU bookkeeping: scores computed on an accelerator come back here.
