@@ -39,7 +39,8 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 # `make test` leaves out the tests marked heavy (a deployment over several ranks or nodes, lm-eval against two
-# `vllm serve` processes, the GPU builds: about 8 minutes of one worker on 2 cores) to stay within 15 minutes;
+# `vllm serve` processes, the GPU builds, the container images: about 8 minutes of one worker on 2 cores without
+# the images) to stay within 15 minutes;
 # `make test-heavy` runs them, and CI runs both.
 test: install
 	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not heavy" $(PYTEST_ARGS)
