@@ -18,17 +18,21 @@ import openai
 import pytest
 import torch
 from gguf_utils import tiny_model, write_gguf
-from transformers import AutoConfig, AutoTokenizer
+from model_utils import DenseContext, hf_logits
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from vllm_utils import in_process_worker, vllm_server
 
+from vllm_kvpress_ext.cli import main
 from vllm_kvpress_ext.engine import LLMEngine, SamplingParams
-from vllm_kvpress_ext.models import load_config
+from vllm_kvpress_ext.models import load_config, load_model
 from vllm_kvpress_ext.models.tokenizer import load_tokenizer
 from vllm_kvpress_ext.policies import load_policy
 from vllm_kvpress_ext.vllm_plugin.gguf_model import (
     MARKER,
+    WEIGHTS_MARKER,
     GGUFServeError,
     adapt_engine_args,
+    export_model_directory,
     gguf_source,
     is_gguf_spec,
     prepare_gguf_model,
@@ -136,6 +140,41 @@ def test_without_the_plugin_a_gguf_file_is_refused_with_the_way_out(gguf_file: P
     with pytest.raises(GGUFServeError, match="--kv-policy"):
         refuse_without_plugin(SimpleNamespace(model=str(gguf_file)))
     refuse_without_plugin(SimpleNamespace(model="/some/model/dir"))  # anything else is vLLM's business
+
+
+def test_an_exported_directory_is_an_ordinary_model_with_the_files_logits(
+    gguf_file: Path, model_cache: Path, tmp_path: Path
+) -> None:
+    """`kvpress models export`: what transformers (or vLLM without this project) loads from a plain directory, no
+    marker tying it to the file, the same logits as this project's loader gives from the file."""
+    out = export_model_directory(str(gguf_file), tmp_path / "exported")
+    names = {item.name for item in out.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert MARKER not in names and WEIGHTS_MARKER not in names and gguf_source(out) is None
+    reference = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.randint(3, load_config(gguf_file).vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    ours = load_model(gguf_file)
+    with torch.no_grad():
+        logits = ours.compute_logits(ours(ids, torch.arange(len(ids)), DenseContext([len(ids)])))
+    torch.testing.assert_close(hf_logits(reference, ids), logits, atol=1e-4, rtol=0)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    assert tokenizer("hello world").input_ids == load_tokenizer(gguf_file)("hello world").input_ids
+    with pytest.raises(GGUFServeError, match="not an empty directory"):  # never written over
+        export_model_directory(str(gguf_file), out)
+
+
+def test_models_export_on_the_command_line(
+    gguf_file: Path, model_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cli"
+    assert main(["models", "export", str(gguf_file), str(out), "--dtype", "bfloat16"]) == 0
+    assert str(out) in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"  # what `--dtype auto` reads
+    assert AutoModelForCausalLM.from_pretrained(str(out)).dtype == torch.bfloat16
+    assert main(["models", "export", str(gguf_file), str(out)]) == 2  # exists: refused
+    assert "not an empty directory" in capsys.readouterr().err
+    assert main(["models", "export", str(tmp_path / "absent.gguf"), str(tmp_path / "x")]) == 2
+    assert "GGUF file not found" in capsys.readouterr().err
 
 
 def test_pool_sizing_counts_a_gguf_files_weights_dequantised(gguf_file: Path) -> None:

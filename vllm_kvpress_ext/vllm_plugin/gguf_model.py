@@ -206,6 +206,29 @@ def prepare_gguf_weights(directory: Path, dtype: Any = "auto") -> Path:
     return weights
 
 
+def export_model_directory(model: str, out: Path, dtype: str = "float32") -> Path:
+    """An ordinary model directory at `out` for GGUF file (or catalog name) `model`: the prepared directory's config,
+    generation config, tokenizer and weights dequantised to `dtype` (`prepare_gguf_model`, `prepare_gguf_weights`),
+    without the markers that tie it to the file, the config's dtype the weights'. What vLLM without this project,
+    transformers or any other HF loader reads; `out` must not exist yet, or be empty."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise GGUFServeError(f"{out} exists and is not an empty directory; name a new one")
+    directory = prepare_gguf_model(model)
+    prepare_gguf_weights(directory, dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    for item in sorted(directory.iterdir()):
+        if item.name in (MARKER, WEIGHTS_MARKER) or not item.is_file():
+            continue
+        shutil.copy2(item, out / item.name)
+    # The prepared config names the file's own dtype; a loader left to `auto` takes the weights' from it.
+    config = json.loads((out / "config.json").read_text())
+    written = json.loads((directory / WEIGHTS_MARKER).read_text())["dtype"]
+    for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
+        config[key] = written
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
 def _transformers_model(source: Path, directory: Path, dtype: str) -> Any:
     """transformers' model of a GGUF file, its weights dequantised to `dtype`, its config the one prepared in
     `directory`."""
