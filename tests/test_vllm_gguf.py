@@ -178,7 +178,6 @@ def test_models_export_on_the_command_line(
 
 
 def test_pool_sizing_counts_a_gguf_files_weights_dequantised(gguf_file: Path) -> None:
-    from vllm_kvpress_ext.models import load_model
     from vllm_kvpress_ext.vllm_plugin.worker import _weight_bytes
 
     model = load_model(gguf_file, dtype=torch.float32)
